@@ -1,0 +1,77 @@
+"""The attention backend interface: planned once per forward step, then run by every layer.
+
+    backend.plan(layout)            # once per step: metadata for the whole batch
+    for layer in layers:
+        backend.write_kv(cache.layers[i], k, v)   # this step's new K/V into their slots
+        out = backend.attend(q, cache.layers[i])  # paged attention over each request's KV
+
+Backends are chosen by name; GPU-only ones are imported lazily so a CPU install never needs them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from attention.batch_layout import BatchLayout
+from attention.kv_cache import LayerKV
+
+
+class AttentionBackend(ABC):
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float):
+        self.num_qo_heads = num_qo_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.sm_scale = sm_scale
+        self.layout: BatchLayout | None = None
+
+    @abstractmethod
+    def plan(self, layout: BatchLayout) -> None:
+        """Prepare the metadata of one forward step, shared by all layers."""
+
+    @abstractmethod
+    def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [layout.num_new_kv, num_kv_heads, head_dim] -> their cache slots."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer: LayerKV) -> torch.Tensor:
+        """q: [layout.num_queries, num_qo_heads, head_dim] -> output of the same shape."""
+
+
+BACKENDS = ("torch", "flashinfer")
+
+
+def flashinfer_available() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """'auto' -> flashinfer on CUDA when importable, else torch. Explicit names are checked."""
+    if name == "auto":
+        return "flashinfer" if device.type == "cuda" and flashinfer_available() else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError("the flashinfer attention backend needs a CUDA device; use --attention-backend torch")
+        if not flashinfer_available():
+            raise ImportError("the flashinfer attention backend was requested but flashinfer is not importable; "
+                              "install it with `pip install 'specdec[gpu]'` or use --attention-backend torch")
+    return name
+
+
+def make_backend(name: str, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float,
+                 device: torch.device, kv_dtype: torch.dtype) -> AttentionBackend:
+    """Build the backend `name` ('torch' or 'flashinfer', already resolved) for one model."""
+    if name == "flashinfer":
+        from attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(num_qo_heads, num_kv_heads, head_dim, sm_scale, device=device, kv_dtype=kv_dtype)
+    from attention.torch_backend import TorchBackend
+
+    return TorchBackend(num_qo_heads, num_kv_heads, head_dim, sm_scale, device=device)

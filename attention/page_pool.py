@@ -1,0 +1,77 @@
+"""Page bookkeeping for the paged KV cache: plain Python over integers, no tensors.
+
+A `PagePool` hands out fixed-size pages; a `PageTable` is one sequence's ordered list of pages
+plus its length in tokens. Slot `s` of a sequence lives in page `pages[s // page_size]` at
+offset `s % page_size`. Invariants (tested property-based):
+- a page belongs to at most one table or to the free list, never both;
+- a table holds exactly ceil(length / page_size) pages;
+- truncation returns every page that lies wholly past the new length; a partly used last page stays.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class OutOfPagesError(RuntimeError):
+    """The pool has fewer free pages than a request needs."""
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free: deque[int] = deque(range(num_pages))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def take(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise OutOfPagesError(f"need {count} free KV pages, only {len(self._free)} of {self.num_pages} left")
+        return [self._free.popleft() for _ in range(count)]
+
+    def give_back(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+
+class PageTable:
+    """One sequence's pages and length. All growth and shrinkage goes through the pool."""
+
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+        self.pages: list[int] = []
+        self.length = 0
+
+    def can_grow(self, num_tokens: int) -> bool:
+        return self.pool.pages_for(self.length + num_tokens) - len(self.pages) <= self.pool.num_free
+
+    def grow(self, num_tokens: int) -> None:
+        """Reserve slots for `num_tokens` more tokens (the caller writes their K/V)."""
+        needed = self.pool.pages_for(self.length + num_tokens) - len(self.pages)
+        if needed > 0:
+            self.pages.extend(self.pool.take(needed))
+        self.length += num_tokens
+
+    def truncate(self, length: int) -> None:
+        """Shrink to `length` tokens, returning the whole pages past it to the pool."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a sequence of {self.length} tokens to {length}")
+        keep = self.pool.pages_for(length)
+        if keep < len(self.pages):
+            self.pool.give_back(self.pages[keep:])
+            del self.pages[keep:]
+        self.length = length
+
+    def free(self) -> None:
+        self.truncate(0)
+
+    def slot(self, position: int) -> int:
+        """Flat slot index (page * page_size + offset) of token `position`."""
+        return self.pages[position // self.pool.page_size] * self.pool.page_size + position % self.pool.page_size

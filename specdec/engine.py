@@ -1,0 +1,210 @@
+"""The generation loop: admit, prefill, decode (autoregressive or speculative), finish.
+
+    engine = Engine(target, EngineConfig(...), drafter=None)
+    requests = [engine.make_request(ids, params) for ids in prompts]
+    engine.run(requests, on_commit=callback)
+
+One step = at most one prefill forward for newly admitted requests plus one decode forward
+(AR: one token per request; speculative: a drafted block per request) for the running batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from attention.backend import make_backend, resolve_backend_name
+from attention.batch_layout import BatchLayout
+from attention.kv_cache import FP8_DTYPE, KVCache
+from attention.page_pool import PagePool, PageTable
+from specdec.config import EngineConfig
+from specdec.models.loader import LoadedTarget
+from specdec.request import Request, Status
+from specdec.sampler import make_generator, sample_batch
+from specdec.sampling_params import SamplingParams
+from specdec.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+OnCommit = Callable[[Request, list[int]], None]
+ACTIVATION_RESERVE_BYTES = 2 << 30  # GPU memory kept free for activations and workspaces
+
+
+class Engine:
+    def __init__(self, target: LoadedTarget, config: EngineConfig, drafter=None):
+        self.config = config
+        self.model = target.model
+        self.tokenizer = target.tokenizer
+        self.eos_token_ids = target.eos_token_ids
+        self.device = next(self.model.parameters()).device
+        self.dtype = self.model.model.embed_tokens.weight.dtype
+        self.backend_name = resolve_backend_name(config.attention_backend, self.device)
+        self.kv_dtype = self._kv_dtype()
+        mc = self.model.config
+        self.max_context = mc.max_position_embeddings
+        self.num_pages = self._num_pages(drafter)
+        self.pool = PagePool(self.num_pages, config.page_size)
+        self.kv = KVCache(mc.num_hidden_layers, self.num_pages, config.page_size, mc.num_key_value_heads,
+                          self.model.head_dim, self.kv_dtype, self.device)
+        self.attn = make_backend(self.backend_name, num_qo_heads=mc.num_attention_heads,
+                                 num_kv_heads=mc.num_key_value_heads, head_dim=self.model.head_dim,
+                                 sm_scale=self.model.head_dim ** -0.5, device=self.device, kv_dtype=self.kv_dtype)
+        self.drafter = drafter
+        if drafter is not None:
+            drafter.attach(self)
+        lookahead = drafter.block_size if drafter is not None else 1
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, lookahead,
+                                   self.max_context)
+        self._next_id = 0
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _kv_dtype(self) -> torch.dtype:
+        if not self.config.fp8_kv:
+            return self.dtype
+        allowed = (torch.bfloat16, torch.float16) if self.backend_name == "flashinfer" else (
+            torch.bfloat16, torch.float16, torch.float32)
+        if self.dtype not in allowed:
+            raise ValueError(f"an fp8 KV cache needs the model dtype to be one of "
+                             f"{', '.join(str(d).removeprefix('torch.') for d in allowed)} with the "
+                             f"{self.backend_name} backend, got {self.dtype}; pass --dtype bfloat16")
+        return FP8_DTYPE
+
+    def _num_pages(self, drafter) -> int:
+        if self.config.num_kv_pages is not None:
+            return self.config.num_kv_pages
+        mc = self.model.config
+        per_page = KVCache.bytes_per_page(mc.num_hidden_layers, self.config.page_size, mc.num_key_value_heads,
+                                          self.model.head_dim, self.kv_dtype)
+        if drafter is not None:  # the drafter's context cache has as many pages as the target's
+            per_page += drafter.kv_bytes_per_page(self.config.page_size, self.kv_dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = self.config.gpu_memory_utilization * total - (total - free) - ACTIVATION_RESERVE_BYTES
+        else:
+            budget = self.config.cpu_kv_cache_gib * (1 << 30)
+        pages = int(budget // per_page)
+        if pages < 1:
+            raise ValueError("no memory is left for the KV cache after loading the model; raise "
+                             "gpu_memory_utilization or set num_kv_pages explicitly")
+        return pages
+
+    # ---- requests ----------------------------------------------------------------------------
+    def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """A request, already finished with an error if it can never be served."""
+        request = Request(self._next_id, list(prompt_ids), params, self.eos_token_ids,
+                          max_total_tokens=self.max_context)
+        self._next_id += 1
+        problem = self._why_invalid(request)
+        if problem is not None:
+            log.error(problem)
+            request.finish("error", problem)
+        return request
+
+    def _why_invalid(self, request: Request) -> str | None:
+        n, vocab = len(request.prompt_ids), self.model.config.vocab_size
+        if n == 0:
+            return f"request {request.request_id}: the prompt is empty"
+        if n >= self.max_context:
+            return (f"request {request.request_id}: the prompt has {n} tokens but the model's context is "
+                    f"{self.max_context}; shorten the prompt")
+        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            return f"request {request.request_id}: token ids {bad[:5]} are outside the vocabulary (size {vocab})"
+        return self.scheduler.why_unservable(request)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self, requests: list[Request], on_commit: OnCommit | None = None) -> None:
+        """Generate until every request has finished. Failed requests never stop the others."""
+        on_commit = on_commit or (lambda request, tokens: None)
+        for request in requests:
+            if not request.finished:
+                self._prepare(request)
+                self.scheduler.add(request)
+        while not self.scheduler.idle:
+            admitted = self.scheduler.admit()
+            if not admitted and not self.scheduler.running:
+                raise RuntimeError("scheduler stalled with waiting requests and nothing running")
+            if admitted:
+                self._prefill(admitted, on_commit)
+            running = [r for r in self.scheduler.running if not r.finished]
+            if running:
+                self._decode(running, on_commit)
+            self._retire()
+
+    def _prepare(self, request: Request) -> None:
+        request.target_pages = PageTable(self.pool)
+        if not request.params.greedy:
+            request.generator = make_generator(request.params.seed, self.device)
+        if request.params.stop:
+            request.decode_text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _retire(self) -> None:
+        still = []
+        for request in self.scheduler.running:
+            if request.finished:
+                request.target_pages.free()
+                if self.drafter is not None:
+                    self.drafter.release(request)
+                self.scheduler.release(request)
+            else:
+                still.append(request)
+        self.scheduler.running = still
+
+    # ---- forwards ----------------------------------------------------------------------------
+    def forward_tokens(self, requests: list[Request], tokens: list[list[int]], *, logits_rows: list[int] | None,
+                       feature_layers: tuple[int, ...] = ()):
+        """Run the target on `tokens[i]` appended to request i's cache (causal); grows the caches."""
+        starts = [r.num_cached for r in requests]
+        for request, toks in zip(requests, tokens):
+            request.target_pages.grow(len(toks))
+        layout = BatchLayout.for_tokens(
+            q_lens=[len(t) for t in tokens], kv_lens=[r.num_cached for r in requests],
+            page_tables=[r.target_pages.pages for r in requests], page_size=self.pool.page_size, causal=True)
+        flat = [t for toks in tokens for t in toks]
+        positions = [start + j for start, toks in zip(starts, tokens) for j in range(len(toks))]
+        self.attn.plan(layout)
+        ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        rows = None if logits_rows is None else torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        return self.model(ids, pos, self.kv, self.attn, logits_rows=rows, feature_layers=feature_layers)
+
+    def _prefill(self, requests: list[Request], on_commit: OnCommit) -> None:
+        for request in requests:
+            request.status = Status.RUNNING
+        self.scheduler.running.extend(requests)
+        prompts = [r.prompt_ids for r in requests]
+        last_rows = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        feature_layers = self.drafter.target_layer_ids if self.drafter is not None else ()
+        out = self.forward_tokens(requests, prompts, logits_rows=last_rows.tolist(), feature_layers=feature_layers)
+        tokens = self._sample(out.logits, requests, [1] * len(requests)).tolist()
+        for request, token in zip(requests, tokens):
+            request.commit(token)
+            on_commit(request, [token])
+        if self.drafter is not None:
+            self.drafter.begin(requests, out.features.split([len(p) for p in prompts]))
+
+    def _decode(self, running: list[Request], on_commit: OnCommit) -> None:
+        if self.drafter is not None:
+            self.drafter.speculate(running, on_commit)
+            return
+        out = self.forward_tokens(running, [[r.pending_token] for r in running],
+                                  logits_rows=list(range(len(running))))
+        tokens = self._sample(out.logits, running, [1] * len(running)).tolist()
+        for request, token in zip(running, tokens):
+            request.commit(token)
+            on_commit(request, [token])
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
+        return sample_batch(logits, rows, [r.params for r in requests], [r.generator for r in requests])
+
+    # ---- convenience -------------------------------------------------------------------------
+    def generate_ids(self, prompts: list[list[int]], params: SamplingParams,
+                     on_commit: OnCommit | None = None) -> list[Request]:
+        requests = [self.make_request(p, params) for p in prompts]
+        start = time.perf_counter()
+        self.run(requests, on_commit)
+        self.last_wall_time = time.perf_counter() - start
+        return requests

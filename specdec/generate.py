@@ -1,0 +1,97 @@
+"""Command line: `python -m specdec.generate [--target NAME|PATH] [--drafter NAME|PATH] --prompt TEXT ...`.
+
+With no arguments it runs the default demo model (and its default drafter, when one exists)
+on a built-in prompt. Text is streamed as it is produced; a stats line closes the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from specdec.config import DTYPES, KV_CACHE_DTYPES
+from specdec.llm import DEFAULT_TARGET, LLM
+from specdec.sampling_params import SamplingParams
+
+DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
+
+
+def default_drafter(target: str) -> str | None:
+    from drafters import DEFAULT_DRAFTERS
+
+    return DEFAULT_DRAFTERS.get(target)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m specdec.generate", description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=DEFAULT_TARGET, help="demo model name, HF model directory or .gguf file")
+    p.add_argument("--drafter", default=None, help="DFlash drafter directory (z-lab format) or name; "
+                                                   "default: the target's shipped drafter, if any")
+    p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding")
+    p.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for a batch)")
+    p.add_argument("--prompts-file", default=None, help="a file with one prompt per line")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="apply the model's chat template (default: on)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size in pages (default: from memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto")
+    return p.parse_args(argv)
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as err:
+            raise SystemExit(f"error: cannot read --prompts-file: {err}") from err
+    return prompts or [DEFAULT_PROMPT]
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                                chat=args.chat)
+        prompts = read_prompts(args)
+        drafter = None if args.no_drafter else (args.drafter or default_drafter(args.target))
+        llm = LLM(args.target, drafter, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                  page_size=args.page_size, num_kv_pages=args.num_kv_pages,
+                  gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    engine = llm.engine
+    print(f"target {args.target} on {engine.device} ({engine.dtype}, KV {engine.kv_dtype}, "
+          f"{engine.backend_name} attention, {engine.num_pages} pages of {engine.pool.page_size})"
+          + (f", drafter {drafter} (block {engine.drafter.block_size})" if drafter else ", no drafter"),
+          file=sys.stderr)
+    stream = len(prompts) == 1
+    on_text = (lambda i, text: print(text, end="", flush=True)) if stream else None
+    results = llm.generate(prompts, params, on_text=on_text)
+    for i, result in enumerate(results):
+        if result.error:
+            print(f"\n[request {i}] error: {result.error}", file=sys.stderr)
+        elif not stream:
+            print(f"\n===== [{i}] {result.finish_reason} =====\n{result.text}")
+    print(f"\n\n{llm.last_summary.format()}", file=sys.stderr)
+    return 1 if all(r.error for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

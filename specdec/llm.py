@@ -1,0 +1,105 @@
+"""The library API: `LLM(target, drafter).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from specdec.config import EngineConfig
+from specdec.engine import Engine
+from specdec.metrics import RequestStats, Summary, summarize
+from specdec.models.loader import load_target
+from specdec.request import Request
+from specdec.sampling_params import SamplingParams
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+
+Prompt = str | list[int]
+
+
+@dataclass
+class GenerationResult:
+    prompt: Prompt
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    text: str
+    finish_reason: str  # "stop" | "length" | "error"
+    stats: RequestStats
+    error: str | None = None
+
+
+class LLM:
+    """A target model (and optionally a drafter) ready to generate.
+
+    target / drafter: a demo model name (see `specdec.models.demo_models.DEMO_MODELS`), an HF model
+    directory or a .gguf file. Other keyword arguments are `EngineConfig` fields.
+    """
+
+    def __init__(self, target: str | os.PathLike = DEFAULT_TARGET, drafter: str | os.PathLike | None = None, *,
+                 device: str = "auto", dtype: str = "auto", kv_cache_dtype: str = "auto", page_size: int = 16,
+                 **engine_options):
+        self.config = EngineConfig(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
+                                   **engine_options)
+        device_obj = self.config.torch_device()
+        loaded = load_target(target, device_obj, self.config.torch_dtype(device_obj))
+        draft_model = None
+        if drafter is not None:
+            from drafters import load_drafter
+
+            draft_model = load_drafter(drafter, loaded.model)
+        self.tokenizer = loaded.tokenizer
+        self.engine = Engine(loaded, self.config, draft_model)
+        self.last_summary: Summary | None = None
+
+    def encode(self, prompt: Prompt, chat: bool) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("chat=True but this model's tokenizer has no chat template")
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                      add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None, *,
+                 chat: bool | None = None,
+                 on_text: Callable[[int, str], None] | None = None) -> list[GenerationResult]:
+        """Generate for every prompt (strings, or lists of token ids). `chat` overrides params.chat.
+
+        on_text(index, new_text) is called as text is produced (streaming)."""
+        params = params or SamplingParams()
+        chat = params.chat if chat is None else chat
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        requests = [self.engine.make_request(self.encode(p, chat), params) for p in prompts]
+        on_commit = self._streamer(requests, on_text) if on_text else None
+        start = time.perf_counter()
+        self.engine.run(requests, on_commit)
+        self.last_summary = summarize([r.stats for r in requests if r.finish_reason != "error"],
+                                      time.perf_counter() - start)
+        return [self._result(p, r) for p, r in zip(prompts, requests)]
+
+    def _text(self, request: Request) -> str:
+        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+        return text if request.stop_text_end is None else text[:request.stop_text_end]
+
+    def _streamer(self, requests: list[Request], on_text: Callable[[int, str], None]):
+        index = {r.request_id: i for i, r in enumerate(requests)}
+        shown = {r.request_id: 0 for r in requests}
+
+        def on_commit(request: Request, tokens: list[int]) -> None:
+            text = self._text(request)
+            # hold back a trailing replacement char: the next token may complete a multi-byte character
+            stable = len(text) if request.finished else len(text.rstrip("\ufffd"))
+            if stable > shown[request.request_id]:
+                on_text(index[request.request_id], text[shown[request.request_id]:stable])
+                shown[request.request_id] = stable
+
+        return on_commit
+
+    def _result(self, prompt: Prompt, request: Request) -> GenerationResult:
+        return GenerationResult(prompt, request.prompt_ids, list(request.output_ids), self._text(request),
+                                request.finish_reason, request.stats, request.error)

@@ -1,0 +1,129 @@
+"""One decoder for the Llama / Qwen2 / Qwen3 family over a flattened batch of tokens.
+
+Module and parameter names follow transformers (`model.layers.{i}.self_attn.q_proj`, ...), so an
+HF state dict loads as is. Attention goes through a planned `AttentionBackend` over a paged
+`KVCache`; the caller plans the step (one plan for all layers) before calling `forward`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attention.backend import AttentionBackend
+from attention.kv_cache import KVCache
+from specdec.models.layers import AttentionProjections, GatedMLP, RMSNorm, RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ArchitectureTraits:
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    mlp_bias: bool
+
+
+def architecture_traits(config) -> ArchitectureTraits:
+    model_type = config.model_type
+    if model_type == "llama":
+        bias = bool(getattr(config, "attention_bias", False))
+        return ArchitectureTraits(bias, bias, False, bool(getattr(config, "mlp_bias", False)))
+    if model_type == "qwen2":
+        return ArchitectureTraits(True, False, False, False)
+    if model_type == "qwen3":
+        bias = bool(getattr(config, "attention_bias", False))
+        return ArchitectureTraits(bias, bias, True, False)
+    raise ValueError(f"unsupported architecture {model_type!r}; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [len(logits_rows), vocab] in fp32
+    features: torch.Tensor | None  # [tokens, len(feature_layers) * hidden]: outputs of the chosen layers
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, traits: ArchitectureTraits):
+        super().__init__()
+        self.self_attn = AttentionProjections(config, traits.qkv_bias, traits.o_bias, traits.qk_norm)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, traits.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer_kv, attn: AttentionBackend) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        q = self.self_attn.query(h, cos, sin)
+        k, v = self.self_attn.key_value(h, cos, sin)
+        attn.write_kv(layer_kv, k, v)
+        x = x + self.self_attn.output(attn.attend(q, layer_kv))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, config, traits: ArchitectureTraits):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, traits) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A Llama/Qwen2/Qwen3 causal LM. `features` are decoder-layer outputs (DFlash's 'layer id i')."""
+
+    def __init__(self, config):
+        super().__init__()
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported; set use_sliding_window=false")
+        self.config = config
+        self.traits = architecture_traits(config)
+        self.model = DecoderBody(config, self.traits)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head_dim = self.model.layers[0].self_attn.head_dim
+        with torch.device("cpu"):  # frequencies are computed, never loaded: real even when the rest is meta
+            self.rotary = RotaryEmbedding(config, self.head_dim)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states -> fp32 logits."""
+        return self.lm_head(hidden).float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        attn: AttentionBackend,
+        *,
+        logits_rows: torch.Tensor | None = None,
+        feature_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        """input_ids, positions: [tokens] in the planned layout's order.
+
+        logits_rows: which token rows get logits (None: none). feature_layers: decoder layers
+        whose outputs are returned, concatenated on the last dim, for every token.
+        """
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        wanted = {layer: None for layer in feature_layers}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, kv_cache.layers[i], attn)
+            if i in wanted:
+                wanted[i] = x
+        features = torch.cat([wanted[i] for i in feature_layers], dim=-1) if feature_layers else None
+        logits = None
+        if logits_rows is not None:
+            logits = self.logits(self.model.norm(x[logits_rows]))
+        return ForwardOutput(logits, features)

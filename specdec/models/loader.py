@@ -1,0 +1,72 @@
+"""Load a target model and its tokenizer from an HF model directory, a GGUF file or a demo name."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from specdec.models.decoder import SUPPORTED_MODEL_TYPES, CausalLM
+
+
+@dataclass
+class LoadedTarget:
+    model: CausalLM
+    tokenizer: object
+    eos_token_ids: frozenset[int]
+    path: Path
+
+
+def read_config(model_dir: Path):
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read a model config from {model_dir}: {err}") from err
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported architecture {config.model_type!r} ({', '.join(config.architectures or [])}) in {model_dir}; "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return config
+
+
+def load_causal_lm(model_dir: Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    config = read_config(model_dir)
+    # transformers reads the checkpoint (sharding, renames); its tensors are then adopted without a copy
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": device})
+    state = hf.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rotary.to(device)
+    del hf
+    return model.eval().requires_grad_(False)
+
+
+def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = None
+    if eos is not None:
+        ids.update(eos if isinstance(eos, list) else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def load_target(name_or_path: str | os.PathLike, device: torch.device, dtype: torch.dtype) -> LoadedTarget:
+    from specdec.models.demo_models import resolve_model
+
+    model_dir = resolve_model(name_or_path)
+    model = load_causal_lm(model_dir, device, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return LoadedTarget(model, tokenizer, eos_token_ids(model_dir, tokenizer), model_dir)

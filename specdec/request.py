@@ -1,0 +1,98 @@
+"""State of one generation request: tokens, pages, stop conditions, stats."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from attention.page_pool import PageTable
+from specdec.metrics import RequestStats
+from specdec.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """Invariant while running: the target cache holds K/V of every token except the last one
+    committed (`pending_token`), which the next forward feeds in at position `num_cached`."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "error"
+    error: str | None = None
+    stop_text_end: int | None = None  # where the text ends when a stop string matched
+    target_pages: PageTable | None = None
+    generator: torch.Generator | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    decode_text: callable = None  # token ids -> text, set by the engine when stop strings are used
+    max_total_tokens: int | None = None  # the model's context: prompt + output never exceed it
+
+    def __post_init__(self):
+        self.stats.prompt_tokens = len(self.prompt_ids)
+        self.stats.arrival_time = time.perf_counter()
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def pending_token(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def num_cached(self) -> int:
+        return self.target_pages.length
+
+    def commit(self, token: int) -> bool:
+        """Append one generated token; returns True when the request has just finished."""
+        self.output_ids.append(token)
+        self.stats.generated_tokens = len(self.output_ids)
+        now = time.perf_counter()
+        if self.stats.first_token_time is None:
+            self.stats.first_token_time = now
+        if token in self.eos_token_ids and not self.params.ignore_eos:
+            self.finish("stop")
+        elif self.params.stop and self._matches_stop():
+            self.finish("stop")
+        elif len(self.output_ids) >= self.params.max_new_tokens or (
+                self.max_total_tokens is not None and len(self.prompt_ids) + len(self.output_ids) >= self.max_total_tokens):
+            self.finish("length")
+        return self.finished
+
+    def commit_many(self, tokens: list[int]) -> int:
+        """Commit tokens in order until one finishes the request; returns how many were taken."""
+        for n, token in enumerate(tokens, start=1):
+            if self.commit(token):
+                return n
+        return len(tokens)
+
+    def _matches_stop(self) -> bool:
+        text = self.decode_text(self.output_ids)
+        # only the tail can hold a new match: earlier text was checked at earlier commits
+        hits = [text.find(s, max(0, len(text) - len(s) - 32)) for s in self.params.stop]
+        hits = [h for h in hits if h >= 0]
+        if hits:
+            self.stop_text_end = min(hits)
+        return bool(hits)
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.stats.finish_time = time.perf_counter()

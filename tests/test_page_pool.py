@@ -1,0 +1,71 @@
+"""Page bookkeeping: random allocate / grow / truncate / free never leaks or shares a page."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attention.page_pool import OutOfPagesError, PagePool, PageTable
+
+ops = st.lists(st.tuples(st.sampled_from(["new", "grow", "truncate", "free"]), st.integers(0, 10**6),
+                         st.integers(0, 40)), max_size=200)
+
+
+def check_invariants(pool: PagePool, tables: list[PageTable]) -> None:
+    owned = [p for t in tables for p in t.pages]
+    assert len(owned) == len(set(owned)), "a page is shared by two sequences"
+    assert not set(owned) & set(pool._free), "a page is both owned and free"
+    assert len(owned) + pool.num_free == pool.num_pages, "a page was lost"
+    for t in tables:
+        assert len(t.pages) == pool.pages_for(t.length)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 64), ops)
+def test_random_operations_keep_pages_consistent(page_size, num_pages, operations):
+    pool = PagePool(num_pages, page_size)
+    tables: list[PageTable] = []
+    for op, pick, amount in operations:
+        if op == "new" or not tables:
+            tables.append(PageTable(pool))
+            continue
+        table = tables[pick % len(tables)]
+        if op == "grow":
+            if table.can_grow(amount):
+                table.grow(amount)
+            else:
+                before = (list(table.pages), table.length, pool.num_free)
+                try:
+                    table.grow(amount)
+                except OutOfPagesError:
+                    pass
+                assert (list(table.pages), table.length, pool.num_free) == before
+        elif op == "truncate":
+            new_len = amount % (table.length + 1)
+            table.truncate(new_len)
+            assert table.length == new_len
+        else:
+            table.free()
+            tables.remove(table)
+        check_invariants(pool, tables)
+    for t in tables:
+        t.free()
+    assert pool.num_free == pool.num_pages
+
+
+def test_truncate_keeps_partly_used_last_page():
+    pool = PagePool(10, 4)
+    t = PageTable(pool)
+    t.grow(10)  # 3 pages
+    t.truncate(5)  # 2 pages, the second partly used
+    assert len(t.pages) == 2 and t.length == 5 and pool.num_free == 8
+    t.truncate(4)
+    assert len(t.pages) == 1 and pool.num_free == 9
+
+
+def test_slot_addresses_follow_pages():
+    pool = PagePool(10, 4)
+    a, b = PageTable(pool), PageTable(pool)
+    a.grow(3)
+    b.grow(5)
+    a.grow(3)
+    assert [a.slot(i) // 4 for i in range(6)] == [a.pages[0]] * 4 + [a.pages[1]] * 2
+    assert len({a.slot(i) for i in range(6)} | {b.slot(i) for i in range(5)}) == 11
