@@ -2,9 +2,42 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import torch
+
+from drafters.base import Drafter
+from drafters.dflash import DFlashDrafter
+from drafters.dflash_model import read_dflash_config
+
+CHECKPOINTS = Path(__file__).parent / "checkpoints"
 # target demo name -> its shipped default drafter (a folder under drafters/checkpoints)
 DEFAULT_DRAFTERS: dict[str, str] = {}
 
 
-def load_drafter(name_or_path, target_model):
-    raise NotImplementedError("DFlash drafters are not available yet")
+def resolve_drafter_path(name_or_path: str | os.PathLike) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    shipped = CHECKPOINTS / str(name_or_path)
+    if shipped.is_dir():
+        return shipped
+    known = sorted(p.name for p in CHECKPOINTS.glob("*") if p.is_dir()) if CHECKPOINTS.is_dir() else []
+    raise FileNotFoundError(f"drafter {str(name_or_path)!r} is neither a directory nor a shipped drafter "
+                            f"(shipped: {', '.join(known) or 'none'})")
+
+
+def load_drafter(name_or_path: str | os.PathLike, target_model) -> Drafter:
+    """A DFlash drafter for `target_model` (a specdec CausalLM), checked for compatibility first."""
+    from drafters.compatibility import check_compatible
+    from drafters.dflash_model import load_dflash
+
+    path = resolve_drafter_path(name_or_path)
+    check_compatible(read_dflash_config(path), target_model.config, str(path))
+    device = target_model.lm_head.weight.device
+    dtype = target_model.lm_head.weight.dtype
+    return DFlashDrafter(load_dflash(path, device, dtype), target_model)
+
+
+__all__ = ["Drafter", "DFlashDrafter", "load_drafter", "DEFAULT_DRAFTERS", "resolve_drafter_path"]

@@ -53,8 +53,12 @@ class Engine:
                                  num_kv_heads=mc.num_key_value_heads, head_dim=self.model.head_dim,
                                  sm_scale=self.model.head_dim ** -0.5, device=self.device, kv_dtype=self.kv_dtype)
         self.drafter = drafter
+        self.speculator = None
         if drafter is not None:
+            from specdec.speculator import Speculator
+
             drafter.attach(self)
+            self.speculator = Speculator(self, drafter)
         lookahead = drafter.block_size if drafter is not None else 1
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, lookahead,
                                    self.max_context)
@@ -154,50 +158,54 @@ class Engine:
         self.scheduler.running = still
 
     # ---- forwards ----------------------------------------------------------------------------
-    def forward_tokens(self, requests: list[Request], tokens: list[list[int]], *, logits_rows: list[int] | None,
-                       feature_layers: tuple[int, ...] = ()):
-        """Run the target on `tokens[i]` appended to request i's cache (causal); grows the caches."""
+    def forward_tokens(self, requests: list[Request], token_ids: torch.Tensor, q_lens: list[int], *,
+                       logits_rows: torch.Tensor | None, feature_layers: tuple[int, ...] = ()):
+        """Run the target on q_lens[i] new tokens of request i (flattened in `token_ids`), appended
+        to its cache at positions num_cached.. (causal). Grows the page tables; K/V are written."""
         starts = [r.num_cached for r in requests]
-        for request, toks in zip(requests, tokens):
-            request.target_pages.grow(len(toks))
+        for request, n in zip(requests, q_lens):
+            request.target_pages.grow(n)
         layout = BatchLayout.for_tokens(
-            q_lens=[len(t) for t in tokens], kv_lens=[r.num_cached for r in requests],
+            q_lens=q_lens, kv_lens=[r.num_cached for r in requests],
             page_tables=[r.target_pages.pages for r in requests], page_size=self.pool.page_size, causal=True)
-        flat = [t for toks in tokens for t in toks]
-        positions = [start + j for start, toks in zip(starts, tokens) for j in range(len(toks))]
+        positions = [start + j for start, n in zip(starts, q_lens) for j in range(n)]
         self.attn.plan(layout)
-        ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        rows = None if logits_rows is None else torch.tensor(logits_rows, dtype=torch.long, device=self.device)
-        return self.model(ids, pos, self.kv, self.attn, logits_rows=rows, feature_layers=feature_layers)
+        return self.model(token_ids, pos, self.kv, self.attn, logits_rows=logits_rows, feature_layers=feature_layers)
+
+    def ids_tensor(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def _prefill(self, requests: list[Request], on_commit: OnCommit) -> None:
         for request in requests:
             request.status = Status.RUNNING
         self.scheduler.running.extend(requests)
-        prompts = [r.prompt_ids for r in requests]
-        last_rows = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        lens = [len(r.prompt_ids) for r in requests]
+        last_rows = torch.tensor(lens, device=self.device).cumsum(0) - 1
         feature_layers = self.drafter.target_layer_ids if self.drafter is not None else ()
-        out = self.forward_tokens(requests, prompts, logits_rows=last_rows.tolist(), feature_layers=feature_layers)
-        tokens = self._sample(out.logits, requests, [1] * len(requests)).tolist()
+        out = self.forward_tokens(requests, self.ids_tensor([t for r in requests for t in r.prompt_ids]), lens,
+                                  logits_rows=last_rows, feature_layers=feature_layers)
+        tokens = self.sample(out.logits, requests, [1] * len(requests)).tolist()
         for request, token in zip(requests, tokens):
             request.commit(token)
             on_commit(request, [token])
         if self.drafter is not None:
-            self.drafter.begin(requests, out.features.split([len(p) for p in prompts]))
+            for request in requests:
+                request.stats.block_size = self.drafter.block_size
+            self.drafter.begin(requests, list(out.features.split(lens)))
 
     def _decode(self, running: list[Request], on_commit: OnCommit) -> None:
-        if self.drafter is not None:
-            self.drafter.speculate(running, on_commit)
+        if self.speculator is not None:
+            self.speculator.step(running, on_commit)
             return
-        out = self.forward_tokens(running, [[r.pending_token] for r in running],
-                                  logits_rows=list(range(len(running))))
-        tokens = self._sample(out.logits, running, [1] * len(running)).tolist()
+        out = self.forward_tokens(running, self.ids_tensor([r.pending_token for r in running]), [1] * len(running),
+                                  logits_rows=torch.arange(len(running), device=self.device))
+        tokens = self.sample(out.logits, running, [1] * len(running)).tolist()
         for request, token in zip(running, tokens):
             request.commit(token)
             on_commit(request, [token])
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
         return sample_batch(logits, rows, [r.params for r in requests], [r.generator for r in requests])
 
     # ---- convenience -------------------------------------------------------------------------

@@ -1,0 +1,151 @@
+"""The DFlash draft network and its checkpoint format (z-lab's `DFlashDraftModel`).
+
+Checkpoint: `config.json` (a qwen3 layer config plus `block_size`, `num_target_layers` and
+`dflash_config: {target_layer_ids, mask_token_id}`) and safetensors weights named `fc`,
+`hidden_norm`, `norm`, `layers.{i}.self_attn.{q,k,v,o}_proj`, `.{q,k}_norm`,
+`.mlp.{gate,up,down}_proj`, `.input_layernorm`, `.post_attention_layernorm`. No embeddings and
+no lm_head: the drafter uses the target's.
+
+Per draft layer, queries come from the block only; keys/values are [projected context ; block]
+where the projected context `hidden_norm(fc(concat(target features)))` goes straight into the
+k/v projections (no input_layernorm, no MLP). RoPE at absolute positions; attention is non-causal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import Qwen3Config
+
+from specdec.models.layers import AttentionProjections, GatedMLP, RMSNorm, RotaryEmbedding
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Evenly spread from layer 1 to num_target_layers - 3 (z-lab's default)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DFlashSpec:
+    """The DFlash-specific fields of a drafter config, with z-lab's lookup rules."""
+
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def from_config(cls, config) -> "DFlashSpec":
+        extra = getattr(config, "dflash_config", None) or {}
+
+        def value(name, default=None):  # dflash_config wins over the top level
+            return extra.get(name, getattr(config, name, default))
+
+        num_target_layers = getattr(config, "num_target_layers", None)
+        if num_target_layers is None:
+            raise ValueError("the drafter config has no num_target_layers")
+        mask = value("mask_token_id")
+        if mask is None:
+            raise ValueError("the drafter config has no dflash_config.mask_token_id")
+        ids = value("target_layer_ids") or default_target_layer_ids(num_target_layers, config.num_hidden_layers)
+        return cls(int(value("block_size", 16)), int(num_target_layers), tuple(int(i) for i in ids), int(mask),
+                   float(value("input_embedding_scale", 1.0)), float(value("output_multiplier", 1.0)),
+                   value("final_logit_softcapping"))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = bool(getattr(config, "attention_bias", False))
+        self.self_attn = AttentionProjections(config, qkv_bias=bias, o_bias=bias, qk_norm=True)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.spec = DFlashSpec.from_config(config)
+        hidden = config.hidden_size
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(self.spec.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.head_dim = self.layers[0].self_attn.head_dim
+        with torch.device("cpu"):  # computed, never loaded
+            self.rotary = RotaryEmbedding(config, self.head_dim)
+
+    def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
+        """Concatenated target features [n, len(ids) * hidden] -> the context stream [n, hidden]."""
+        return self.hidden_norm(self.fc(target_features))
+
+    def block_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        logits = self.norm(hidden)
+        logits = lm_head(logits).float() * self.spec.output_multiplier
+        cap = self.spec.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def read_dflash_config(path: str | os.PathLike):
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} is not a DFlash drafter directory: no config.json")
+    raw = json.loads(config_file.read_text())
+    if "DFlashDraftModel" not in (raw.get("architectures") or []):
+        raise ValueError(f"{config_file} does not describe a DFlashDraftModel (architectures: "
+                         f"{raw.get('architectures')})")
+    return Qwen3Config.from_dict(raw)  # the layer config is qwen3; extra DFlash fields are kept as attributes
+
+
+def load_dflash(path: str | os.PathLike, device: torch.device, dtype: torch.dtype) -> DFlashDraftModel:
+    config = read_dflash_config(path)
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {path}")
+    state = {}
+    for f in files:
+        state.update(load_file(f, device=str(device)))
+    with torch.device("meta"):
+        model = DFlashDraftModel(config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"drafter weights in {path} do not match the DFlash format: "
+                         f"missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}")
+    model.rotary.to(device)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def save_dflash(model: DFlashDraftModel, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write the z-lab checkpoint format: config.json + model.safetensors."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config["architectures"] = ["DFlashDraftModel"]
+    config["model_type"] = "qwen3"
+    spec = model.spec
+    config["block_size"] = spec.block_size
+    config["num_target_layers"] = spec.num_target_layers
+    config["dflash_config"] = {**(config.get("dflash_config") or {}), "target_layer_ids": list(spec.target_layer_ids),
+                               "mask_token_id": spec.mask_token_id, "block_size": spec.block_size}
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
