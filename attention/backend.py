@@ -66,12 +66,13 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 
 def make_backend(name: str, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float,
-                 device: torch.device, kv_dtype: torch.dtype) -> AttentionBackend:
+                 device: torch.device, kv_dtype: torch.dtype, q_dtype: torch.dtype) -> AttentionBackend:
     """Build the backend `name` ('torch' or 'flashinfer', already resolved) for one model."""
     if name == "flashinfer":
         from attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(num_qo_heads, num_kv_heads, head_dim, sm_scale, device=device, kv_dtype=kv_dtype)
+        return FlashInferBackend(num_qo_heads, num_kv_heads, head_dim, sm_scale, device=device, kv_dtype=kv_dtype,
+                                 q_dtype=q_dtype)
     from attention.torch_backend import TorchBackend
 
     return TorchBackend(num_qo_heads, num_kv_heads, head_dim, sm_scale, device=device)

@@ -51,7 +51,7 @@ class DFlashDrafter(Drafter):
         self.attn = make_backend(engine.backend_name, num_qo_heads=c.num_attention_heads,
                                  num_kv_heads=c.num_key_value_heads, head_dim=self.model.head_dim,
                                  sm_scale=self.model.head_dim ** -0.5, device=engine.device,
-                                 kv_dtype=engine.kv_dtype)
+                                 kv_dtype=engine.kv_dtype, q_dtype=engine.dtype)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def begin(self, requests: list[Request], prompt_features: list[torch.Tensor]) -> None:

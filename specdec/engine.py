@@ -51,7 +51,8 @@ class Engine:
                           self.model.head_dim, self.kv_dtype, self.device)
         self.attn = make_backend(self.backend_name, num_qo_heads=mc.num_attention_heads,
                                  num_kv_heads=mc.num_key_value_heads, head_dim=self.model.head_dim,
-                                 sm_scale=self.model.head_dim ** -0.5, device=self.device, kv_dtype=self.kv_dtype)
+                                 sm_scale=self.model.head_dim ** -0.5, device=self.device, kv_dtype=self.kv_dtype,
+                                 q_dtype=self.dtype)
         self.drafter = drafter
         self.speculator = None
         if drafter is not None:
@@ -209,6 +210,18 @@ class Engine:
         return sample_batch(logits, rows, [r.params for r in requests], [r.generator for r in requests])
 
     # ---- convenience -------------------------------------------------------------------------
+    @torch.no_grad()
+    def next_token_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """The target's fp32 logits after `token_ids` (a throwaway prefill; pages are returned)."""
+        probe = Request(-1, list(token_ids), SamplingParams(max_new_tokens=1), self.eos_token_ids)
+        probe.target_pages = PageTable(self.pool)
+        try:
+            out = self.forward_tokens([probe], self.ids_tensor(probe.prompt_ids), [len(token_ids)],
+                                      logits_rows=self.ids_tensor([len(token_ids) - 1]))
+        finally:
+            probe.target_pages.free()
+        return out.logits[0]
+
     def generate_ids(self, prompts: list[list[int]], params: SamplingParams,
                      on_commit: OnCommit | None = None) -> list[Request]:
         requests = [self.make_request(p, params) for p in prompts]

@@ -33,22 +33,23 @@ class GenerationResult:
 class LLM:
     """A target model (and optionally a drafter) ready to generate.
 
-    target / drafter: a demo model name (see `specdec.models.demo_models.DEMO_MODELS`), an HF model
-    directory or a .gguf file. Other keyword arguments are `EngineConfig` fields.
+    target: a demo model name (see `specdec.models.demo_models.DEMO_MODELS`), an HF model directory
+    or a .gguf file. drafter: a DFlash checkpoint directory, a shipped drafter's name, or a
+    `drafters.Drafter` instance. Other keyword arguments are `EngineConfig` fields.
     """
 
-    def __init__(self, target: str | os.PathLike = DEFAULT_TARGET, drafter: str | os.PathLike | None = None, *,
+    def __init__(self, target: str | os.PathLike = DEFAULT_TARGET, drafter=None, *,
                  device: str = "auto", dtype: str = "auto", kv_cache_dtype: str = "auto", page_size: int = 16,
                  **engine_options):
         self.config = EngineConfig(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
                                    **engine_options)
         device_obj = self.config.torch_device()
         loaded = load_target(target, device_obj, self.config.torch_dtype(device_obj))
-        draft_model = None
-        if drafter is not None:
-            from drafters import load_drafter
+        from drafters import Drafter, load_drafter
 
-            draft_model = load_drafter(drafter, loaded.model)
+        # a Drafter object (any implementation of drafters.base.Drafter) is used as is
+        draft_model = drafter if drafter is None or isinstance(drafter, Drafter) else load_drafter(drafter,
+                                                                                                   loaded.model)
         self.tokenizer = loaded.tokenizer
         self.engine = Engine(loaded, self.config, draft_model)
         self.last_summary: Summary | None = None

@@ -9,11 +9,13 @@ from drafters.base import Drafter
 from drafters.dflash_model import DFlashDraftModel, save_dflash
 
 
-def dflash_config(target_config, block_size=4, num_layers=2, target_layer_ids=None, mask_token_id=None, **extra):
+def dflash_config(target_config, block_size=4, num_layers=2, target_layer_ids=None, mask_token_id=None,
+                  heads=4, kv_heads=2, head_dim=16, intermediate_size=96):
     config = Qwen3Config(vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
-                         intermediate_size=96, num_hidden_layers=num_layers, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-6,
-                         rope_theta=10000.0, tie_word_embeddings=False, **extra)
+                         intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
+                         tie_word_embeddings=False)
     config.architectures = ["DFlashDraftModel"]
     config.num_target_layers = target_config.num_hidden_layers
     config.block_size = block_size
@@ -24,7 +26,7 @@ def dflash_config(target_config, block_size=4, num_layers=2, target_layer_ids=No
     return config
 
 
-def build_random_drafter(path, target_config, seed=0, dtype=torch.float32, **kwargs) -> DFlashDraftModel:
+def build_random_drafter(path, target_config, seed=0, dtype=torch.float32, std=0.2, **kwargs) -> DFlashDraftModel:
     torch.manual_seed(seed)
     model = DFlashDraftModel(dflash_config(target_config, **kwargs))
     with torch.no_grad():
@@ -32,7 +34,7 @@ def build_random_drafter(path, target_config, seed=0, dtype=torch.float32, **kwa
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
-                p.normal_(0.0, 0.2)
+                p.normal_(0.0, std)
     save_dflash(model, path, dtype=dtype)
     return model
 
