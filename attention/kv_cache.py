@@ -13,6 +13,9 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448: values beyond it saturate
+# calibrated scales leave this factor of room above the first prefill's max |K|, |V|: later tokens may
+# be larger, and e4m3 keeps the same relative precision over its whole range
+CALIBRATION_HEADROOM = 4.0
 
 
 @dataclass
@@ -22,6 +25,7 @@ class LayerKV:
     data: torch.Tensor  # [num_pages, 2, page_size, num_kv_heads, head_dim]
     k_scale: float = 1.0
     v_scale: float = 1.0
+    calibrate_next_write: bool = False  # FP8: derive the scales from the next K/V written (once)
 
     @property
     def is_fp8(self) -> bool:
@@ -31,6 +35,10 @@ class LayerKV:
         """k, v in the model dtype -> the cache dtype (scaled and clamped to e4m3 when FP8)."""
         if not self.is_fp8:
             return k.to(self.data.dtype), v.to(self.data.dtype)
+        if self.calibrate_next_write:
+            self.calibrate_next_write = False
+            amax = torch.stack([k.abs().max(), v.abs().max()]).float().tolist()  # one sync, first prefill only
+            self.k_scale, self.v_scale = (max(a * CALIBRATION_HEADROOM / FP8_MAX, 1e-6) for a in amax)
         k = (k.float() / self.k_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         v = (v.float() / self.v_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         return k, v
@@ -80,6 +88,10 @@ class KVCache:
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return num_layers * 2 * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def calibrate_on_first_write(self) -> None:
+        for layer in self.layers:
+            layer.calibrate_next_write = True
 
     def set_scales(self, k_scales: list[float], v_scales: list[float]) -> None:
         for layer, ks, vs in zip(self.layers, k_scales, v_scales, strict=True):

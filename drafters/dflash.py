@@ -48,10 +48,16 @@ class DFlashDrafter(Drafter):
         self.pool = PagePool(engine.num_pages, engine.pool.page_size)
         self.kv = KVCache(c.num_hidden_layers, engine.num_pages, engine.pool.page_size, c.num_key_value_heads,
                           self.model.head_dim, engine.kv_dtype, engine.device)
+        if engine.config.calibrate_fp8_scales and self.kv.is_fp8:
+            self.kv.calibrate_on_first_write()
         self.attn = make_backend(engine.backend_name, num_qo_heads=c.num_attention_heads,
                                  num_kv_heads=c.num_key_value_heads, head_dim=self.model.head_dim,
                                  sm_scale=self.model.head_dim ** -0.5, device=engine.device,
                                  kv_dtype=engine.kv_dtype, q_dtype=engine.dtype)
+        if engine.backend_name == "flashinfer" and not self.model.fused_kernels:
+            self.model.use_fused_kernels()
+        # block positions run up to the target's context plus one block
+        self.model.rotary.max_positions = engine.max_context + self.block_size
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def begin(self, requests: list[Request], prompt_features: list[torch.Tensor]) -> None:
@@ -94,7 +100,8 @@ class DFlashDrafter(Drafter):
         ctx_pos = [p for n, s in zip(n_ctx, starts) for p in range(s - n, s)]
         blk_pos = [s + k for s in starts for k in range(bs)]
         hidden = self._forward(torch.cat(context), block_ids.flatten(), ctx_pos, blk_pos, n_ctx)
-        logits = self.model.block_logits(hidden.view(len(requests), bs, -1)[:, 1:], self.target.lm_head)
+        logits = self.model.block_logits(hidden.view(len(requests), bs, -1)[:, 1:].reshape(-1, hidden.shape[-1]),
+                                         self.target.lm_head).view(len(requests), bs - 1, -1)
         for request, table, ctx, start in zip(requests, tables, context, starts):
             table.truncate(start)  # release the block's scratch slots; the context stays
             self.pending[request.request_id] = ctx[:0]
@@ -106,21 +113,25 @@ class DFlashDrafter(Drafter):
         dtype = m.fc.weight.dtype
         ctx = m.project_context(context_features.to(dtype))
         x = self.target.embed(block_ids).to(dtype) * m.spec.input_embedding_scale
-        cos_c, sin_c = m.rotary(torch.tensor(ctx_pos, device=dev), dtype)
-        cos_b, sin_b = m.rotary(torch.tensor(blk_pos, device=dev), dtype)
+        ctx_rope = m.rotary.at(torch.tensor(ctx_pos, device=dev), dtype)
+        blk_rope = m.rotary.at(torch.tensor(blk_pos, device=dev), dtype, fused=m.fused_kernels)
         order = self._kv_order(n_ctx, bs)
+        residual = None
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.query(h, cos_b, sin_b)
-            k_blk, v_blk = attn.key_value(h, cos_b, sin_b)
-            k_ctx, v_ctx = attn.key_value(ctx, cos_c, sin_c)
+            if residual is None:
+                residual, h = x, layer.input_layernorm(x)
+            else:
+                h, residual = layer.input_layernorm.add_and_norm(x, residual)
+            q, k_blk, v_blk = attn.project(h, blk_rope)
+            k_ctx, v_ctx = attn.project_kv(ctx, ctx_rope)  # the context skips input_layernorm and the MLP
             k = torch.cat([k_ctx, k_blk]).index_select(0, order)
             v = torch.cat([v_ctx, v_blk]).index_select(0, order)
             self.attn.write_kv(self.kv.layers[i], k, v)
-            x = x + attn.output(self.attn.attend(q, self.kv.layers[i]))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return x
+            h, residual = layer.post_attention_layernorm.add_and_norm(
+                attn.output(self.attn.attend(q, self.kv.layers[i])), residual)
+            x = layer.mlp(h)
+        return x + residual
 
     def _kv_order(self, n_ctx: list[int], bs: int) -> torch.Tensor:
         """Index into cat([all context rows, all block rows]) giving request-by-request [ctx_i ; block_i]."""

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config
 
-from specdec.models.layers import AttentionProjections, GatedMLP, RMSNorm, RotaryEmbedding
+from specdec.models.layers import AttentionProjections, GatedMLP, RMSNorm, RotaryEmbedding, use_fused_kernels
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -90,6 +90,12 @@ class DFlashDraftModel(nn.Module):
         self.head_dim = self.layers[0].self_attn.head_dim
         with torch.device("cpu"):  # computed, never loaded
             self.rotary = RotaryEmbedding(config, self.head_dim)
+
+    fused_kernels = False
+
+    def use_fused_kernels(self) -> None:
+        use_fused_kernels(self)
+        self.fused_kernels = True
 
     def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
         """Concatenated target features [n, len(ids) * hidden] -> the context stream [n, hidden]."""

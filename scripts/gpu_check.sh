@@ -16,6 +16,20 @@ done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 python3 -m pytest -q tests/gpu -s -rA 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
+# the CLI with a (random-weight) DFlash drafter and an FP8 KV cache, through FlashInfer
+python3 - <<'PY'
+import sys; sys.path.insert(0, ".")
+from transformers import AutoConfig
+from specdec.models.demo_models import resolve_model
+from tests.drafter_helpers import build_random_drafter
+import os
+build_random_drafter("/tmp/random-drafter", AutoConfig.from_pretrained(resolve_model(os.environ["SPECDEC_GPU_MODEL"])),
+                     block_size=16, num_layers=2, heads=8, kv_heads=2, head_dim=64, intermediate_size=1024,
+                     std=0.02, mask_token_id=0)
+PY
+python3 -m specdec.generate --target "$model" --drafter /tmp/random-drafter --kv-cache-dtype fp8 \
+  --max-new-tokens 48 --prompt "Name three prime numbers." 2>&1 | tee "$out/cli.log"
+cli_rc=${PIPESTATUS[0]}
 python3 scripts/bench_steps.py --model "$model" --out "$out/bench.json" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
-echo "SUMMARY: gpu tests $([ "$tests_rc" = 0 ] && echo PASS || echo FAIL) (rc $tests_rc), benchmark rc $bench_rc"
+echo "SUMMARY: gpu tests $([ "$tests_rc" = 0 ] && echo PASS || echo FAIL) (rc $tests_rc), CLI rc $cli_rc, benchmark rc $bench_rc"

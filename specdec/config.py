@@ -23,7 +23,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # requests decoded together
     max_prefill_tokens: int = 4096  # prompt tokens per prefill forward (one prompt may exceed it alone)
     attention_backend: str = "auto"  # auto | torch | flashinfer
-    calibrate_fp8_scales: bool = False  # FP8: per-layer scales from the first prefill's max |K|, |V|
+    # FP8 KV scales: 1.0 per layer by default (K/V of Llama/Qwen-sized models sit well inside e4m3's
+    # +-448); True derives per-layer scales from the first prefill's max |K|, |V| (with headroom)
+    calibrate_fp8_scales: bool = False
 
     def __post_init__(self):
         problems = []

@@ -49,10 +49,14 @@ class Engine:
         self.pool = PagePool(self.num_pages, config.page_size)
         self.kv = KVCache(mc.num_hidden_layers, self.num_pages, config.page_size, mc.num_key_value_heads,
                           self.model.head_dim, self.kv_dtype, self.device)
+        if config.calibrate_fp8_scales and self.kv.is_fp8:
+            self.kv.calibrate_on_first_write()
         self.attn = make_backend(self.backend_name, num_qo_heads=mc.num_attention_heads,
                                  num_kv_heads=mc.num_key_value_heads, head_dim=self.model.head_dim,
                                  sm_scale=self.model.head_dim ** -0.5, device=self.device, kv_dtype=self.kv_dtype,
                                  q_dtype=self.dtype)
+        if self.backend_name == "flashinfer" and not self.model.fused_kernels:
+            self.model.use_fused_kernels()
         self.drafter = drafter
         self.speculator = None
         if drafter is not None:
@@ -61,6 +65,7 @@ class Engine:
             drafter.attach(self)
             self.speculator = Speculator(self, drafter)
         lookahead = drafter.block_size if drafter is not None else 1
+        self.model.rotary.max_positions = self.max_context + lookahead  # RoPE table size on the fused path
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, lookahead,
                                    self.max_context)
         self._next_id = 0

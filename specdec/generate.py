@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    p.add_argument("--calibrate-fp8-scales", action="store_true",
+                   help="FP8 KV: per-layer scales from the first prefill (default: scale 1.0)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
     p.add_argument("--page-size", type=int, default=16)
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
         drafter = None if args.no_drafter else (args.drafter or default_drafter(args.target))
         llm = LLM(args.target, drafter, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                   page_size=args.page_size, num_kv_pages=args.num_kv_pages,
-                  gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend)
+                  gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
+                  calibrate_fp8_scales=args.calibrate_fp8_scales)
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ from torch import nn
 
 from attention.backend import AttentionBackend
 from attention.kv_cache import KVCache
-from specdec.models.layers import AttentionProjections, GatedMLP, RMSNorm, RotaryEmbedding
+from specdec.models.layers import AttentionProjections, GatedMLP, RMSNorm, RotaryEmbedding, use_fused_kernels
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer_kv, attn: AttentionBackend) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        q = self.self_attn.query(h, cos, sin)
-        k, v = self.self_attn.key_value(h, cos, sin)
+    def forward(self, x, residual, rope, layer_kv, attn: AttentionBackend):
+        """Pre-norm block on a residual stream: returns (this layer's delta, the stream before it);
+        the layer's output is their sum (the fused add+norm of the next layer adds them)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        q, k, v = self.self_attn.project(h, rope)
         attn.write_kv(layer_kv, k, v)
-        x = x + self.self_attn.output(attn.attend(q, layer_kv))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn.output(attn.attend(q, layer_kv)),
+                                                                 residual)
+        return self.mlp(h), residual
 
 
 class DecoderBody(nn.Module):
@@ -88,6 +93,13 @@ class CausalLM(nn.Module):
             self.rotary = RotaryEmbedding(config, self.head_dim)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    fused_kernels = False
+
+    def use_fused_kernels(self) -> None:
+        """FlashInfer norms, RoPE and activation, fused q/k/v and gate/up GEMMs (CUDA inference)."""
+        use_fused_kernels(self)
+        self.fused_kernels = True
 
     @property
     def num_layers(self) -> int:
@@ -116,14 +128,16 @@ class CausalLM(nn.Module):
         whose outputs are returned, concatenated on the last dim, for every token.
         """
         x = self.embed(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        rope = self.rotary.at(positions, x.dtype, fused=self.fused_kernels)
         wanted = {layer: None for layer in feature_layers}
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_cache.layers[i], attn)
+            x, residual = layer(x, residual, rope, kv_cache.layers[i], attn)
             if i in wanted:
-                wanted[i] = x
+                wanted[i] = x + residual  # the output of decoder layer i
         features = torch.cat([wanted[i] for i in feature_layers], dim=-1) if feature_layers else None
         logits = None
         if logits_rows is not None:
-            logits = self.logits(self.model.norm(x[logits_rows]))
+            x, residual = x[logits_rows], residual[logits_rows]
+            logits = self.logits(self.model.norm.add_and_norm(x, residual)[0])
         return ForwardOutput(logits, features)
