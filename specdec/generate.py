@@ -80,7 +80,8 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     engine = llm.engine
-    print(f"target {args.target} on {engine.device} ({engine.dtype}, KV {engine.kv_dtype}, "
+    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+    print(f"target {args.target} on {engine.device} ({name(engine.dtype)}, KV {name(engine.kv_dtype)}, "
           f"{engine.backend_name} attention, {engine.num_pages} pages of {engine.pool.page_size})"
           + (f", drafter {drafter} (block {engine.drafter.block_size})" if drafter else ", no drafter"),
           file=sys.stderr)
