@@ -1,0 +1,175 @@
+"""math500 evaluation (the z-lab DFlash benchmark): `python -m eval.math500 [--limit N] [--baseline]`.
+
+Runs the MATH-500 problems through the target (speculating when a drafter is given or shipped),
+grades the last \\boxed{} answer, and writes results.json, summary.md and
+acceptance_histogram.png to --output. With --baseline the same prompts also run without the
+drafter, for the speedup and a token-for-token comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from specdec import LLM, SamplingParams
+from specdec.config import DTYPES, KV_CACHE_DTYPES
+from specdec.llm import DEFAULT_TARGET
+
+from eval.comparison import compare
+from eval.grading import select_grader
+from eval.problems import INSTRUCTION, DataUnavailable, load_problems, prompt_ids, select
+from eval.report import summary_markdown, write_histogram_png, write_json
+from eval.runner import Run, run_problems
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m eval.math500", description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=DEFAULT_TARGET, help="demo model name, HF model directory or .gguf file")
+    p.add_argument("--drafter", default=None, help="DFlash drafter directory or shipped name "
+                                                   "(default: the target's shipped drafter, if any)")
+    p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding")
+    p.add_argument("--data", default=None, help="local math500 jsonl (default: HuggingFaceH4/MATH-500 test split)")
+    p.add_argument("--limit", type=int, default=None, help="a seeded random subset of N problems")
+    p.add_argument("--seed", type=int, default=0, help="seed of the subset and of sampling")
+    p.add_argument("--max-new-tokens", type=int, default=2048)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight (engine max_num_seqs); "
+                                                              "1 = the z-lab batch-1 protocol")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
+    p.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size in pages (default: from memory)")
+    p.add_argument("--output", default=None, help="output directory (default: results/math500-<timestamp>)")
+    p.add_argument("--baseline", action="store_true", help="also run without the drafter and compare")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        p.error("--limit must be positive")
+    if args.concurrency < 1:
+        p.error("--concurrency must be positive")
+    return args
+
+
+def default_drafter(target: str) -> str | None:
+    from drafters import DEFAULT_DRAFTERS
+
+    return DEFAULT_DRAFTERS.get(target)
+
+
+def make_llm(args, drafter) -> LLM:
+    return LLM(args.target, drafter, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+               max_num_seqs=args.concurrency, num_kv_pages=args.num_kv_pages)
+
+
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def release_memory(on_cuda: bool) -> None:
+    """Return a dropped engine's memory before the next one is built (its KV pool is sized from free memory)."""
+    import torch
+
+    gc.collect()
+    if on_cuda:
+        torch.cuda.empty_cache()
+
+
+def describe(args, argv, llm: LLM, drafter, problems, first_prompt: list[int]) -> dict:
+    import torch
+    import transformers
+
+    engine = llm.engine
+    return {
+        "command_line": shlex.join([Path(sys.executable).name, "-m", "eval.math500", *argv]),
+        "target": str(args.target), "drafter": str(drafter) if drafter else None,
+        "block_size": engine.drafter.block_size if engine.drafter is not None else None,
+        "data": args.data or "HuggingFaceH4/MATH-500 (test)", "limit": args.limit, "seed": args.seed,
+        "num_problems": len(problems), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "concurrency": args.concurrency, "kv_cache_dtype": args.kv_cache_dtype, "kv_dtype": str(engine.kv_dtype),
+        "device": str(engine.device), "device_name": device_name(engine.device), "dtype": str(engine.dtype),
+        "attention_backend": engine.backend_name, "num_kv_pages": engine.num_pages,
+        "page_size": engine.pool.page_size, "prompt_instruction": INSTRUCTION,
+        "first_prompt": llm.tokenizer.decode(first_prompt), "torch": torch.__version__,
+        "transformers": transformers.__version__, "python": platform.python_version(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def problem_records(problems, main: Run, base: Run | None, comparison: dict | None) -> list[dict]:
+    differing = {d["index"]: d["first_diff"] for d in comparison["differing"]} if comparison else {}
+    records = []
+    for i, problem in enumerate(problems):
+        result = main.results[i]
+        record = {"index": problem.index, "id": problem.id, "subject": problem.subject, "level": problem.level,
+                  "answer": problem.answer, "extracted": main.extracted[i], "correct": main.correct[i],
+                  "tokens": len(result.token_ids), "tau": result.stats.tau, "tpot_s": result.stats.tpot,
+                  "finish_reason": result.finish_reason, "error": result.error, "output": result.text}
+        if base is not None:
+            record.update(baseline_extracted=base.extracted[i], baseline_correct=base.correct[i],
+                          baseline_tokens=len(base.results[i].token_ids), identical=i not in differing,
+                          first_diff=differing.get(i))
+        records.append(record)
+    return records
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    drafter = None if args.no_drafter else (args.drafter or default_drafter(args.target))
+    try:
+        problems = select(load_problems(args.data), args.limit, args.seed)
+        llm = make_llm(args, drafter)
+        prompts = [prompt_ids(llm.tokenizer, p.problem) for p in problems]
+    except (DataUnavailable, ValueError, FileNotFoundError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not problems:
+        print("error: the data holds no problems", file=sys.stderr)
+        return 2
+    out = Path(args.output or f"results/math500-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    grader = select_grader()
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    config = describe(args, argv, llm, drafter, problems, prompts[0])
+    label = "speculative" if drafter else "autoregressive"
+    main_run = run_problems(llm, problems, prompts, params, args.concurrency, grader, label, not args.no_progress)
+    print(f"{label}: accuracy {main_run.accuracy:.3f}\n{main_run.summary.format()}", file=sys.stderr)
+    tokenizer = llm.tokenizer
+    base, comparison = None, None
+    if args.baseline and drafter is None:
+        print("warning: --baseline ignored: the main run already has no drafter", file=sys.stderr)
+    elif args.baseline:
+        on_cuda = llm.engine.device.type == "cuda"
+        del llm
+        release_memory(on_cuda)
+        base = run_problems(make_llm(args, None), problems, prompts, params, args.concurrency, grader, "baseline",
+                            not args.no_progress)
+        comparison = compare(main_run, base, [p.id for p in problems], tokenizer)
+        print(f"baseline: accuracy {base.accuracy:.3f}\n{base.summary.format()}\n"
+              f"identical outputs {comparison['identical_fraction']:.3f}, speedup (TPOT) "
+              f"{comparison['speedup_tpot'] or float('nan'):.2f}x", file=sys.stderr)
+    results = {"config": config, "grader": grader.describe(), "main": main_run.as_dict(),
+               "baseline": base.as_dict() if base else None, "comparison": comparison,
+               "problems": problem_records(problems, main_run, base, comparison)}
+    write_json(out / "results.json", results)
+    (out / "summary.md").write_text(summary_markdown(results), encoding="utf-8")
+    plotted = write_histogram_png(out / "acceptance_histogram.png", main_run.summary, config["block_size"] or 0,
+                                  f"math500, {config['target']}, {config['num_problems']} problems")
+    print(f"wrote {out}/results.json, summary.md" + (", acceptance_histogram.png" if plotted else ""),
+          file=sys.stderr)
+    return 1 if main_run.errors == len(problems) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
