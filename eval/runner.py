@@ -18,7 +18,7 @@ class Run:
     extracted: list[str | None]  # last \boxed{} content per problem
     correct: list[bool]
     summary: Summary  # over the requests that did not fail
-    wall_time: float  # seconds inside llm.generate, summed over chunks
+    wall_time: float  # seconds inside llm.generate
 
     @property
     def accuracy(self) -> float:
@@ -35,25 +35,27 @@ class Run:
 
 def run_problems(llm, problems: list[Problem], prompts: list[list[int]], params: SamplingParams,
                  concurrency: int, grader: Grader, label: str, progress: bool = True) -> Run:
-    """Generate for every prompt, `concurrency` requests at a time, and grade each response.
-
-    Chunks of `concurrency` requests keep at most that many in flight and give the progress bar a
-    point to advance; with concurrency 1 this is exactly the batch-1 protocol. With more, a chunk
-    waits for its longest request before the next one starts (no refill mid-chunk)."""
+    """Generate for every prompt with at most `concurrency` requests in flight (the engine's
+    max_num_seqs; a finished request's slot is refilled at once) and grade each response.
+    With concurrency 1 this is exactly the batch-1 protocol."""
     from tqdm import tqdm
 
-    results, extracted, correct, wall = [], [], [], 0.0
+    extracted: list[str | None] = [None] * len(prompts)
+    correct = [False] * len(prompts)
+    done = 0
     with tqdm(total=len(prompts), desc=f"math500 {label}", unit="problem", disable=not progress) as bar:
-        for start in range(0, len(prompts), concurrency):
-            began = time.perf_counter()
-            chunk = llm.generate(prompts[start:start + concurrency], params)
-            wall += time.perf_counter() - began
-            for problem, result in zip(problems[start:start + concurrency], chunk):
-                boxed = last_boxed(result.text) if result.finish_reason != "error" else None
-                extracted.append(boxed)
-                correct.append(grader.is_correct(boxed, problem.answer))
-            results += chunk
-            bar.update(len(chunk))
-            bar.set_postfix(acc=f"{sum(correct) / len(correct):.3f}")
+
+        def on_finish(i, result):
+            nonlocal done
+            done += 1
+            if result.finish_reason != "error":
+                extracted[i] = last_boxed(result.text)
+            correct[i] = grader.is_correct(extracted[i], problems[i].answer)
+            bar.update(1)
+            bar.set_postfix(acc=f"{sum(correct) / done:.3f}")
+
+        began = time.perf_counter()
+        results = llm.generate(prompts, params, on_finish=on_finish)
+        wall = time.perf_counter() - began
     summary = summarize([r.stats for r in results if r.finish_reason != "error"], wall)
     return Run(label, results, extracted, correct, summary, wall)

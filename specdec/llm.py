@@ -67,16 +67,22 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None, *,
                  chat: bool | None = None,
-                 on_text: Callable[[int, str], None] | None = None) -> list[GenerationResult]:
+                 on_text: Callable[[int, str], None] | None = None,
+                 on_finish: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
         """Generate for every prompt (strings, or lists of token ids). `chat` overrides params.chat.
 
-        on_text(index, new_text) is called as text is produced (streaming)."""
+        on_text(index, new_text) is called as text is produced (streaming); on_finish(index, result)
+        as soon as a request finishes (requests run concurrently, up to max_num_seqs at a time)."""
         params = params or SamplingParams()
         chat = params.chat if chat is None else chat
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         requests = [self.engine.make_request(self.encode(p, chat), params) for p in prompts]
-        on_commit = self._streamer(requests, on_text) if on_text else None
+        on_commit = self._callbacks(prompts, requests, on_text, on_finish)
+        if on_finish is not None:  # requests refused up front finish before any step
+            for i, request in enumerate(requests):
+                if request.finished:
+                    on_finish(i, self._result(prompts[i], request))
         start = time.perf_counter()
         self.engine.run(requests, on_commit)
         self.last_summary = summarize([r.stats for r in requests if r.finish_reason != "error"],
@@ -87,17 +93,23 @@ class LLM:
         text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
         return text if request.stop_text_end is None else text[:request.stop_text_end]
 
-    def _streamer(self, requests: list[Request], on_text: Callable[[int, str], None]):
+    def _callbacks(self, prompts, requests: list[Request], on_text, on_finish):
+        if on_text is None and on_finish is None:
+            return None
         index = {r.request_id: i for i, r in enumerate(requests)}
         shown = {r.request_id: 0 for r in requests}
 
         def on_commit(request: Request, tokens: list[int]) -> None:
-            text = self._text(request)
-            # hold back a trailing replacement char: the next token may complete a multi-byte character
-            stable = len(text) if request.finished else len(text.rstrip("\ufffd"))
-            if stable > shown[request.request_id]:
-                on_text(index[request.request_id], text[shown[request.request_id]:stable])
-                shown[request.request_id] = stable
+            i = index[request.request_id]
+            if on_text is not None:
+                text = self._text(request)
+                # hold back a trailing replacement char: the next token may complete a multi-byte character
+                stable = len(text) if request.finished else len(text.rstrip("\ufffd"))
+                if stable > shown[request.request_id]:
+                    on_text(i, text[shown[request.request_id]:stable])
+                    shown[request.request_id] = stable
+            if on_finish is not None and request.finished:
+                on_finish(i, self._result(prompts[i], request))
 
         return on_commit
 

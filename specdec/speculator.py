@@ -41,8 +41,9 @@ class Speculator:
         extended, new_features = [], []
         for i, (request, start) in enumerate(zip(running, starts)):
             a, tokens = host[i][bs - 1], host[i][:host[i][bs - 1]] + [host[i][bs]]
-            request.stats.acceptance_lengths.append(a + 1)
             taken = request.commit_many(tokens)
+            # what the step committed: a + 1, or less when EOS / a stop / max_new_tokens cut it short
+            request.stats.acceptance_lengths.append(taken)
             on_commit(request, tokens[:taken])
             if request.finished:
                 continue  # its pages go back when it is retired

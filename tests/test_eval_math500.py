@@ -212,10 +212,13 @@ def test_math_verify_grader():
 
 def test_accuracy_counts_failed_requests_as_wrong():
     class FakeLLM:
-        def generate(self, prompts, params):
+        def generate(self, prompts, params, on_finish):
             texts = {1: "so \\boxed{2}", 2: "\\boxed{3}", 3: ""}
-            return [SimpleNamespace(text=texts[p[0]], token_ids=[5, 6], stats=RequestStats(generated_tokens=2),
-                                    finish_reason="error" if p[0] == 3 else "stop") for p in prompts]
+            results = [SimpleNamespace(text=texts[p[0]], token_ids=[5, 6], stats=RequestStats(generated_tokens=2),
+                                       finish_reason="error" if p[0] == 3 else "stop") for p in prompts]
+            for i, result in reversed(list(enumerate(results))):  # finishing order is not prompt order
+                on_finish(i, result)
+            return results
 
     problems = [Problem(i, str(i), "q", "2") for i in range(3)]
     run = run_problems(FakeLLM(), problems, [[1], [2], [3]], SamplingParams(), 2, select_grader(), "fake",
