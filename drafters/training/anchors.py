@@ -1,0 +1,92 @@
+"""Anchor sampling and the blocks, labels and loss weights built around each anchor.
+
+An anchor t is a response position whose next position is also in the response
+(loss_mask[t] and loss_mask[t + 1]). Its block is what the drafter sees at inference when t is
+the last committed token:
+
+    position   t        t+1   ...  t+bs-1
+    input      ids[t]   MASK  ...  MASK
+    label      -        ids[t+1]   ids[t+bs-1]     (ignored past the sequence or outside the loss mask)
+    weight     0        1     ...  exp(-(bs-2)/gamma)
+
+Weights decay with the block offset k as exp(-(k - 1) / gamma): early positions decide how many
+drafts are accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE = -100
+
+
+@dataclass
+class Anchors:
+    positions: torch.Tensor  # int64 [B, A], ascending per row; padding rows hold 0
+    valid: torch.Tensor  # bool [B, A]: False for padding when a sequence has fewer than A anchors
+
+
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """bool [B, L]: positions t with loss_mask[t] and loss_mask[t + 1]."""
+    cand = torch.zeros_like(loss_mask)
+    cand[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:]
+    return cand
+
+
+def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator) -> Anchors:
+    """Up to max_anchors distinct candidates per sequence, uniformly at random (CPU generator)."""
+    cand = anchor_candidates(loss_mask.cpu())
+    count = int(cand.sum(1).max().clamp(min=1))
+    a = min(max_anchors, count)
+    keys = torch.rand(cand.shape, generator=generator)
+    keys[~cand] = 2.0  # never picked before a real candidate
+    picked_keys, picked = keys.topk(a, dim=1, largest=False)
+    valid = picked_keys < 1.0
+    positions = torch.where(valid, picked, torch.full_like(picked, cand.shape[1]))  # padding sorts last
+    positions, order = positions.sort(dim=1)
+    valid = valid.gather(1, order)
+    positions = torch.where(valid, positions, torch.zeros_like(positions))
+    return Anchors(positions.to(loss_mask.device), valid.to(loss_mask.device))
+
+
+def block_positions(anchors: Anchors, block_size: int) -> torch.Tensor:
+    """int64 [B, A, bs]: absolute positions anchor + k."""
+    return anchors.positions[..., None] + torch.arange(block_size, device=anchors.positions.device)
+
+
+def block_input_ids(input_ids: torch.Tensor, anchors: Anchors, block_size: int, mask_token_id: int) -> torch.Tensor:
+    """int64 [B, A, bs]: [ids[anchor], MASK x (bs-1)]."""
+    b, a = anchors.positions.shape
+    block = torch.full((b, a, block_size), mask_token_id, dtype=torch.long, device=input_ids.device)
+    block[..., 0] = input_ids.gather(1, anchors.positions)
+    return block
+
+
+def offset_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """float [bs]: 0 at k = 0, exp(-(k - 1) / gamma) for k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float, device=device)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: Anchors, block_size: int,
+                 gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels int64 [B, A, bs] with IGNORE where there is no target, weights float [B, A, bs])."""
+    width = input_ids.shape[1]
+    pos = block_positions(anchors, block_size)
+    inside = pos < width
+    clamped = pos.clamp(max=width - 1)
+    target = input_ids.gather(1, clamped.flatten(1)).view_as(pos)
+    ok = inside & loss_mask.gather(1, clamped.flatten(1)).view_as(pos) & anchors.valid[..., None]
+    ok[..., 0] = False
+    labels = torch.where(ok, target, torch.full_like(target, IGNORE))
+    weights = offset_weights(block_size, gamma, input_ids.device) * ok
+    return labels, weights
+
+
+def acceptance_lengths(correct: torch.Tensor) -> torch.Tensor:
+    """correct bool [..., bs-1] (draft k == label k) -> 1 + length of the all-correct prefix (greedy tau)."""
+    return 1 + correct.long().cumprod(-1).sum(-1)

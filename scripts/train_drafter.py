@@ -1,0 +1,117 @@
+"""Train a DFlash drafter for a target on shards from generate_training_data.py.
+
+    python scripts/train_drafter.py --data data/train-qwen2.5-coder-1.5b --out runs/dflash-qc15 \
+        [--target qwen2.5-coder-1.5b-instruct] [--max-steps 3000] [--batch-size 8] \
+        [--anchors-per-seq 256] [--time-budget-s 540] [--resume]
+
+Drafter shape: --draft-layers, --heads, --kv-heads, --head-dim, --intermediate-size,
+--target-layer-ids, --block-size, --mask-token-id. With --resume and a checkpoint in --out, the
+checkpoint's shape and state win and training continues where it stopped (same batches, same
+anchors as an uninterrupted run). Progress: a tqdm bar (loss, lr, batch tau, held-out tau) and
+<out>/log.jsonl (one line per evaluation). Export with scripts/export_drafter.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True, help="directory of training shards")
+    p.add_argument("--out", required=True, help="run directory: checkpoint.pt and log.jsonl")
+    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="demo name or HF model directory")
+    p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt when present")
+    p.add_argument("--device", default="auto")
+    # drafter shape
+    p.add_argument("--draft-layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--intermediate-size", type=int, default=768)
+    p.add_argument("--target-layer-ids", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                   help="comma-separated, e.g. 1,13,25 (default: spread over the target like z-lab's)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mask-token-id", type=int, default=151669)
+    # optimisation
+    p.add_argument("--max-steps", type=int, default=3000)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--anchors-per-seq", type=int, default=256)
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 for bs 16, 4 for bs 8)")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--warmup-frac", type=float, default=0.04)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--loss-chunk", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--eval-problems", type=int, default=64, help="problems held out for the tau estimate")
+    p.add_argument("--eval-sequences", type=int, default=64)
+    p.add_argument("--eval-anchors-per-seq", type=int, default=64)
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="wall-clock budget of this call, model loading included; checkpoints and stops before it")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    started = time.monotonic()
+    args = parse_args(argv)
+    from transformers import AutoConfig, AutoTokenizer
+
+    from drafters.training.checkpoint import config_from_json, load_checkpoint
+    from drafters.training.data import load_samples
+    from drafters.training.drafter_config import (DrafterShape, default_gamma, drafter_config, fp8_storage_bytes,
+                                                  new_drafter, parameter_counts)
+    from drafters.training.target import FrozenTarget, check_mask_token
+    from drafters.training.trainer import TrainConfig, Trainer
+    from drafters.dflash_model import DFlashDraftModel
+    from specdec.models.demo_models import resolve_model
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    target_dir = resolve_model(args.target)
+    target_config = AutoConfig.from_pretrained(target_dir)
+    checkpoint = load_checkpoint(args.out) if args.resume else None
+    if checkpoint is not None:
+        config = config_from_json(checkpoint["drafter_config"])
+        print(f"resuming {args.out} at step {checkpoint['step']} (shape from the checkpoint)")
+    else:
+        shape = DrafterShape(args.draft_layers, args.heads, args.kv_heads, args.head_dim, args.intermediate_size,
+                             args.block_size, args.target_layer_ids)
+        config = drafter_config(target_config, shape, args.mask_token_id)
+    drafter = DFlashDraftModel(config) if checkpoint is not None else new_drafter(config, args.seed)
+    spec = drafter.spec
+    tokenizer = AutoTokenizer.from_pretrained(target_dir) if (target_dir / "tokenizer_config.json").is_file() else None
+    check_mask_token(spec.mask_token_id, target_config.vocab_size, tokenizer)
+    counts = parameter_counts(config)
+    print(f"drafter: {config.num_hidden_layers} layers, {config.num_attention_heads}/{config.num_key_value_heads} "
+          f"heads x {config.head_dim}, intermediate {config.intermediate_size}, target layers "
+          f"{list(spec.target_layer_ids)}, block {spec.block_size}: {counts['total'] / 1e6:.2f}M parameters, "
+          f"fp8 storage ~{fp8_storage_bytes(config) / 2**20:.2f} MiB, bf16 ~{2 * counts['total'] / 2**20:.2f} MiB")
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = FrozenTarget.load(target_dir, spec.target_layer_ids, device, dtype)
+    train_data, eval_data = load_samples(args.data).split_by_problem(args.eval_problems, seed=args.seed)
+    print(f"data: {len(train_data)} training sequences, {len(eval_data)} held out")
+    train_config = TrainConfig(
+        out_dir=args.out, max_steps=args.max_steps, batch_size=args.batch_size, anchors_per_seq=args.anchors_per_seq,
+        max_length=args.max_length, gamma=args.gamma or default_gamma(spec.block_size), lr=args.lr,
+        weight_decay=args.weight_decay, warmup_frac=args.warmup_frac, grad_clip=args.grad_clip,
+        loss_chunk=args.loss_chunk, seed=args.seed, save_every=args.save_every, eval_every=args.eval_every,
+        eval_sequences=args.eval_sequences, eval_anchors_per_seq=args.eval_anchors_per_seq,
+        time_budget_s=args.time_budget_s)
+    trainer = Trainer(train_config, drafter, target, train_data, eval_data, start_time=started)
+    if checkpoint is not None:
+        trainer.resume()
+    trainer.train()
+    state = "done" if trainer.step >= train_config.max_steps else "stopped for the time budget; run again with --resume"
+    print(f"step {trainer.step}/{train_config.max_steps}: {state}. checkpoint: {args.out}/checkpoint.pt")
+
+
+if __name__ == "__main__":
+    main()
