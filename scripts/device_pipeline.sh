@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Drafter pipeline on one GPU machine, as a background job that outlives single device calls:
+# reassemble + verify the target GGUF, generate training data, train, export, evaluate on math500.
+#   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_pipeline.sh > /tmp/run/pipeline.log 2>&1 &
+#   watch:  tail /tmp/run/pipeline.log /tmp/run/stage
+# Stages write /tmp/run/stage; every stage is resumable (re-running the script continues).
+# Env: DATA_BUDGET_S, TRAIN_BUDGET_S, TRAIN_STEPS, MATH500 (path of math500.jsonl).
+set -uo pipefail
+run=/tmp/run
+mkdir -p "$run"
+export SPECDEC_CACHE=${SPECDEC_CACHE:-/tmp/specdec-cache} PYTHONUNBUFFERED=1
+target=qwen2.5-coder-1.5b-instruct
+gguf=qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+sha=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
+stage() { echo "$1" > "$run/stage"; echo "=== $(date +%T) $1"; }
+
+stage assemble
+mkdir -p "$SPECDEC_CACHE/gguf"
+if [ ! -s "$SPECDEC_CACHE/gguf/$gguf" ]; then
+  cat /tmp/xfer/"$gguf".part.* > "$run/$gguf" || exit 1
+  echo "$sha  $run/$gguf" | sha256sum -c - || { stage "failed: sha256"; exit 1; }
+  mv "$run/$gguf" "$SPECDEC_CACHE/gguf/$gguf"
+fi
+python3 -c "from specdec.models.demo_models import resolve_model; print(resolve_model('$target'))" || exit 1
+
+stage data
+python3 scripts/generate_training_data.py --out "$run/data" --target "$target" --max-new-tokens 1024 \
+  --shard-size 512 --batch-size 256 --time-budget-s "${DATA_BUDGET_S:-420}" || { stage "failed: data"; exit 1; }
+
+stage train
+python3 scripts/train_drafter.py --data "$run/data" --out "$run/train" --target "$target" \
+  --max-steps "${TRAIN_STEPS:-4000}" --batch-size 8 --anchors-per-seq 256 --eval-every 500 --save-every 500 \
+  --time-budget-s "${TRAIN_BUDGET_S:-720}" --resume || { stage "failed: train"; exit 1; }
+
+stage export
+python3 scripts/export_drafter.py "$run/train" "$run/drafter-bf16" --storage bf16 || exit 1
+python3 scripts/export_drafter.py "$run/train" "$run/drafter-fp8" --storage fp8 || exit 1
+
+stage eval
+python3 -m eval.math500 --target "$target" --drafter "$run/drafter-fp8" --data "${MATH500:-.xfer/math500.jsonl}" \
+  --concurrency 64 --baseline --output "$run/eval" --no-progress || { stage "failed: eval"; exit 1; }
+stage done
