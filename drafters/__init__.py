@@ -13,7 +13,7 @@ from drafters.dflash_model import read_dflash_config
 
 CHECKPOINTS = Path(__file__).parent / "checkpoints"
 # target demo name -> its shipped default drafter (a folder under drafters/checkpoints)
-DEFAULT_DRAFTERS: dict[str, str] = {}
+DEFAULT_DRAFTERS: dict[str, str] = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-1.5b-dflash-b16"}
 
 
 def resolve_drafter_path(name_or_path: str | os.PathLike) -> Path:

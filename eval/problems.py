@@ -26,21 +26,37 @@ class Problem:
     level: int | None = None
 
 
+def _read_jsonl(path: str) -> list[dict]:
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _rows(data: str | None) -> list[dict]:
+    """Rows of the hub's test split (data None) or of a local jsonl. Without the `datasets` package
+    (e.g. a bare GPU image) a local jsonl is read directly."""
+    if data is not None and not Path(data).is_file():
+        raise DataUnavailable(f"--data {data}: no such file")
+    try:
+        import datasets
+    except ImportError:
+        if data is None:
+            raise DataUnavailable(f"the `datasets` package is needed for the hub split; use {OFFLINE_HINT}")
+        return _read_jsonl(data)
+    if data is not None:
+        return list(datasets.load_dataset("json", data_files=str(data), split="train"))
+    try:
+        return list(datasets.load_dataset(HUB_DATASET, split="test"))
+    except Exception as err:  # offline machines raise ConnectionError, OSError or hub-specific errors
+        raise DataUnavailable(f"cannot load {HUB_DATASET} from the Hugging Face hub ({err}); "
+                              f"use a local copy, e.g. {OFFLINE_HINT}") from err
+
+
 def load_problems(data: str | None = None) -> list[Problem]:
     """Every problem in file order: `data` is a local jsonl path, None means the hub's test split."""
-    import datasets
-
-    if data is None:
-        try:
-            rows = datasets.load_dataset(HUB_DATASET, split="test")
-        except Exception as err:  # offline machines raise ConnectionError, OSError or hub-specific errors
-            raise DataUnavailable(f"cannot load {HUB_DATASET} from the Hugging Face hub ({err}); "
-                                  f"use a local copy, e.g. {OFFLINE_HINT}") from err
-    else:
-        if not Path(data).is_file():
-            raise DataUnavailable(f"--data {data}: no such file")
-        rows = datasets.load_dataset("json", data_files=str(data), split="train")
-    missing = {"problem", "answer"} - set(rows.column_names)
+    rows = _rows(data)
+    missing = {"problem", "answer"} - set(rows[0] if rows else ())
     if missing:
         raise DataUnavailable(f"the data has no {', '.join(sorted(missing))} field(s)")
     return [Problem(i, str(row.get("unique_id") or i), row["problem"], str(row["answer"]), row.get("subject"),
