@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
 
 from drafters.base import Drafter
 from drafters.dflash import DFlashDrafter

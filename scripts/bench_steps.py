@@ -72,7 +72,7 @@ def main():
     except ImportError:
         pass
     print(json.dumps(info, indent=1))
-    print(f"\n| system | TPOT ms | tok/s | tau | step ms |\n|---|---|---|---|---|")
+    print("\n| system | TPOT ms | tok/s | tau | step ms |\n|---|---|---|---|---|")
     for name, r in rows.items():
         tau = f"{r['tau']:.2f}" if r["tau"] else "-"
         print(f"| {name} | {r['tpot_ms']:.2f} | {r['tokens_per_s']:.1f} | {tau} | {r['step_ms']:.2f} |")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from specdec.models import demo_models as dm
+from specdec.models import gguf_conversion
 from specdec.models.demo_models import DEMO_MODELS, DemoModel, cached_gguf_path, resolve_model
 
 
@@ -318,11 +319,11 @@ def tiny_gguf(tmp_path_factory) -> pathlib.Path:
 
 
 def test_gguf_eos_ids_from_metadata(tiny_gguf):
-    meta = dm._gguf_token_metadata(tiny_gguf)
+    meta = gguf_conversion.gguf_token_metadata(tiny_gguf)
     assert meta["eos_token_id"] == 2 and meta["bos_token_id"] == 1 and meta["padding_token_id"] == 0
     assert meta["padding_token"] == "<|endoftext|>"
-    assert dm._eos_token_ids(meta) == [2, 0]
-    assert dm._eos_token_ids({"eos_token_id": 2, "padding_token_id": 2, "padding_token": "<|im_end|>"}) == [2]
+    assert gguf_conversion.eos_token_ids_from_metadata(meta) == [2, 0]
+    assert gguf_conversion.eos_token_ids_from_metadata({"eos_token_id": 2, "padding_token_id": 2, "padding_token": "<|im_end|>"}) == [2]
 
 
 def test_gguf_path_is_converted_once(tiny_gguf, tmp_path, monkeypatch):
