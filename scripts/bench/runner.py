@@ -1,0 +1,259 @@
+"""Running the systems of `scripts/bench_peers.py`: what they are built from, the time budgets, the
+batch-1 loop of one system and the throughput runs of ours.
+
+Time budgets (so that one bounded device call always ends with a report):
+- --system-budget-s: a system stops taking new prompts when the next one (at its mean wall time so
+  far) would end past this many seconds since the system started building; at least one prompt runs.
+- --deadline-s: the whole run's wall-clock budget. Each system's budget is then also at most its
+  share of what is left, after a reserve for the throughput runs (THROUGHPUT_SHARE of the deadline);
+  throughput runs go from the highest concurrency down and one whose estimate (from the batch-1
+  wall times) does not fit in what is left is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import itertools
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from scripts.bench.systems import (HFSystem, OursSystem, ZLabSystem, dflash_import_error, drafter_directory,
+                                   load_hf_model)
+
+ROOT = Path(__file__).resolve().parents[2]
+SYSTEMS = ("ours-dflash-bf16", "ours-dflash-fp8", "ours-ar", "hf-generate", "hf-assisted", "zlab-dflash")
+DRAFTER_SYSTEMS = {"ours-dflash-bf16", "ours-dflash-fp8", "zlab-dflash"}
+HF_TARGET_SYSTEMS = ("hf-generate", "hf-assisted", "zlab-dflash")  # share one HF copy of the target
+THROUGHPUT_SHARE = 0.3  # of --deadline-s, kept for the throughput runs
+BUILD_ALLOWANCE_S = 15.0  # model load + warm-up of one throughput run, added to its estimate
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def release_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    try:
+        import flashinfer
+
+        fi = flashinfer.__version__
+    except Exception:
+        fi = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except Exception:
+        commit = None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"cpu ({platform.processor() or platform.machine()})"
+    return {"device": str(device), "device_name": name, "torch": torch.__version__,
+            "transformers": transformers.__version__, "flashinfer": fi, "dflash": version("dflash"),
+            "python": platform.python_version(), "git_commit": commit,
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+class Clock:
+    def __init__(self, deadline_s: float = 0.0, system_budget_s: float = 0.0, reserve_throughput: bool = False):
+        self.start = time.perf_counter()
+        self.deadline_s, self.system_budget_s = deadline_s or None, system_budget_s or None
+        self.reserve_s = THROUGHPUT_SHARE * deadline_s if deadline_s and reserve_throughput else 0.0
+
+    def remaining(self) -> float | None:
+        return None if self.deadline_s is None else self.deadline_s - (time.perf_counter() - self.start)
+
+    def system_budget(self, systems_left: int) -> float | None:
+        budgets = [self.system_budget_s] if self.system_budget_s else []
+        remaining = self.remaining()
+        if remaining is not None:
+            budgets.append(max(0.0, remaining - self.reserve_s) / max(systems_left, 1))
+        return min(budgets) if budgets else None
+
+    def fits(self, estimate_s: float | None) -> bool:
+        remaining = self.remaining()
+        return remaining is None or estimate_s is None or estimate_s <= remaining
+
+
+class Context:
+    """Target, tokenizer, stop tokens, drafter and dtypes shared by every system."""
+
+    def __init__(self, args, device: torch.device):
+        from transformers import AutoTokenizer
+
+        from specdec.models.demo_models import resolve_model
+        from specdec.models.loader import eos_token_ids
+
+        self.args, self.device = args, device
+        self.target_dir = resolve_model(args.target)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.target_dir)
+        self.eos_ids = sorted(eos_token_ids(self.target_dir, self.tokenizer))
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
+        self.hf_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.drafter_dir, self.drafter_problem = None, None
+        name = args.drafter
+        if name is None:
+            from drafters import DEFAULT_DRAFTERS
+
+            name = DEFAULT_DRAFTERS.get(args.target) or DEFAULT_DRAFTERS.get(Path(str(args.target)).name)
+        if name is None:
+            self.drafter_problem = f"no --drafter given and {args.target} has no shipped default drafter"
+        else:
+            try:
+                self.drafter_dir = drafter_directory(name)
+            except FileNotFoundError as err:
+                self.drafter_problem = str(err)
+        # converted up front (a demo GGUF's first use takes a minute), so that no system's budget pays for it
+        self.assistant_dir, self.assistant_problem = None, None
+        if "hf-assisted" in args.systems:
+            try:
+                self.assistant_dir = resolve_model(args.assistant)
+            except Exception as err:  # unknown name, or a demo model that cannot be fetched here
+                self.assistant_problem = f"assistant {args.assistant}: {type(err).__name__}: {err}"
+        self.hf_target = None
+
+    def shared_hf_target(self):
+        if self.hf_target is None:
+            self.hf_target = load_hf_model(self.target_dir, self.device, self.hf_dtype, self.eos_ids, self.pad_id)
+        return self.hf_target
+
+    def why_skip(self, name: str) -> str | None:
+        if name in DRAFTER_SYSTEMS and self.drafter_dir is None:
+            return self.drafter_problem
+        if name == "hf-assisted" and self.assistant_dir is None:
+            return self.assistant_problem
+        if name == "zlab-dflash":
+            return dflash_import_error()
+        return None
+
+    def ours(self, drafter: bool, kv_cache_dtype: str = "auto", max_num_seqs: int = 1) -> OursSystem:
+        return OursSystem(str(self.target_dir), str(self.drafter_dir) if drafter else None, device=str(self.device),
+                          kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
+                          num_kv_pages=self.args.num_kv_pages)
+
+    def build(self, name: str):
+        hf = dict(device=self.device, dtype=self.hf_dtype, eos_ids=self.eos_ids, pad_id=self.pad_id)
+        if name == "ours-dflash-bf16":
+            return self.ours(drafter=True)
+        if name == "ours-dflash-fp8":
+            return self.ours(drafter=True, kv_cache_dtype="fp8")
+        if name == "ours-ar":
+            return self.ours(drafter=False)
+        if name == "hf-generate":
+            return HFSystem(self.target_dir, target_model=self.shared_hf_target(), **hf)
+        if name == "hf-assisted":
+            return HFSystem(self.target_dir, assistant_dir=self.assistant_dir, target_model=self.shared_hf_target(),
+                            **hf)
+        if name == "zlab-dflash":
+            return ZLabSystem(self.target_dir, self.drafter_dir, target_model=self.shared_hf_target(), **hf)
+        raise ValueError(f"unknown system {name!r}")
+
+
+def run_system(ctx: Context, name: str, problems, prompts, warm_prompt, budget_s: float | None) -> dict:
+    """Build, warm up once, then time the prompts in order until done or the next would overrun budget_s."""
+    args = ctx.args
+    entered = time.perf_counter()
+    system = ctx.build(name)
+    try:
+        system.generate(warm_prompt, args.warmup_tokens)
+        records = []
+        for i, (problem, ids) in enumerate(zip(problems, prompts)):
+            if budget_s is not None and records:
+                per_prompt = statistics.fmean(r["wall_s"] for r in records)
+                if time.perf_counter() - entered + per_prompt > budget_s:
+                    log(f"[{name}] time budget ({budget_s:.0f} s) reached after {len(records)} prompt(s)")
+                    break
+            sample = system.generate(ids, args.max_new_tokens)
+            records.append({"index": i, "id": problem.id, **sample.as_dict()})
+            tpot = f"{sample.tpot_s * 1e3:.2f} ms" if sample.tpot_s else "-"
+            log(f"[{name}] {i + 1}/{len(prompts)}: {sample.generated_tokens} tokens, TPOT {tpot}, "
+                f"wall {sample.wall_s:.2f} s")
+        return {"info": system.info(), "prompts": records, "truncated": len(records) < len(prompts),
+                "budget_s": budget_s, "seconds": time.perf_counter() - entered}
+    finally:
+        system.close()
+        del system
+
+
+def throughput_prompts(prompts: list[list[int]], minimum: int) -> list[list[int]]:
+    """The subset repeated (cycled) up to max(minimum, len(prompts)) prompts."""
+    return list(itertools.islice(itertools.cycle(prompts), max(minimum, len(prompts))))
+
+
+def estimate_run_s(batch1: dict | None, count: int, concurrency: int) -> float | None:
+    """A deliberately high guess at one throughput run's seconds, from the same system's batch-1 wall times:
+    count prompts at the mean batch-1 wall time, `concurrency` at a time, each step up to (1 + C/16) x slower."""
+    if not batch1 or not batch1["prompts"]:
+        return None
+    per_prompt = statistics.fmean(r["wall_s"] for r in batch1["prompts"])
+    return BUILD_ALLOWANCE_S + count * per_prompt / concurrency * (1 + concurrency / 16)
+
+
+def run_throughput(ctx: Context, prompts, warm_prompt, clock: Clock, batch1: dict[str, dict], on_row) -> tuple:
+    """Ours, DFlash (bf16 KV) and AR, all prompts submitted at once with max_num_seqs=C, from the highest C down.
+    Returns (rows in --concurrency order, {"C/system": why skipped})."""
+    args = ctx.args
+    batch = throughput_prompts(prompts, args.throughput_prompts)
+    variants = [("ours-ar", False)]
+    if ctx.drafter_dir is not None:
+        variants.insert(0, ("ours-dflash-bf16", True))
+    rows, skipped, outputs = [], {}, {}
+    for concurrency in sorted(set(args.concurrency), reverse=True):
+        for name, drafter in variants:
+            estimate = estimate_run_s(batch1.get(name), len(batch), concurrency)
+            if not clock.fits(estimate):
+                skipped[f"C={concurrency} {name}"] = (f"estimated {estimate:.0f} s, only {clock.remaining():.0f} s "
+                                                      f"left of --deadline-s")
+                log(f"[throughput C={concurrency}] {name} skipped: {skipped[f'C={concurrency} {name}']}")
+                continue
+            system = ctx.ours(drafter=drafter, max_num_seqs=concurrency)
+            try:
+                system.generate_many([warm_prompt] * min(concurrency, len(batch)), args.warmup_tokens)
+                results, summary, wall = system.generate_many(batch, args.max_new_tokens)
+            finally:
+                system.close()
+                del system
+                release_memory(ctx.device)
+            outputs[(concurrency, name)] = [r.token_ids for r in results]
+            row = {"concurrency": concurrency, "system": name, "prompts": len(batch),
+                   "generated_tokens": summary.generated_tokens, "wall_s": wall,
+                   "tokens_per_s": summary.generated_tokens / wall if wall > 0 else None,
+                   "tpot_ms_mean": None if summary.tpot_s is None else summary.tpot_s * 1e3,
+                   "tau": summary.tau_mean_of_requests, "tau_overall": summary.tau_overall,
+                   "verify_steps": summary.verify_steps, "estimate_s": estimate,
+                   "per_request": [{"generated_tokens": r.stats.generated_tokens, "tpot_s": r.stats.tpot,
+                                    "ttft_s": r.stats.ttft} for r in results]}
+            rows.append(row)
+            log(f"[throughput C={concurrency}] {name}: {row['generated_tokens']} tokens in {wall:.2f} s, "
+                f"{row['tokens_per_s']:.1f} tok/s")
+            on_row(rows, skipped)
+        ar = outputs.get((concurrency, "ours-ar"))
+        ar_row = next((r for r in rows if r["concurrency"] == concurrency and r["system"] == "ours-ar"), None)
+        for row in rows:
+            if row["concurrency"] == concurrency and row["system"] != "ours-ar" and ar is not None:
+                row["speedup_vs_ar"] = row["tokens_per_s"] / ar_row["tokens_per_s"] if ar_row["tokens_per_s"] else None
+                same = sum(a == b for a, b in zip(outputs[(concurrency, row["system"])], ar))
+                row["same_as_ar"] = f"{same}/{len(batch)}"
+    order = {c: k for k, c in enumerate(args.concurrency)}
+    rows.sort(key=lambda r: (order[r["concurrency"]], [v[0] for v in variants].index(r["system"])))
+    return rows, skipped

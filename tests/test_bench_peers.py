@@ -1,0 +1,121 @@
+"""scripts/bench_peers.py end to end on CPU with tiny random models: every system runs, the JSON has
+finite numbers for each, and greedy speculation (fp32, torch path) reproduces ours-ar token for token."""
+
+import json
+import math
+
+import pytest
+
+from scripts.bench import report
+from scripts.bench.systems import dflash_import_error
+from scripts.bench_peers import SYSTEMS, main
+from tests.conftest import VOCAB, build_tiny_model
+from tests.drafter_helpers import build_random_drafter
+from tests.test_eval_math500 import PROBLEMS, save_char_tokenizer
+
+
+ZLAB_MISSING = dflash_import_error()  # the z-lab system is reported as skipped without the dflash package
+RUN = [s for s in SYSTEMS if not (ZLAB_MISSING and s == "zlab-dflash")]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-peers")
+    target = build_tiny_model("qwen2", root / "target")
+    save_char_tokenizer(root / "target")
+    build_tiny_model("qwen2", root / "assistant", seed=1)
+    save_char_tokenizer(root / "assistant")
+    build_random_drafter(root / "drafter", target.config, block_size=4, mask_token_id=VOCAB - 1)
+    data = root / "math500.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS), encoding="utf-8")
+    return root
+
+
+def run_main(root, name, *extra):
+    out = root / f"{name}.json"
+    argv = ["--data", str(root / "math500.jsonl"), "--target", str(root / "target"), "--drafter",
+            str(root / "drafter"), "--assistant", str(root / "assistant"), "--limit", "2", "--max-new-tokens", "8",
+            "--throughput-prompts", "4", "--warmup-tokens", "4", "--num-kv-pages", "64", "--device", "cpu",
+            "--out", str(out), *extra]
+    assert main(argv) == 0
+    return json.loads(out.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny):
+    return run_main(tiny, "all", "--concurrency", "1,2")
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def test_every_system_runs_with_finite_numbers(bench_run):
+    res = bench_run
+    assert list(res["systems"]) == RUN
+    assert res["skipped"] == ({"zlab-dflash": ZLAB_MISSING} if ZLAB_MISSING else {})
+    assert res["environment"]["torch"] and res["environment"]["device"] == "cpu"
+    assert "scripts/bench_peers.py" in res["command_line"] and res["config"]["max_new_tokens"] == 8
+    assert [p["index"] for p in res["prompts"]] == [0, 1]
+    for name, system in res["systems"].items():
+        s = system["summary"]
+        assert s["prompts"] == 2 and s["generated_tokens"] > 0, name
+        for key in ("tpot_ms_median", "ttft_ms_median", "tokens_per_s", "speedup_vs_hf", "speedup_vs_ours_ar"):
+            assert finite(s[key]) and s[key] > 0, (name, key, s[key])
+        for record in system["prompts"]:
+            assert 1 <= record["generated_tokens"] <= 8 and finite(record["wall_s"])
+        if name in ("ours-dflash-bf16", "ours-dflash-fp8", "zlab-dflash", "hf-assisted"):
+            assert finite(s["tau_mean"]) and 1.0 <= s["tau_mean"] <= 8, (name, s["tau_mean"])
+        else:
+            assert s["tau_mean"] is None
+    assert res["systems"]["ours-ar"]["summary"]["speedup_vs_ours_ar"] == pytest.approx(1.0)
+    assert res["systems"]["hf-generate"]["summary"]["speedup_vs_hf"] == pytest.approx(1.0)
+
+
+def test_outputs_match_autoregressive(bench_run):
+    systems = bench_run["systems"]
+    ar = [p["token_ids"] for p in systems["ours-ar"]["prompts"]]
+    # the model-dtype KV cache (fp32 here, on the torch path): speculation is exact whatever the drafter proposes
+    assert [p["token_ids"] for p in systems["ours-dflash-bf16"]["prompts"]] == ar
+    assert systems["ours-dflash-bf16"]["summary"]["same_as_ar"]["fraction"] == 1.0
+    # the others only report how many match: an fp8 KV cache changes the target's own logits, and the peers
+    # run other kernels (greedy near-ties may go either way)
+    for name in (s for s in RUN if s not in ("ours-ar", "ours-dflash-bf16")):
+        same = systems[name]["summary"]["same_as_ar"]
+        assert same["compared"] == 2 and 0.0 <= same["fraction"] <= 1.0
+
+
+def test_throughput_rows(bench_run):
+    rows = bench_run["throughput"]
+    assert bench_run["throughput_error"] is None
+    assert [(r["concurrency"], r["system"]) for r in rows] == [(1, "ours-dflash-bf16"), (1, "ours-ar"),
+                                                               (2, "ours-dflash-bf16"), (2, "ours-ar")]
+    for r in rows:
+        assert r["prompts"] == 4 and r["generated_tokens"] > 0 and finite(r["tokens_per_s"])
+        assert finite(r["tpot_ms_mean"])
+    assert all(r["same_as_ar"] == "4/4" for r in rows if r["system"] == "ours-dflash-bf16")
+
+
+def test_budgets_and_skips(tiny):
+    """A spent deadline still gives one timed prompt per system and skips the throughput runs with a note;
+    a missing drafter or assistant skips the systems that need one, with the reason."""
+    res = run_main(tiny, "budget", "--systems", "ours-ar,ours-dflash-bf16", "--deadline-s", "0.001",
+                   "--concurrency", "1")
+    assert list(res["systems"]) == ["ours-dflash-bf16", "ours-ar"]
+    assert all(s["truncated"] and s["summary"]["prompts"] == 1 for s in res["systems"].values())
+    assert res["throughput"] == [] and set(res["throughput_skipped"]) == {"C=1 ours-dflash-bf16", "C=1 ours-ar"}
+    res = run_main(tiny, "missing", "--systems", "ours-ar,zlab-dflash,ours-dflash-fp8,hf-assisted", "--drafter",
+                   str(tiny / "nowhere"), "--assistant", str(tiny / "no-assistant"), "--concurrency", "none")
+    assert list(res["systems"]) == ["ours-ar"]
+    assert set(res["skipped"]) == {"zlab-dflash", "ours-dflash-fp8", "hf-assisted"}
+    assert "nowhere" in res["skipped"]["ours-dflash-fp8"] and "no-assistant" in res["skipped"]["hf-assisted"]
+    assert res["throughput"] == []
+
+
+def test_report_helpers():
+    a = [{"index": 0, "tpot_s": 0.02, "token_ids": [1, 2, 3]}, {"index": 1, "tpot_s": 0.04, "token_ids": [4]}]
+    b = [{"index": 0, "tpot_s": 0.01, "token_ids": [1, 2, 4]}]
+    assert report.tpot_speedup(a, b) == pytest.approx(2.0)  # over the shared prompt only
+    cmp = report.compare_outputs(a, b)
+    assert cmp["compared"] == 1 and cmp["identical"] == 0 and cmp["differing"] == [{"index": 0, "first_diff": 2}]
+    assert report.first_difference([1, 2], [1, 2, 3]) == 2 and report.first_difference([5], [5]) is None
