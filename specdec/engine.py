@@ -63,7 +63,7 @@ class Engine:
             from specdec.speculator import Speculator
 
             drafter.attach(self)
-            self.speculator = Speculator(self, drafter)
+            self.speculator = Speculator(drafter)
         lookahead = drafter.block_size if drafter is not None else 1
         self.model.rotary.max_positions = self.max_context + lookahead  # RoPE table size on the fused path
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, lookahead,
@@ -202,7 +202,7 @@ class Engine:
 
     def _decode(self, running: list[Request], on_commit: OnCommit) -> None:
         if self.speculator is not None:
-            self.speculator.step(running, on_commit)
+            self.speculator.step(self, running, on_commit)
             return
         out = self.forward_tokens(running, self.ids_tensor([r.pending_token for r in running]), [1] * len(running),
                                   logits_rows=torch.arange(len(running), device=self.device))

@@ -19,14 +19,16 @@ from specdec.request import Request
 
 
 class Speculator:
-    def __init__(self, engine, drafter: Drafter):
-        self.engine = engine
+    """Holds the drafter, not the engine: the engine passes itself to each step, so the two never
+    form a reference cycle and a dropped engine frees its GPU memory at once."""
+
+    def __init__(self, drafter: Drafter):
         self.drafter = drafter
         self.block_size = drafter.block_size
 
     @torch.no_grad()
-    def step(self, running: list[Request], on_commit) -> None:
-        engine, bs, batch = self.engine, self.block_size, len(running)
+    def step(self, engine, running: list[Request], on_commit) -> None:
+        bs, batch = self.block_size, len(running)
         drafts = self.drafter.propose(running)  # [B, bs-1]
         anchors = engine.ids_tensor([r.pending_token for r in running])
         block = torch.cat([anchors[:, None], drafts], dim=1)  # [B, bs]

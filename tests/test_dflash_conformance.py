@@ -117,7 +117,7 @@ def test_block_logits_match_reference(setup, reference):
     real_propose = drafter.propose
     drafter.propose = lambda reqs: (real_propose(reqs), scripted.propose(reqs))[1]  # keep the cache in step
     for _ in range(3):
-        engine.speculator.step(requests, lambda r, t: None)
+        engine.speculator.step(engine, requests, lambda r, t: None)
     drafter.propose = real_propose
     check(requests)
 

@@ -110,8 +110,8 @@ def test_rollback_leaves_cache_equal_to_fresh_prefill(target_dir):
     fresh = tiny_engine(target_dir, eos=())
     step, checked = engine.speculator.step, []
 
-    def checked_step(running, on_commit):
-        step(running, on_commit)
+    def checked_step(engine_, running, on_commit):
+        step(engine_, running, on_commit)
         for request in running:
             if request.finished:
                 continue
@@ -159,3 +159,19 @@ def test_fp8_kv_speculative_equals_fp8_autoregressive(target_dir, tmp_path, cali
     scales = {layer.k_scale for layer in engine.kv.layers} | {layer.k_scale for layer in engine.drafter.kv.layers}
     assert (scales != {1.0}) == calibrate
     assert_no_leak(engine)
+
+
+def test_dropped_engine_is_freed_without_garbage_collection(target_dir, tmp_path):
+    """No reference cycle holds an engine: its KV pool (GPU memory) goes as soon as it is dropped."""
+    import gc
+    import weakref
+
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4))
+    engine.generate_ids(MANY_PROMPTS[:2], SamplingParams(max_new_tokens=5))
+    alive = weakref.ref(engine)
+    gc.disable()
+    try:
+        del engine
+        assert alive() is None
+    finally:
+        gc.enable()
