@@ -225,3 +225,17 @@ def test_accuracy_counts_failed_requests_as_wrong():
                        progress=False)
     assert run.correct == [True, False, False] and run.extracted == ["2", "3", None]
     assert run.errors == 1 and run.summary.requests == 2 and run.accuracy == pytest.approx(1 / 3)
+
+
+def test_local_jsonl_loads_without_datasets(tmp_path, monkeypatch):
+    """A bare GPU image has no `datasets`: a local jsonl still loads, the same as through datasets."""
+    rows = [{"problem": "1+1?", "answer": "2", "unique_id": "a"}, {"problem": "2+2?", "answer": "4", "level": 1}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with_datasets = load_problems(str(path))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` raise ImportError
+    without = load_problems(str(path))
+    assert [(p.id, p.problem, p.answer) for p in without] == [("a", "1+1?", "2"), ("1", "2+2?", "4")]
+    assert [(p.id, p.problem, p.answer) for p in without] == [(p.id, p.problem, p.answer) for p in with_datasets]
+    with pytest.raises(DataUnavailable, match="datasets"):
+        load_problems(None)
