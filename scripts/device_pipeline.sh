@@ -4,7 +4,8 @@
 #   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_pipeline.sh > /tmp/run/pipeline.log 2>&1 &
 #   watch:  tail /tmp/run/pipeline.log /tmp/run/stage
 # Stages write /tmp/run/stage; every stage is resumable (re-running the script continues).
-# Env: DATA_BUDGET_S, TRAIN_BUDGET_S, TRAIN_STEPS, MATH500 (path of math500.jsonl).
+# Env: DATA_BUDGET_S, TRAIN_BUDGET_S, TRAIN_STEPS, MATH500 (path of math500.jsonl), PROBLEMS (the MATH
+# training problems; ../shared does not travel to the device, so carry it, e.g. in .xfer/).
 set -uo pipefail
 run=/tmp/run
 mkdir -p "$run"
@@ -25,6 +26,7 @@ python3 -c "from specdec.models.demo_models import resolve_model; print(resolve_
 
 stage data
 python3 scripts/generate_training_data.py --out "$run/data" --target "$target" --max-new-tokens 1024 \
+  --problems "${PROBLEMS:-.xfer/math_train.jsonl}" \
   --shard-size 512 --batch-size 256 --time-budget-s "${DATA_BUDGET_S:-420}" || { stage "failed: data"; exit 1; }
 
 stage train
