@@ -34,22 +34,19 @@ class FlashInferBackend(AttentionBackend):
 
     def plan(self, layout: BatchLayout) -> None:
         self.layout = layout
-        qo_indptr = torch.tensor(layout.qo_indptr(), dtype=torch.int32)
-        kv_indptr = torch.tensor(layout.kv_indptr(), dtype=torch.int32)
-        last_page_len = torch.tensor(layout.last_page_lens(), dtype=torch.int32)
-        new_indptr = [0]
-        for n in layout.new_kv_lens:
-            new_indptr.append(new_indptr[-1] + n)
+        kv_indices, kv_indptr, last_page_lens = layout.kv_indices(), layout.kv_indptr(), layout.last_page_lens()
         batch_indices = [i for i, n in enumerate(layout.new_kv_lens) for _ in range(n)]
         # one host-to-device copy for everything the kernels read on the GPU
-        packed = torch.tensor(layout.kv_indices() + layout.kv_indptr() + layout.last_page_lens()
-                              + batch_indices + layout.new_kv_positions(), dtype=torch.int32)
+        packed = torch.tensor(kv_indices + kv_indptr + last_page_lens + batch_indices + layout.new_kv_positions(),
+                              dtype=torch.int32)
         gpu = packed.pin_memory().to(self.device, non_blocking=True)
-        n_idx, b = len(layout.kv_indices()), layout.batch_size
-        sizes = [n_idx, b + 1, b, layout.num_new_kv, layout.num_new_kv]
+        b = layout.batch_size
+        sizes = [len(kv_indices), b + 1, b, layout.num_new_kv, layout.num_new_kv]
         (self.kv_indices, self.kv_indptr_gpu, self.last_page_len_gpu, self.batch_indices,
          self.positions) = gpu.split(sizes)
-        self.wrapper.plan(qo_indptr, kv_indptr, self.kv_indices, last_page_len, self.num_qo_heads,
+        self.wrapper.plan(torch.tensor(layout.qo_indptr(), dtype=torch.int32),
+                          torch.tensor(kv_indptr, dtype=torch.int32), self.kv_indices,
+                          torch.tensor(last_page_lens, dtype=torch.int32), self.num_qo_heads,
                           self.num_kv_heads, self.head_dim, layout.page_size, causal=layout.causal,
                           sm_scale=self.sm_scale, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype)
 

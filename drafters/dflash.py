@@ -119,10 +119,7 @@ class DFlashDrafter(Drafter):
         residual = None
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
-            if residual is None:
-                residual, h = x, layer.input_layernorm(x)
-            else:
-                h, residual = layer.input_layernorm.add_and_norm(x, residual)
+            h, residual = layer.input_layernorm.add_and_norm(x, residual)
             q, k_blk, v_blk = attn.project(h, blk_rope)
             k_ctx, v_ctx = attn.project_kv(ctx, ctx_rope)  # the context skips input_layernorm and the MLP
             k = torch.cat([k_ctx, k_blk]).index_select(0, order)

@@ -21,7 +21,3 @@ def accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tuple[tor
     bonus = target_tokens.gather(1, accepted[:, None].long()).squeeze(1)
     return accepted, bonus
 
-
-def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """target_logits [B, bs, vocab] -> (accepted, bonus) against the target's argmax."""
-    return accept(draft_tokens, target_logits.argmax(dim=-1))

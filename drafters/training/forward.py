@@ -40,18 +40,16 @@ def block_hidden(model: DFlashDraftModel, features: torch.Tensor, block_embeds: 
     dtype, dev = model.fc.weight.dtype, features.device
     ctx = model.project_context(features.to(dtype)).reshape(b * ctx_len, hidden)
     x = block_embeds.to(dtype).reshape(b, q_len, hidden) * model.spec.input_embedding_scale
-    cos_c, sin_c = model.rotary(torch.arange(ctx_len, device=dev), dtype)
-    cos_c, sin_c = cos_c.repeat(b, 1), sin_c.repeat(b, 1)
-    blk_pos = (anchor_positions[..., None] + torch.arange(bs, device=dev)).flatten()
-    cos_b, sin_b = model.rotary(blk_pos, dtype)
+    ctx_rope = model.rotary.at(torch.arange(ctx_len, device=dev).repeat(b), dtype)
+    blk_rope = model.rotary.at((anchor_positions[..., None] + torch.arange(bs, device=dev)).flatten(), dtype)
     mask = training_mask(anchor_positions, ctx_len, bs)
     for layer in model.layers:
         attn = layer.self_attn
         nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
         h = layer.input_layernorm(x).reshape(b * q_len, hidden)
-        q = attn.query(h, cos_b, sin_b).view(b, q_len, nh, hd).transpose(1, 2)
-        k_blk, v_blk = attn.key_value(h, cos_b, sin_b)
-        k_ctx, v_ctx = attn.key_value(ctx, cos_c, sin_c)
+        q, k_blk, v_blk = attn.project(h, blk_rope)
+        q = q.view(b, q_len, nh, hd).transpose(1, 2)
+        k_ctx, v_ctx = attn.project_kv(ctx, ctx_rope)
         k = torch.cat([k_ctx.view(b, ctx_len, nkv, hd), k_blk.view(b, q_len, nkv, hd)], dim=1)
         v = torch.cat([v_ctx.view(b, ctx_len, nkv, hd), v_blk.view(b, q_len, nkv, hd)], dim=1)
         k = k.transpose(1, 2).repeat_interleave(nh // nkv, dim=1)

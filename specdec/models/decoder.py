@@ -58,10 +58,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, rope, layer_kv, attn: AttentionBackend):
         """Pre-norm block on a residual stream: returns (this layer's delta, the stream before it);
         the layer's output is their sum (the fused add+norm of the next layer adds them)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
         q, k, v = self.self_attn.project(h, rope)
         attn.write_kv(layer_kv, k, v)
         h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn.output(attn.attend(q, layer_kv)),

@@ -37,8 +37,11 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual). The fused kernel reuses both buffers in place."""
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); a None residual (the first layer) adds nothing.
+        The fused kernel reuses both buffers in place."""
+        if residual is None:
+            return self(x), x
         if self.fused:
             import flashinfer
 
@@ -214,19 +217,6 @@ class AttentionProjections(nn.Module):
         if self.k_norm is not None:
             k = self.k_norm(k)
         return rope.single(k), v
-
-    def query(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        return apply_rope(q, cos, sin)
-
-    def key_value(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        v = self.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
-        return apply_rope(k, cos, sin), v
 
     def output(self, attn_out: torch.Tensor) -> torch.Tensor:
         return self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
