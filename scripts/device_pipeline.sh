@@ -5,7 +5,9 @@
 #   watch:  tail /tmp/run/pipeline.log /tmp/run/stage
 # Stages write /tmp/run/stage; every stage is resumable (re-running the script continues).
 # Env: DATA_BUDGET_S, TRAIN_BUDGET_S, TRAIN_STEPS, MATH500 (path of math500.jsonl), PROBLEMS (the MATH
-# training problems; ../shared does not travel to the device, so carry it, e.g. in .xfer/).
+# training problems; ../shared does not travel to the device, so carry it, e.g. in .xfer/), INIT_FROM (an
+# exported drafter to start training from), LR. Shards already in /tmp/run/data (e.g. carried from an
+# earlier run) are kept: the data stage only generates the missing ones.
 set -uo pipefail
 run=/tmp/run
 mkdir -p "$run"
@@ -32,6 +34,7 @@ python3 scripts/generate_training_data.py --out "$run/data" --target "$target" -
 stage train
 python3 scripts/train_drafter.py --data "$run/data" --out "$run/train" --target "$target" \
   --max-steps "${TRAIN_STEPS:-4000}" --batch-size 8 --anchors-per-seq 256 --eval-every 500 --save-every 500 \
+  --lr "${LR:-6e-4}" ${INIT_FROM:+--init-from "$INIT_FROM"} \
   --time-budget-s "${TRAIN_BUDGET_S:-720}" --resume || { stage "failed: train"; exit 1; }
 
 stage export

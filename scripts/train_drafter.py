@@ -7,7 +7,8 @@
 Drafter shape: --draft-layers, --heads, --kv-heads, --head-dim, --intermediate-size,
 --target-layer-ids, --block-size, --mask-token-id. With --resume and a checkpoint in --out, the
 checkpoint's shape and state win and training continues where it stopped (same batches, same
-anchors as an uninterrupted run). Progress: a tqdm bar (loss, lr, batch tau, held-out tau) and
+anchors as an uninterrupted run). --init-from DRAFTER starts a new run from an exported drafter's
+weights and shape (bf16 or fp8 storage), e.g. to train a shipped drafter further with a fresh schedule. Progress: a tqdm bar (loss, lr, batch tau, held-out tau) and
 <out>/log.jsonl (one line per evaluation). Export with scripts/export_drafter.py.
 """
 
@@ -26,6 +27,8 @@ def parse_args(argv=None):
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="demo name or HF model directory")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt when present")
     p.add_argument("--device", default="auto")
+    p.add_argument("--init-from", default=None, metavar="DRAFTER",
+                   help="exported drafter directory whose weights (and shape) a new run starts from")
     # drafter shape
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=8)
@@ -69,7 +72,7 @@ def main(argv=None) -> None:
                                                   new_drafter, parameter_counts)
     from drafters.training.target import FrozenTarget, check_mask_token
     from drafters.training.trainer import TrainConfig, Trainer
-    from drafters.dflash_model import DFlashDraftModel
+    from drafters.dflash_model import DFlashDraftModel, load_dflash
     from specdec.models.demo_models import resolve_model
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -79,12 +82,17 @@ def main(argv=None) -> None:
     checkpoint = load_checkpoint(args.out) if args.resume else None
     if checkpoint is not None:
         config = config_from_json(checkpoint["drafter_config"])
+        drafter = DFlashDraftModel(config)
         print(f"resuming {args.out} at step {checkpoint['step']} (shape from the checkpoint)")
+    elif args.init_from:
+        drafter = load_dflash(args.init_from, torch.device("cpu"), torch.float32).train().requires_grad_(True)
+        config = drafter.config
+        print(f"starting from the weights of {args.init_from} (shape from the drafter)")
     else:
         shape = DrafterShape(args.draft_layers, args.heads, args.kv_heads, args.head_dim, args.intermediate_size,
                              args.block_size, args.target_layer_ids)
         config = drafter_config(target_config, shape, args.mask_token_id)
-    drafter = DFlashDraftModel(config) if checkpoint is not None else new_drafter(config, args.seed)
+        drafter = new_drafter(config, args.seed)
     spec = drafter.spec
     tokenizer = AutoTokenizer.from_pretrained(target_dir) if (target_dir / "tokenizer_config.json").is_file() else None
     check_mask_token(spec.mask_token_id, target_config.vocab_size, tokenizer)

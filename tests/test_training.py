@@ -284,6 +284,27 @@ def test_export_bf16_and_fp8(setup, tmp_path):
     load_drafter(tmp_path / "fp8", target.model)  # the engine's loader accepts it
 
 
+def test_train_script_starts_from_an_exported_drafter(setup, tmp_path):
+    """--init-from: a new run whose step-0 checkpoint holds the exported (fp8-dequantized) weights."""
+    root, _, drafter = setup
+    save_dflash(drafter, tmp_path / "shipped", storage="fp8")
+    data = tmp_path / "data"
+    data.mkdir()
+    toy_samples(n=6).save(data / "shard-00000.safetensors")
+    from scripts.train_drafter import main
+
+    main(["--data", str(data), "--out", str(tmp_path / "run"), "--target", str(root / "target"),
+          "--init-from", str(tmp_path / "shipped"), "--device", "cpu", "--mask-token-id", str(MASK),
+          "--max-steps", "5", "--eval-problems", "1", "--time-budget-s", "0"])  # spent: saves step 0, no step
+    assert load_checkpoint(tmp_path / "run")["step"] == 0
+    started = drafter_from_checkpoint(tmp_path / "run").state_dict()
+    shipped = load_dflash(tmp_path / "shipped", torch.device("cpu"), torch.float32).state_dict()
+    assert started.keys() == shipped.keys()
+    for k, v in shipped.items():
+        assert torch.equal(started[k], v), k
+    assert any(not torch.equal(v, drafter.state_dict()[k]) for k, v in shipped.items())  # fp8 rounding is visible
+
+
 # ---- (f) data shards ----------------------------------------------------------------------------
 def build_word_tokenizer(path):
     """A WordLevel tokenizer over the tiny vocabulary with a minimal chat template."""
