@@ -23,7 +23,8 @@ series of short calls (e.g. 10-minute GPU jobs): run the same command again and 
            --max-steps 3000 --batch-size 8 --anchors-per-seq 256 --time-budget-s 540 --resume
 
    Shape flags: --draft-layers --heads --kv-heads --head-dim --intermediate-size
-   --target-layer-ids --block-size --mask-token-id. `runs/qc15/checkpoint.pt` holds everything
+   --target-layer-ids --block-size --mask-token-id; or `--init-from DRAFTER_DIR` to start from an
+   exported drafter's weights and shape with a fresh schedule. `runs/qc15/checkpoint.pt` holds everything
    needed to resume (written atomically every --save-every steps and at the end);
    `runs/qc15/log.jsonl` has one line per evaluation: step, loss, train_tau, eval_loss,
    tau_estimate (greedy acceptance length on held-out problems), lr.
