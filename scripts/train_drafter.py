@@ -8,8 +8,9 @@ Drafter shape: --draft-layers, --heads, --kv-heads, --head-dim, --intermediate-s
 --target-layer-ids, --block-size, --mask-token-id. With --resume and a checkpoint in --out, the
 checkpoint's shape and state win and training continues where it stopped (same batches, same
 anchors as an uninterrupted run). --init-from DRAFTER starts a new run from an exported drafter's
-weights and shape (bf16 or fp8 storage), e.g. to train a shipped drafter further with a fresh schedule. Progress: a tqdm bar (loss, lr, batch tau, held-out tau) and
-<out>/log.jsonl (one line per evaluation). Export with scripts/export_drafter.py.
+weights and shape (bf16 or fp8 storage), e.g. to train a shipped drafter further with a fresh
+schedule. Progress: a tqdm bar (loss, lr, batch tau, held-out tau) and <out>/log.jsonl (one line
+per evaluation). Export with scripts/export_drafter.py.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main(argv=None) -> None:
                                                   new_drafter, parameter_counts)
     from drafters.training.target import FrozenTarget, check_mask_token
     from drafters.training.trainer import TrainConfig, Trainer
+    from drafters.compatibility import check_compatible
     from drafters.dflash_model import DFlashDraftModel, load_dflash
     from specdec.models.demo_models import resolve_model
 
@@ -87,6 +89,7 @@ def main(argv=None) -> None:
     elif args.init_from:
         drafter = load_dflash(args.init_from, torch.device("cpu"), torch.float32).train().requires_grad_(True)
         config = drafter.config
+        check_compatible(config, target_config, args.init_from)  # before the target loads
         print(f"starting from the weights of {args.init_from} (shape from the drafter)")
     else:
         shape = DrafterShape(args.draft_layers, args.heads, args.kv_heads, args.head_dim, args.intermediate_size,

@@ -286,7 +286,7 @@ def test_export_bf16_and_fp8(setup, tmp_path):
 
 def test_train_script_starts_from_an_exported_drafter(setup, tmp_path):
     """--init-from: a new run whose step-0 checkpoint holds the exported (fp8-dequantized) weights."""
-    root, _, drafter = setup
+    root, hf, drafter = setup
     save_dflash(drafter, tmp_path / "shipped", storage="fp8")
     data = tmp_path / "data"
     data.mkdir()
@@ -303,6 +303,14 @@ def test_train_script_starts_from_an_exported_drafter(setup, tmp_path):
     for k, v in shipped.items():
         assert torch.equal(started[k], v), k
     assert any(not torch.equal(v, drafter.state_dict()[k]) for k, v in shipped.items())  # fp8 rounding is visible
+
+    # a drafter made for another target is refused before any work, naming both values
+    config_file = tmp_path / "shipped" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "num_target_layers": 28}))
+    with pytest.raises(ValueError, match=f"num_target_layers 28 != the target's {hf.config.num_hidden_layers} layers"):
+        main(["--data", str(data), "--out", str(tmp_path / "other"), "--target", str(root / "target"),
+              "--init-from", str(tmp_path / "shipped"), "--device", "cpu", "--eval-problems", "1",
+              "--time-budget-s", "0"])
 
 
 # ---- (f) data shards ----------------------------------------------------------------------------
