@@ -18,8 +18,7 @@ import time
 from pathlib import Path
 
 from specdec import LLM, SamplingParams
-from specdec.config import DTYPES, KV_CACHE_DTYPES
-from specdec.llm import DEFAULT_TARGET
+from specdec.model_arguments import add_model_arguments, chosen_drafter
 
 from eval.comparison import compare
 from eval.grading import select_grader
@@ -30,10 +29,7 @@ from eval.runner import Run, run_problems
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.math500", description=__doc__.splitlines()[0])
-    p.add_argument("--target", default=DEFAULT_TARGET, help="demo model name, HF model directory or .gguf file")
-    p.add_argument("--drafter", default=None, help="DFlash drafter directory or shipped name "
-                                                   "(default: the target's shipped drafter, if any)")
-    p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding")
+    add_model_arguments(p)
     p.add_argument("--data", default=None, help="local math500 jsonl (default: HuggingFaceH4/MATH-500 test split)")
     p.add_argument("--limit", type=int, default=None, help="a seeded random subset of N problems")
     p.add_argument("--seed", type=int, default=0, help="seed of the subset and of sampling")
@@ -41,10 +37,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight (engine max_num_seqs); "
                                                               "1 = the z-lab batch-1 protocol")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
-    p.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size in pages (default: from memory)")
     p.add_argument("--output", default=None, help="output directory (default: results/math500-<timestamp>)")
     p.add_argument("--baseline", action="store_true", help="also run without the drafter and compare")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -54,12 +46,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.concurrency < 1:
         p.error("--concurrency must be positive")
     return args
-
-
-def default_drafter(target: str) -> str | None:
-    from drafters import DEFAULT_DRAFTERS
-
-    return DEFAULT_DRAFTERS.get(target)
 
 
 def make_llm(args, drafter) -> LLM:
@@ -126,7 +112,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    drafter = None if args.no_drafter else (args.drafter or default_drafter(args.target))
+    drafter = chosen_drafter(args)
     try:
         problems = select(load_problems(args.data), args.limit, args.seed)
         llm = make_llm(args, drafter)

@@ -10,8 +10,8 @@ import argparse
 import logging
 import sys
 
-from specdec.config import DTYPES, KV_CACHE_DTYPES
-from specdec.llm import DEFAULT_TARGET, LLM
+from specdec.llm import LLM
+from specdec.model_arguments import add_model_arguments, chosen_drafter
 from specdec.sampling_params import SamplingParams
 
 # the shipped drafter was trained on step-by-step math answers, so the demo asks for one
@@ -19,18 +19,9 @@ DEFAULT_PROMPT = ("A train travels 180 km in 2.5 hours and then 120 km in 1.5 ho
                   "for the whole trip?\nPlease reason step by step, and put your final answer within \\boxed{}.")
 
 
-def default_drafter(target: str) -> str | None:
-    from drafters import DEFAULT_DRAFTERS
-
-    return DEFAULT_DRAFTERS.get(target)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m specdec.generate", description=__doc__.splitlines()[0])
-    p.add_argument("--target", default=DEFAULT_TARGET, help="demo model name, HF model directory or .gguf file")
-    p.add_argument("--drafter", default=None, help="DFlash drafter directory (z-lab format) or name; "
-                                                   "default: the target's shipped drafter, if any")
-    p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding")
+    add_model_arguments(p)
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for a batch)")
     p.add_argument("--prompts-file", default=None, help="a file with one prompt per line")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
@@ -42,13 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     p.add_argument("--calibrate-fp8-scales", action="store_true",
                    help="FP8 KV: per-layer scales from the first prefill (default: scale 1.0)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size in pages (default: from memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto")
     return p.parse_args(argv)
@@ -73,7 +60,7 @@ def main(argv=None) -> int:
                                 top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
                                 chat=args.chat)
         prompts = read_prompts(args)
-        drafter = None if args.no_drafter else (args.drafter or default_drafter(args.target))
+        drafter = chosen_drafter(args)
         llm = LLM(args.target, drafter, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                   page_size=args.page_size, num_kv_pages=args.num_kv_pages,
                   gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
