@@ -5,6 +5,11 @@
         backend.write_kv(cache.layers[i], k, v)   # this step's new K/V into their slots
         out = backend.attend(q, cache.layers[i])  # paged attention over each request's KV
 
+After `plan`, `kv_indices` / `kv_indptr` hold the step's page metadata on the device, so a step can
+compute its own write slots there (`set_write_slots`, used by fixed-shape steps and CUDA graphs).
+Backends with `supports_graphs` also have `graph_slot(batch_size, max_pages)` and
+`plan_graph(slot, layout, scratch_page)`: the capture / replay hooks (see specdec/cuda_graphs.py).
+
 Backends are chosen by name; GPU-only ones are imported lazily so a CPU install never needs them.
 """
 
@@ -19,16 +24,27 @@ from attention.kv_cache import LayerKV
 
 
 class AttentionBackend(ABC):
+    supports_graphs = False
+
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float):
         self.num_qo_heads = num_qo_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.sm_scale = sm_scale
         self.layout: BatchLayout | None = None
+        self.kv_indices: torch.Tensor | None = None  # [pages used] int32, the planned step's pages
+        self.kv_indptr: torch.Tensor | None = None  # [batch + 1] int32
+        self.write_pages: torch.Tensor | None = None  # [new K/V rows] int64
+        self.write_offsets: torch.Tensor | None = None
 
     @abstractmethod
-    def plan(self, layout: BatchLayout) -> None:
-        """Prepare the metadata of one forward step, shared by all layers."""
+    def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
+        """Prepare the metadata of one forward step, shared by all layers; write_slots=False when the
+        step sets its own (`set_write_slots`)."""
+
+    def set_write_slots(self, pages: torch.Tensor, offsets: torch.Tensor) -> None:
+        """(page, offset) of every K/V row the step's layers write, in the order they pass them."""
+        self.write_pages, self.write_offsets = pages, offsets
 
     @abstractmethod
     def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:

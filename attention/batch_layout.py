@@ -8,40 +8,71 @@ new_kv_lens == q_lens; a DFlash draft step also writes context K/V that have no 
 Causal alignment is bottom-right: query j of request i sees KV positions
 <= kv_lens[i] - q_lens[i] + j. With causal=False every query sees the request's whole KV.
 
-Flattened tensors (queries, new K/V) are ordered request by request.
+Flattened tensors (queries, new K/V) are ordered request by request. All per-request and per-page
+arrays are numpy int32, built with vectorized operations: no Python work per token or page.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 
+import numpy as np
 import torch
 
+from attention.transfer import upload
 
-@dataclass(frozen=True)
+
+def _int32(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32)
+
+
+@dataclass(frozen=True, eq=False)
 class BatchLayout:
-    q_lens: tuple[int, ...]
-    kv_lens: tuple[int, ...]
-    new_kv_lens: tuple[int, ...]
-    page_tables: tuple[tuple[int, ...], ...]
+    q_lens: np.ndarray  # [B]
+    kv_lens: np.ndarray  # [B]
+    new_kv_lens: np.ndarray  # [B]
+    kv_indices: np.ndarray  # [sum of pages used]: every request's used pages, request by request
     page_size: int
     causal: bool
 
-    def __post_init__(self):
-        n = len(self.q_lens)
-        if not (len(self.kv_lens) == len(self.new_kv_lens) == len(self.page_tables) == n):
+    @classmethod
+    def build(cls, q_lens, kv_lens, new_kv_lens, page_tables, page_size: int, causal: bool) -> "BatchLayout":
+        """page_tables[i]: request i's pages (a list or an int array); only the used ones are kept."""
+        q, kv, new = _int32(q_lens), _int32(kv_lens), _int32(new_kv_lens)
+        if not (len(q) == len(kv) == len(new) == len(page_tables)):
             raise ValueError("q_lens, kv_lens, new_kv_lens and page_tables must have one entry per request")
-        for q, new, kv, pages in zip(self.q_lens, self.new_kv_lens, self.kv_lens, self.page_tables):
-            if not (0 < q <= new <= kv):
-                raise ValueError(f"need 0 < q_len <= new_kv_len <= kv_len, got {q}, {new}, {kv}")
-            if len(pages) * self.page_size < kv:
-                raise ValueError(f"{len(pages)} pages of {self.page_size} cannot hold {kv} tokens")
+        if not ((0 < q) & (q <= new) & (new <= kv)).all():
+            raise ValueError(f"need 0 < q_len <= new_kv_len <= kv_len, got {q}, {new}, {kv}")
+        used = -(-kv // page_size)
+        if any(len(t) < n for t, n in zip(page_tables, used.tolist())):
+            raise ValueError(f"page tables too short for KV lengths {kv.tolist()} with pages of {page_size}")
+        indices = np.concatenate([_int32(t[:n]) for t, n in zip(page_tables, used.tolist())]) if len(q) else _int32([])
+        return cls(q, kv, new, indices, page_size, causal)
 
     @classmethod
     def for_tokens(cls, q_lens, kv_lens, page_tables, page_size: int, causal: bool) -> "BatchLayout":
         """A layout where every new token also has a query (prefill, verify, decode)."""
-        return cls(tuple(q_lens), tuple(kv_lens), tuple(q_lens), tuple(map(tuple, page_tables)), page_size, causal)
+        return cls.build(q_lens, kv_lens, q_lens, page_tables, page_size, causal)
+
+    @classmethod
+    def dummy(cls, batch_size: int, q_len: int, kv_len: int, page_size: int, scratch_page: int,
+              causal: bool) -> "BatchLayout":
+        """Padding requests only, on the scratch page (what a CUDA graph is captured with)."""
+        pages = [[scratch_page] * -(-kv_len // page_size)] * batch_size
+        return cls.build([q_len] * batch_size, [kv_len] * batch_size, [q_len] * batch_size, pages, page_size, causal)
+
+    def padded(self, batch_size: int, scratch_page: int) -> "BatchLayout":
+        """The same step padded with dummy requests up to `batch_size` (a CUDA-graph rung): each dummy
+        has this layout's largest q_len / new_kv_len, KV of that length, and only the scratch page."""
+        extra = batch_size - self.batch_size
+        if extra <= 0:
+            return self
+        q, new = int(self.q_lens.max()), int(self.new_kv_lens.max())
+        dummy_pages = -(-new // self.page_size)
+        pad = lambda a, v: np.concatenate([a, np.full(extra, v, dtype=np.int32)])  # noqa: E731
+        indices = np.concatenate([self.kv_indices, np.full(extra * dummy_pages, scratch_page, dtype=np.int32)])
+        return BatchLayout(pad(self.q_lens, q), pad(self.kv_lens, new), pad(self.new_kv_lens, new), indices,
+                           self.page_size, self.causal)
 
     @property
     def batch_size(self) -> int:
@@ -49,37 +80,45 @@ class BatchLayout:
 
     @property
     def num_queries(self) -> int:
-        return sum(self.q_lens)
+        return int(self.q_lens.sum())
 
     @property
     def num_new_kv(self) -> int:
-        return sum(self.new_kv_lens)
+        return int(self.new_kv_lens.sum())
 
-    def qo_indptr(self) -> list[int]:
-        return [0, *accumulate(self.q_lens)]
+    def pages_used(self) -> np.ndarray:
+        return -(-self.kv_lens // self.page_size)
 
-    def pages_used(self) -> list[int]:
-        return [-(-kv // self.page_size) for kv in self.kv_lens]
+    def qo_indptr(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.q_lens)]).astype(np.int32)
 
-    def kv_indptr(self) -> list[int]:
-        return [0, *accumulate(self.pages_used())]
+    def kv_indptr(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.pages_used())]).astype(np.int32)
 
-    def kv_indices(self) -> list[int]:
-        return [p for pages, used in zip(self.page_tables, self.pages_used()) for p in pages[:used]]
+    def last_page_lens(self) -> np.ndarray:
+        return (self.kv_lens - 1) % self.page_size + 1
 
-    def last_page_lens(self) -> list[int]:
-        return [(kv - 1) % self.page_size + 1 for kv in self.kv_lens]
+    def new_kv_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(request index, in-sequence position) of every written token, flattened."""
+        requests = np.repeat(np.arange(self.batch_size, dtype=np.int32), self.new_kv_lens)
+        starts = np.repeat(self.kv_lens - self.new_kv_lens, self.new_kv_lens)
+        offsets = np.arange(len(requests), dtype=np.int32) - np.repeat(
+            np.cumsum(self.new_kv_lens) - self.new_kv_lens, self.new_kv_lens)
+        return requests, (starts + offsets).astype(np.int32)
 
-    def new_kv_positions(self) -> list[int]:
-        """In-sequence position of every written token, flattened."""
-        return [p for kv, new in zip(self.kv_lens, self.new_kv_lens) for p in range(kv - new, kv)]
+    def new_kv_positions(self) -> np.ndarray:
+        return self.new_kv_rows()[1]
 
     def new_kv_slots(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(page, offset) of every written token, flattened, as int64 tensors on `device`."""
-        pages, offsets = [], []
-        for kv, new, table in zip(self.kv_lens, self.new_kv_lens, self.page_tables):
-            for pos in range(kv - new, kv):
-                pages.append(table[pos // self.page_size])
-                offsets.append(pos % self.page_size)
-        return (torch.tensor(pages, dtype=torch.long, device=device),
-                torch.tensor(offsets, dtype=torch.long, device=device))
+        requests, positions = self.new_kv_rows()
+        pages = self.kv_indices[self.kv_indptr()[requests] + positions // self.page_size]
+        return (upload(pages.astype(np.int64), device), upload((positions % self.page_size).astype(np.int64), device))
+
+
+def slots_on_device(kv_indices: torch.Tensor, kv_indptr: torch.Tensor, requests: torch.Tensor,
+                    positions: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, offset) of tokens given as (request index, position) from a step's page metadata, computed
+    on the GPU (no host work per token); page-table entries past a request's pages are never read."""
+    pages = kv_indices[kv_indptr[requests].long() + torch.div(positions, page_size, rounding_mode="floor")]
+    return pages.long(), (positions % page_size).long()

@@ -1,27 +1,63 @@
 """FlashInfer attention over the paged cache (CUDA).
 
-One `BatchPrefillWithPagedKVCacheWrapper` per backend instance serves prompt prefill, target
-verify (causal) and DFlash drafting (non-causal): `plan` once per forward step with the whole
-batch's per-request lengths, then `run` by every layer. Metadata is int32; indptr and
-last_page_len stay on the CPU (plan reads them on the host), page indices go to the GPU.
-New K/V are written with `append_paged_kv_cache` (quantized to e4m3 first when the cache is FP8).
-FP8 caches pin `backend="fa2"`: the fa3 kernels need FP8 queries, and "auto" sticks to the choice
-of the first plan.
+One `BatchPrefillWithPagedKVCacheWrapper` serves prompt prefill, target verify (causal) and DFlash
+drafting (non-causal): `plan` once per forward step with the whole batch's per-request lengths,
+then `run` by every layer. Eager steps use one wrapper; each CUDA-graph rung (a fixed batch size)
+has its own `GraphSlot`: a wrapper built with `use_cuda_graph=True` over index buffers at fixed
+addresses, planned on the host before every replay. All wrappers of a backend share one float
+workspace (steps never overlap). Host metadata reaches the GPU only from pinned memory with
+non-blocking copies, so planning never synchronizes the host with the GPU.
+Every wrapper pins `backend="fa2"`: the fa3 kernels need FP8 queries, and on an H200 fa2's paged
+kernel takes 9-15 us a layer where fa3's takes 20-50 us once a request's KV reaches ~1,000 tokens or
+the batch grows (fa3 wins only on short KV). One kernel family for eager and graphed steps also
+keeps their results identical.
 """
 
 from __future__ import annotations
 
 import flashinfer
+import numpy as np
 import torch
 
 from attention.backend import AttentionBackend
-from attention.batch_layout import BatchLayout
-from attention.kv_cache import FP8_DTYPE, LayerKV
+from attention.batch_layout import BatchLayout, slots_on_device
+from attention.kv_cache import LayerKV
+from attention.transfer import pinned, upload
 
 WORKSPACE_BYTES = 256 << 20
+KERNEL_BACKEND = "fa2"
+
+
+class GraphSlot:
+    """The wrapper and index buffers of one CUDA-graph batch size (their addresses never change), and
+    pinned host buffers to plan from (a slot is planned at most once per step, so they are free again
+    once the step's one synchronization has passed)."""
+
+    def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int):
+        dev = backend.device
+        self.batch_size = batch_size
+        self.qo_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
+        self.kv_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
+        self.kv_indices = torch.zeros(max_pages, dtype=torch.int32, device=dev)
+        self.last_page_len = torch.ones(batch_size, dtype=torch.int32, device=dev)
+        self.host = {name: torch.zeros(size, dtype=torch.int32, pin_memory=True) for name, size in (
+            ("qo_indptr", batch_size + 1), ("kv_indptr", batch_size + 1), ("kv_indices", max_pages),
+            ("last_page_len", batch_size))}
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr,
+            paged_kv_indptr_buf=self.kv_indptr, paged_kv_indices_buf=self.kv_indices,
+            paged_kv_last_page_len_buf=self.last_page_len, backend=KERNEL_BACKEND)
+
+    def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
+        """values in the pinned host buffer `name`; returns that slice."""
+        host = self.host[name][:len(values)]
+        host.numpy()[:] = values
+        return host
 
 
 class FlashInferBackend(AttentionBackend):
+    supports_graphs = True
+
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float, *,
                  device: torch.device, kv_dtype: torch.dtype, q_dtype: torch.dtype = torch.bfloat16):
         super().__init__(num_qo_heads, num_kv_heads, head_dim, sm_scale)
@@ -29,31 +65,51 @@ class FlashInferBackend(AttentionBackend):
         self.kv_dtype = kv_dtype
         self.q_dtype = q_dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        backend = "fa2" if kv_dtype == FP8_DTYPE else "auto"
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=backend)
+        self.eager_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                            backend=KERNEL_BACKEND)
+        self.wrapper = self.eager_wrapper
 
-    def plan(self, layout: BatchLayout) -> None:
+    def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
+        """An eager step of any layout; write_slots=False leaves the write slots to the caller."""
         self.layout = layout
-        kv_indices, kv_indptr, last_page_lens = layout.kv_indices(), layout.kv_indptr(), layout.last_page_lens()
-        batch_indices = [i for i, n in enumerate(layout.new_kv_lens) for _ in range(n)]
+        requests, positions = layout.new_kv_rows() if write_slots else (np.zeros(0, np.int32),) * 2
+        kv_indptr = layout.kv_indptr()
+        n_idx, b, n_new = len(layout.kv_indices), layout.batch_size, len(requests)
         # one host-to-device copy for everything the kernels read on the GPU
-        packed = torch.tensor(kv_indices + kv_indptr + last_page_lens + batch_indices + layout.new_kv_positions(),
-                              dtype=torch.int32)
-        gpu = packed.pin_memory().to(self.device, non_blocking=True)
-        b = layout.batch_size
-        sizes = [len(kv_indices), b + 1, b, layout.num_new_kv, layout.num_new_kv]
-        (self.kv_indices, self.kv_indptr_gpu, self.last_page_len_gpu, self.batch_indices,
-         self.positions) = gpu.split(sizes)
-        self.wrapper.plan(torch.tensor(layout.qo_indptr(), dtype=torch.int32),
-                          torch.tensor(kv_indptr, dtype=torch.int32), self.kv_indices,
-                          torch.tensor(last_page_lens, dtype=torch.int32), self.num_qo_heads,
-                          self.num_kv_heads, self.head_dim, layout.page_size, causal=layout.causal,
-                          sm_scale=self.sm_scale, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype)
+        gpu = upload(np.concatenate([layout.kv_indices, kv_indptr, requests, positions]), self.device)
+        self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu = gpu.split([n_idx, b + 1, n_new, n_new])
+        if write_slots:
+            self.set_write_slots(*slots_on_device(self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu,
+                                                  layout.page_size))
+        self.wrapper = self.eager_wrapper
+        self._plan_wrapper(layout, pinned(layout.qo_indptr()), pinned(kv_indptr), self.kv_indices,
+                           pinned(layout.last_page_lens()))
+
+    def graph_slot(self, batch_size: int, max_pages: int) -> GraphSlot:
+        return GraphSlot(self, batch_size, max_pages)
+
+    def plan_graph(self, slot: GraphSlot, layout: BatchLayout, scratch_page: int) -> None:
+        """A graph replay: `layout` padded to the slot's batch size goes into the slot's buffers. The
+        captured graph computes its own write slots from them (see `slots_on_device`)."""
+        layout = layout.padded(slot.batch_size, scratch_page)
+        self.layout = layout
+        n = len(layout.kv_indices)
+        slot.kv_indices[:n].copy_(slot.stage("kv_indices", layout.kv_indices), non_blocking=True)
+        self.wrapper = slot.wrapper
+        self.kv_indices, self.kv_indptr = slot.kv_indices, slot.kv_indptr
+        self._plan_wrapper(layout, slot.stage("qo_indptr", layout.qo_indptr()), slot.stage("kv_indptr", layout.kv_indptr()),
+                           slot.kv_indices[:n], slot.stage("last_page_len", layout.last_page_lens()))
+
+    def _plan_wrapper(self, layout: BatchLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                      kv_indices_gpu: torch.Tensor, last_page_len: torch.Tensor) -> None:
+        # indptr and last_page_len are pinned CPU tensors: plan reads them on the host, and its copies of
+        # them to the GPU stay asynchronous
+        self.wrapper.plan(qo_indptr, kv_indptr, kv_indices_gpu, last_page_len, self.num_qo_heads, self.num_kv_heads,
+                          self.head_dim, layout.page_size, causal=layout.causal, sm_scale=self.sm_scale,
+                          q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, non_blocking=True)
 
     def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
-        k, v = layer.quantize(k, v)
-        flashinfer.append_paged_kv_cache(k, v, self.batch_indices, self.positions, layer.data, self.kv_indices,
-                                         self.kv_indptr_gpu, self.last_page_len_gpu, kv_layout="NHD")
+        layer.write(self.write_pages, self.write_offsets, k, v)
 
     def attend(self, q: torch.Tensor, layer: LayerKV) -> torch.Tensor:
         if layer.is_fp8:

@@ -39,17 +39,29 @@ class LayerKV:
             self.calibrate_next_write = False
             amax = torch.stack([k.abs().max(), v.abs().max()]).float().tolist()  # one sync, first prefill only
             self.k_scale, self.v_scale = (max(a * CALIBRATION_HEADROOM / FP8_MAX, 1e-6) for a in amax)
-        k = (k.float() / self.k_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        v = (v.float() / self.v_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        return k, v
+        return _to_fp8(k, self.k_scale), _to_fp8(v, self.v_scale)
 
     def write(self, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [n, num_kv_heads, head_dim] at (page, offset) slots; quantizes as needed."""
+        """Store k, v [n, num_kv_heads, head_dim] at (page, offset) slots; quantizes as needed.
+
+        K and V that sit side by side in one buffer (the k|v columns of a fused q|k|v projection) are
+        quantized and written as one [n, 2, heads, head_dim] tensor: half the kernels of two writes."""
+        pair = _adjacent_pair(k, v)
+        if pair is not None and self.k_scale == self.v_scale and not self.calibrate_next_write:
+            pair = _to_fp8(pair, self.k_scale) if self.is_fp8 else pair.to(self.data.dtype)
+            self._raw()[pages, :, offsets] = self._as_raw(pair)
+            return
         k, v = self.quantize(k, v)
-        # Indexed writes go through a byte view: index_put is not implemented for float8 on every device.
-        raw = self.data.view(torch.uint8) if self.is_fp8 else self.data
-        raw[pages, 0, offsets] = k.view(raw.dtype) if self.is_fp8 else k
-        raw[pages, 1, offsets] = v.view(raw.dtype) if self.is_fp8 else v
+        raw = self._raw()
+        raw[pages, 0, offsets] = self._as_raw(k)
+        raw[pages, 1, offsets] = self._as_raw(v)
+
+    # Indexed writes go through a byte view: index_put is not implemented for float8 on every device.
+    def _raw(self) -> torch.Tensor:
+        return self.data.view(torch.uint8) if self.is_fp8 else self.data
+
+    def _as_raw(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(torch.uint8) if self.is_fp8 else x
 
     def read(self, pages: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V [n, num_kv_heads, head_dim] of the given slots."""
@@ -60,8 +72,30 @@ class LayerKV:
         return k, v
 
 
+def _adjacent_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """k, v [n, heads, head_dim] as one [n, 2, heads, head_dim] view when v's row directly follows k's
+    in memory (same buffer, same row stride, each row dense); None otherwise."""
+    if k.dim() != 3 or k.shape != v.shape or k.stride() != v.stride() or k.dtype != v.dtype:
+        return None
+    n, heads, dim = k.shape
+    if k.stride(2) != 1 or k.stride(1) != dim or v.data_ptr() != k.data_ptr() + heads * dim * k.element_size():
+        return None
+    return k.as_strided((n, 2, heads, dim), (k.stride(0), heads * dim, dim, 1))
+
+
+def _to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scale, saturate (a plain cast turns out-of-range values into NaN) and cast; the scale of 1.0
+    that the cache uses by default costs no multiply."""
+    if scale != 1.0:
+        x = x * (1.0 / scale)
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 class KVCache:
-    """The K/V tensors of every layer of one model, sharing one page geometry."""
+    """The K/V tensors of every layer of one model, sharing one page geometry.
+
+    One page more than `num_pages` is allocated: `scratch_page`, which the pool never hands out, takes
+    the K/V writes of padding rows (dummy requests of a CUDA-graph batch, padded draft context)."""
 
     def __init__(
         self,
@@ -78,7 +112,8 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        shape = (num_pages, 2, page_size, num_kv_heads, head_dim)
+        self.scratch_page = num_pages
+        shape = (num_pages + 1, 2, page_size, num_kv_heads, head_dim)
         self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
 
     @property

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 
 class OutOfPagesError(RuntimeError):
     """The pool has fewer free pages than a request needs."""
@@ -42,21 +44,39 @@ class PagePool:
 
 
 class PageTable:
-    """One sequence's pages and length. All growth and shrinkage goes through the pool."""
+    """One sequence's pages and length. All growth and shrinkage goes through the pool.
+
+    Page ids live in a numpy array that grows by doubling, so a step reads a table's pages as one
+    array slice (`array`) with no per-page Python work."""
 
     def __init__(self, pool: PagePool):
         self.pool = pool
-        self.pages: list[int] = []
+        self._ids = np.empty(4, dtype=np.int32)
+        self.num_pages = 0
         self.length = 0
 
+    @property
+    def array(self) -> np.ndarray:
+        """The pages in order, int32 (a view: valid until the table changes)."""
+        return self._ids[:self.num_pages]
+
+    @property
+    def pages(self) -> list[int]:
+        return self.array.tolist()
+
     def can_grow(self, num_tokens: int) -> bool:
-        return self.pool.pages_for(self.length + num_tokens) - len(self.pages) <= self.pool.num_free
+        return self.pool.pages_for(self.length + num_tokens) - self.num_pages <= self.pool.num_free
 
     def grow(self, num_tokens: int) -> None:
         """Reserve slots for `num_tokens` more tokens (the caller writes their K/V)."""
-        needed = self.pool.pages_for(self.length + num_tokens) - len(self.pages)
+        needed = self.pool.pages_for(self.length + num_tokens) - self.num_pages
         if needed > 0:
-            self.pages.extend(self.pool.take(needed))
+            new = self.pool.take(needed)
+            end = self.num_pages + needed
+            if end > len(self._ids):
+                self._ids = np.resize(self._ids, max(end, 2 * len(self._ids)))
+            self._ids[self.num_pages:end] = new
+            self.num_pages = end
         self.length += num_tokens
 
     def truncate(self, length: int) -> None:
@@ -64,9 +84,9 @@ class PageTable:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a sequence of {self.length} tokens to {length}")
         keep = self.pool.pages_for(length)
-        if keep < len(self.pages):
-            self.pool.give_back(self.pages[keep:])
-            del self.pages[keep:]
+        if keep < self.num_pages:
+            self.pool.give_back(self._ids[keep:self.num_pages].tolist())
+            self.num_pages = keep
         self.length = length
 
     def free(self) -> None:
@@ -74,4 +94,4 @@ class PageTable:
 
     def slot(self, position: int) -> int:
         """Flat slot index (page * page_size + offset) of token `position`."""
-        return self.pages[position // self.pool.page_size] * self.pool.page_size + position % self.pool.page_size
+        return int(self._ids[position // self.pool.page_size]) * self.pool.page_size + position % self.pool.page_size

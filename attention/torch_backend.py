@@ -18,30 +18,32 @@ class TorchBackend(AttentionBackend):
         super().__init__(num_qo_heads, num_kv_heads, head_dim, sm_scale)
         self.device = torch.device(device)
 
-    def plan(self, layout: BatchLayout) -> None:
+    def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
         self.layout = layout
         dev = self.device
-        self.write_pages, self.write_offsets = layout.new_kv_slots(dev)
-        batch, max_q, max_kv = layout.batch_size, max(layout.q_lens), max(layout.kv_lens)
+        self.kv_indices = torch.from_numpy(layout.kv_indices).to(dev)
+        self.kv_indptr = torch.from_numpy(layout.kv_indptr()).to(dev)
+        if write_slots:
+            self.set_write_slots(*layout.new_kv_slots(dev))
+        batch, max_q, max_kv = layout.batch_size, int(layout.q_lens.max()), int(layout.kv_lens.max())
         kv_pos = torch.arange(max_kv)
-        pages = torch.zeros(batch, max_kv, dtype=torch.long)
-        for i, (kv, table) in enumerate(zip(layout.kv_lens, layout.page_tables)):
-            used = -(-kv // layout.page_size)
-            pages[i, :kv] = torch.tensor(table[:used]).repeat_interleave(layout.page_size)[:kv]
-        self.read_pages = pages.to(dev)
+        kv_lens = torch.from_numpy(layout.kv_lens).long()
+        q_lens = torch.from_numpy(layout.q_lens).long()
+        # page of every (request, kv position); positions past a request's KV read its first page (masked)
+        page_index = torch.from_numpy(layout.kv_indptr()[:-1]).long()[:, None] + kv_pos[None, :] // layout.page_size
+        in_kv = kv_pos[None, :] < kv_lens[:, None]
+        indices = torch.from_numpy(layout.kv_indices).long()
+        self.read_pages = torch.where(in_kv, indices[page_index.clamp(max=len(indices) - 1)], 0).to(dev)
         self.read_offsets = (kv_pos % layout.page_size).expand(batch, max_kv).to(dev)
-        kv_lens = torch.tensor(layout.kv_lens)
-        q_lens = torch.tensor(layout.q_lens)
         q_idx = torch.arange(max_q)
-        visible = kv_pos[None, None, :] < kv_lens[:, None, None]  # [B, 1, max_kv]
+        visible = in_kv[:, None, :]  # [B, 1, max_kv]
         if layout.causal:
             last_visible = (kv_lens - q_lens)[:, None] + q_idx[None, :]  # [B, max_q]
             visible = visible & (kv_pos[None, None, :] <= last_visible[:, :, None])
         self.visible = visible.expand(batch, max_q, max_kv).to(dev)
         # flat query t of request i <-> padded (i, j)
-        rows = [(i, j) for i, q in enumerate(layout.q_lens) for j in range(q)]
-        self.q_batch = torch.tensor([r[0] for r in rows], device=dev)
-        self.q_pos = torch.tensor([r[1] for r in rows], device=dev)
+        self.q_batch = torch.repeat_interleave(torch.arange(batch), q_lens).to(dev)
+        self.q_pos = (torch.arange(int(q_lens.sum())) - torch.repeat_interleave(q_lens.cumsum(0) - q_lens, q_lens)).to(dev)
         self.padded_q_shape = (batch, max_q)
 
     def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:

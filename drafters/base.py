@@ -1,18 +1,41 @@
 """The drafter interface: what the speculative loop needs from any drafter.
 
-Lifecycle per request: `begin` after the target's prefill (with the prompt's features), then
-each step `propose` a block and, after verification, `extend` with the features of the
-positions the step committed; `release` when the request finishes. A drafter owns its own
-caches; the engine owns the target's.
+Set-up: `attach(context)` with the narrow `DraftContext` (device, dtypes, page geometry, the target's
+embedding and lm_head, where the target's features appear), then `allocate_cache(num_pages)` once the
+engine has sized its pool, then `capture(pool)` for CUDA graphs (when the engine uses them).
+Lifecycle per request: `begin` after the target's prefill (with the prompt's features), then each
+step `propose` a block and, after verification, `extend` with the rows of the verify's features that
+the step committed; `release` when the request finishes. A drafter owns its own caches; the engine
+owns the target's.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from specdec.request import Request
+if TYPE_CHECKING:  # the engine imports this module: no import of specdec at run time
+    from specdec.request import Request
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    device: torch.device
+    dtype: torch.dtype  # the target's compute dtype
+    kv_dtype: torch.dtype
+    page_size: int
+    backend_name: str  # attention backend, already resolved ("torch" or "flashinfer")
+    max_batch: int
+    max_context: int  # the target's context length
+    embed_tokens: nn.Module
+    lm_head: nn.Module
+    calibrate_fp8_scales: bool = False
+    # the target's verify features [max_batch * block_size, F] at a fixed address (None on request-less set-ups)
+    features: torch.Tensor | None = None
 
 
 class Drafter(ABC):
@@ -20,12 +43,19 @@ class Drafter(ABC):
     target_layer_ids: tuple[int, ...]  # target layers whose outputs the drafter consumes
 
     @abstractmethod
-    def attach(self, engine) -> None:
-        """Allocate caches next to the engine's (same device, page size, page count, KV dtype)."""
+    def attach(self, context: DraftContext) -> None:
+        """Take the engine's set-up (device, page size, KV dtype, ...) and build static buffers."""
 
     def kv_bytes_per_page(self, page_size: int, kv_dtype: torch.dtype) -> int:
         """Memory one page of the drafter's own cache takes (0 for drafters without a cache)."""
         return 0
+
+    def allocate_cache(self, num_pages: int) -> None:
+        """Allocate the drafter's cache with as many pages as the target's."""
+
+    def capture(self, pool) -> float:
+        """Capture CUDA graphs of the draft step into `pool`; returns seconds (0 without graphs)."""
+        return 0.0
 
     @abstractmethod
     def begin(self, requests: list[Request], prompt_features: list[torch.Tensor]) -> None:
@@ -36,9 +66,9 @@ class Drafter(ABC):
         """Draft tokens [len(requests), block_size - 1] following each request's pending token."""
 
     @abstractmethod
-    def extend(self, requests: list[Request], features: list[torch.Tensor]) -> None:
-        """Positions were committed: features[i] [n_i, F] are the target features of request i's
-        newly committed positions (anchor and accepted drafts), in order."""
+    def extend(self, requests: list[Request], features: torch.Tensor, rows: list[int], counts: list[int]) -> None:
+        """Positions were committed: request i's newly committed positions (anchor and accepted
+        drafts) have the target features features.view(-1, block_size, F)[rows[i], :counts[i]]."""
 
     @abstractmethod
     def release(self, request: Request) -> None:

@@ -1,40 +1,47 @@
-"""DFlash drafting over a paged context cache.
+"""DFlash drafting over a paged context cache, with CUDA graphs for the draft step.
 
 Per request the drafter keeps a context cache (per draft layer, the K/V of the projected target
-features of every committed position whose features are known) and the features that arrived
-since its last step (`pending`). A draft step, for the whole batch at once:
+features of every committed position whose features are known). The prompt's context is written
+at `begin`, eagerly (its length varies). After a verify, the a + 1 committed positions' features are
+rows of the target's verify features (`extend` records which rows); the next draft step writes them.
 
-    KV written:  [pending context n_i ; block bs]  at positions start_i - n_i .. start_i + bs - 1
-    queries:     the block [anchor, MASK x (bs-1)] at positions start_i .. start_i + bs - 1
-    attention:   non-causal over the request's whole cache (one plan for all layers)
+A draft step has a fixed shape, so it is captured as CUDA graphs over the batch ladder:
+
+    context rows   block_size per request: the first n_i are the new context (positions
+                   start_i - n_i .. start_i - 1), the rest padding written to the scratch page
+    block rows     [anchor, MASK x (bs-1)] at positions start_i .. start_i + bs - 1
+    attention      block queries, non-causal over the request's whole cache (one plan for all layers)
 
 then the block's scratch slots are released, so the cache ends at start_i (the anchor's position),
-holding exactly the context positions 0 .. start_i - 1.
+holding exactly the context positions 0 .. start_i - 1. Padding the context to block_size (a verify
+commits at most block_size positions) is what makes the shape fixed; prompt-sized context stays eager.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from attention.backend import make_backend
-from attention.batch_layout import BatchLayout
+from attention.batch_layout import BatchLayout, slots_on_device
 from attention.kv_cache import KVCache
 from attention.page_pool import PagePool, PageTable
-from drafters.base import Drafter
+from attention.transfer import upload
+from drafters.base import DraftContext, Drafter
 from drafters.dflash_model import DFlashDraftModel
-from specdec.models.decoder import CausalLM
+from specdec.cuda_graphs import GraphLadder, StaticInputs, ladder_sizes
 from specdec.request import Request
 
 
 class DFlashDrafter(Drafter):
-    def __init__(self, model: DFlashDraftModel, target: CausalLM):
+    def __init__(self, model: DFlashDraftModel, target=None):
         self.model = model
-        self.target = target
         self.block_size = model.spec.block_size
         self.target_layer_ids = model.spec.target_layer_ids
         self.mask_token_id = model.spec.mask_token_id
         self.tables: dict[int, PageTable] = {}
-        self.pending: dict[int, torch.Tensor] = {}  # request id -> [n, F] features not yet in the cache
+        self.pending: dict[int, tuple[int, int]] = {}  # request id -> (row in the verify features, count)
+        self.ladder: GraphLadder | None = None
 
     # ---- setup -------------------------------------------------------------------------------
     def kv_bytes_per_page(self, page_size: int, kv_dtype: torch.dtype) -> int:
@@ -42,32 +49,64 @@ class DFlashDrafter(Drafter):
         return KVCache.bytes_per_page(c.num_hidden_layers, page_size, c.num_key_value_heads, self.model.head_dim,
                                       kv_dtype)
 
-    def attach(self, engine) -> None:
-        c = self.model.config
-        self.device = engine.device
-        self.pool = PagePool(engine.num_pages, engine.pool.page_size)
-        self.kv = KVCache(c.num_hidden_layers, engine.num_pages, engine.pool.page_size, c.num_key_value_heads,
-                          self.model.head_dim, engine.kv_dtype, engine.device)
-        if engine.config.calibrate_fp8_scales and self.kv.is_fp8:
-            self.kv.calibrate_on_first_write()
-        self.attn = make_backend(engine.backend_name, num_qo_heads=c.num_attention_heads,
+    def attach(self, context: DraftContext) -> None:
+        c, bs = self.model.config, self.block_size
+        self.context = context
+        self.device = context.device
+        self.attn = make_backend(context.backend_name, num_qo_heads=c.num_attention_heads,
                                  num_kv_heads=c.num_key_value_heads, head_dim=self.model.head_dim,
-                                 sm_scale=self.model.head_dim ** -0.5, device=engine.device,
-                                 kv_dtype=engine.kv_dtype, q_dtype=engine.dtype)
-        if engine.backend_name == "flashinfer" and not self.model.fused_kernels:
+                                 sm_scale=self.model.head_dim ** -0.5, device=context.device,
+                                 kv_dtype=context.kv_dtype, q_dtype=context.dtype)
+        if context.backend_name == "flashinfer" and not self.model.fused_kernels:
             self.model.use_fused_kernels()
         # block positions run up to the target's context plus one block
-        self.model.rotary.max_positions = engine.max_context + self.block_size
+        self.model.rotary.max_positions = context.max_context + bs
+        batch = context.max_batch
+        self.inputs = StaticInputs({"anchors": batch, "starts": batch, "counts": batch, "rows": batch}, self.device)
+        self.drafts_out = torch.zeros(batch, bs - 1, dtype=torch.long, device=self.device)
+        self.arange = torch.arange(max(batch, bs), device=self.device)
+
+    def allocate_cache(self, num_pages: int) -> None:
+        c = self.model.config
+        self.pool = PagePool(num_pages, self.context.page_size)
+        self.kv = KVCache(c.num_hidden_layers, num_pages, self.context.page_size, c.num_key_value_heads,
+                          self.model.head_dim, self.context.kv_dtype, self.device)
+        if self.context.calibrate_fp8_scales and self.kv.is_fp8:
+            self.kv.calibrate_on_first_write()
+
+    def capture(self, pool) -> float:
+        bs, ps, scratch = self.block_size, self.context.page_size, self.kv.scratch_page
+        max_pages = self.kv.num_pages + self.context.max_batch * (-(-2 * bs // ps) + 1)
+        self.ladder = GraphLadder("draft", ladder_sizes(self.context.max_batch), self.attn, max_pages,
+                                  lambda b: BatchLayout.dummy(b, bs, bs, ps, scratch, causal=False),
+                                  self._draft_body, pool)
+        return self.ladder.capture(scratch)
 
     # ---- lifecycle ---------------------------------------------------------------------------
+    @torch.no_grad()
     def begin(self, requests: list[Request], prompt_features: list[torch.Tensor]) -> None:
-        for request, features in zip(requests, prompt_features):
-            self.tables[request.request_id] = PageTable(self.pool)
-            self.pending[request.request_id] = features
+        """Write each prompt's context K/V (positions 0 .. len - 1) now."""
+        tables = [PageTable(self.pool) for _ in requests]
+        lens = [len(f) for f in prompt_features]
+        for request, table, n in zip(requests, tables, lens):
+            self.tables[request.request_id] = table
+            table.grow(n)
+        layout = BatchLayout.for_tokens(lens, lens, [t.array for t in tables], self.context.page_size, causal=False)
+        pages, offsets = layout.new_kv_slots(self.device)
+        positions = upload(layout.new_kv_positions().astype(np.int64), self.device)
+        m = self.model
+        dtype = m.fc.weight.dtype
+        context = m.project_context(torch.cat(prompt_features).to(dtype))
+        rope = m.rotary.at(positions, dtype)
+        for layer, layer_kv in zip(m.layers, self.kv.layers):
+            k, v = layer.self_attn.project_kv(context, rope)
+            layer_kv.write(pages, offsets, k, v)
 
-    def extend(self, requests: list[Request], features: list[torch.Tensor]) -> None:
-        for request, f in zip(requests, features):
-            self.pending[request.request_id] = torch.cat([self.pending[request.request_id], f])
+    def extend(self, requests: list[Request], features: torch.Tensor, rows: list[int], counts: list[int]) -> None:
+        if self.context.features is not None and features.data_ptr() != self.context.features.data_ptr():
+            raise ValueError("DFlash reads the verify features from the buffer given at attach")
+        for request, row, count in zip(requests, rows, counts):
+            self.pending[request.request_id] = (row, count)
 
     def release(self, request: Request) -> None:
         table = self.tables.pop(request.request_id, None)
@@ -77,64 +116,92 @@ class DFlashDrafter(Drafter):
 
     # ---- drafting ----------------------------------------------------------------------------
     def propose(self, requests: list[Request]) -> torch.Tensor:
-        return self.draft_logits(requests).argmax(dim=-1)
+        """One draft step for the batch: draft tokens [B, bs-1] (a static buffer: valid until the next step)."""
+        self._step(requests, eager=False)
+        return self.drafts_out[:len(requests)]
+
+    def draft_logits(self, requests: list[Request]) -> torch.Tensor:
+        """The same step, always eager, returning the block's logits [B, bs-1, vocab] (for checks)."""
+        return self._step(requests, eager=True)
 
     @torch.no_grad()
-    def draft_logits(self, requests: list[Request]) -> torch.Tensor:
-        """One draft step for the batch: logits [B, bs-1, vocab] for block positions 1..bs-1."""
-        bs, dev = self.block_size, self.device
+    def _step(self, requests: list[Request], eager: bool) -> torch.Tensor | None:
+        bs, batch = self.block_size, len(requests)
         tables = [self.tables[r.request_id] for r in requests]
-        context = [self.pending[r.request_id] for r in requests]
-        starts = [r.num_cached for r in requests]  # the anchor's position
-        for table, ctx, start in zip(tables, context, starts):
-            assert table.length + len(ctx) == start, "drafter context out of step with the target"
-            table.grow(len(ctx) + bs)
-        n_ctx = [len(c) for c in context]
-        layout = BatchLayout(q_lens=(bs,) * len(requests), kv_lens=tuple(t.length for t in tables),
-                             new_kv_lens=tuple(n + bs for n in n_ctx),
-                             page_tables=tuple(tuple(t.pages) for t in tables), page_size=self.pool.page_size,
-                             causal=False)
-        self.attn.plan(layout)
-        block_ids = torch.full((len(requests), bs), self.mask_token_id, dtype=torch.long, device=dev)
-        block_ids[:, 0] = torch.tensor([r.pending_token for r in requests], device=dev)
-        ctx_pos = [p for n, s in zip(n_ctx, starts) for p in range(s - n, s)]
-        blk_pos = [s + k for s in starts for k in range(bs)]
-        hidden = self._forward(torch.cat(context), block_ids.flatten(), ctx_pos, blk_pos, n_ctx)
-        logits = self.model.block_logits(hidden.view(len(requests), bs, -1)[:, 1:].reshape(-1, hidden.shape[-1]),
-                                         self.target.lm_head).view(len(requests), bs - 1, -1)
-        for request, table, ctx, start in zip(requests, tables, context, starts):
+        pending = [self.pending.pop(r.request_id, (0, 0)) for r in requests]
+        starts = np.array([r.num_cached for r in requests], dtype=np.int64)  # the anchor's position
+        counts = np.array([p[1] for p in pending], dtype=np.int64)
+        for table, count, start in zip(tables, counts.tolist(), starts.tolist()):
+            assert table.length + count == start, "drafter context out of step with the target"
+            table.grow(count + bs)
+        layout = BatchLayout.build([bs] * batch, starts + bs, counts + bs, [t.array for t in tables],
+                                   self.context.page_size, causal=False)
+        self.inputs.fill("anchors", [r.pending_token for r in requests])
+        self.inputs.fill("starts", starts)
+        self.inputs.fill("counts", counts)
+        self.inputs.fill("rows", [p[0] for p in pending])
+        rung = self.ladder.rung_for(batch) if self.ladder and not eager else None
+        logits = None
+        if rung is not None:
+            self.attn.plan_graph(self.ladder.slot(rung), layout, self.kv.scratch_page)
+            self.inputs.upload()
+            self.ladder.replay(rung)
+        else:
+            self.attn.plan(layout, write_slots=False)
+            self.inputs.upload()
+            logits = self._draft_body(batch)
+        for table, start in zip(tables, starts.tolist()):
             table.truncate(start)  # release the block's scratch slots; the context stays
-            self.pending[request.request_id] = ctx[:0]
         return logits
 
-    def _forward(self, context_features, block_ids, ctx_pos, blk_pos, n_ctx) -> torch.Tensor:
-        """Run the draft layers; returns the block's final hidden states [B * bs, hidden] (pre-norm)."""
-        m, dev, bs = self.model, self.device, self.block_size
+    def _draft_body(self, batch: int) -> torch.Tensor:
+        """The fixed-shape draft step: static inputs and planned page metadata -> `drafts_out[:batch]`."""
+        bs, inputs, m = self.block_size, self.inputs, self.model
+        j = self.arange[:bs]
+        starts, counts = inputs["starts"][:batch, None], inputs["counts"][:batch, None]
+        ctx_valid = j < counts  # [B, bs]
+        ctx_pos = (starts - counts + j).clamp(min=0)
+        blk_pos = starts + j
+        requests = self.arange[:batch, None].expand(batch, bs)
+        kv_indices, kv_indptr, ps = self.attn.kv_indices, self.attn.kv_indptr, self.context.page_size
+        ctx_pages, ctx_offsets = slots_on_device(kv_indices, kv_indptr, requests, ctx_pos, ps)
+        ctx_pages = torch.where(ctx_valid, ctx_pages, self.kv.scratch_page)
+        blk_pages, blk_offsets = slots_on_device(kv_indices, kv_indptr, requests, blk_pos, ps)
+        self.attn.set_write_slots(torch.cat([ctx_pages.flatten(), blk_pages.flatten()]),
+                                  torch.cat([ctx_offsets.flatten(), blk_offsets.flatten()]))
+        if self.context.features is not None:
+            source = self.context.features.view(-1, bs, self.context.features.shape[-1])
+            context = source[inputs["rows"][:batch]].flatten(0, 1)
+        else:  # no verify features exist yet: every context row is padding
+            context = torch.zeros(batch * bs, m.fc.in_features, dtype=m.fc.weight.dtype, device=self.device)
+        block_ids = torch.where(j == 0, inputs["anchors"][:batch, None], self.mask_token_id)
+        hidden = self._forward(context, block_ids.flatten(), ctx_pos.flatten(), blk_pos.flatten())
+        hidden = hidden.view(batch, bs, -1)[:, 1:].reshape(batch * (bs - 1), -1)
+        logits = m.block_logits(hidden, self.context.lm_head).view(batch, bs - 1, -1)
+        torch.argmax(logits, dim=-1, out=self.drafts_out[:batch])
+        return logits
+
+    def _block_attention(self, ctx, ctx_rope, blk_rope, layer_kv):
+        """Block queries over [context ; block] K/V; the context skips input_layernorm and the MLP."""
+
+        def attend(projections, h):
+            q, k_blk, v_blk = projections.project(h, blk_rope)
+            k_ctx, v_ctx = projections.project_kv(ctx, ctx_rope)
+            self.attn.write_kv(layer_kv, torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk]))
+            return self.attn.attend(q, layer_kv)
+
+        return attend
+
+    def _forward(self, context_features, block_ids, ctx_pos, blk_pos) -> torch.Tensor:
+        """Run the draft layers; returns the block's final hidden states [B * bs, hidden] (pre-norm).
+        K/V rows are written in the order [all context rows ; all block rows] (the write slots' order)."""
+        m = self.model
         dtype = m.fc.weight.dtype
         ctx = m.project_context(context_features.to(dtype))
-        x = self.target.embed(block_ids).to(dtype) * m.spec.input_embedding_scale
-        ctx_rope = m.rotary.at(torch.tensor(ctx_pos, device=dev), dtype)
-        blk_rope = m.rotary.at(torch.tensor(blk_pos, device=dev), dtype, fused=m.fused_kernels)
-        order = self._kv_order(n_ctx, bs)
+        x = self.context.embed_tokens(block_ids).to(dtype) * m.spec.input_embedding_scale
+        ctx_rope = m.rotary.at(ctx_pos, dtype)
+        blk_rope = m.rotary.at(blk_pos, dtype, fused=m.fused_kernels)
         residual = None
-        for i, layer in enumerate(m.layers):
-            attn = layer.self_attn
-            h, residual = layer.input_layernorm.add_and_norm(x, residual)
-            q, k_blk, v_blk = attn.project(h, blk_rope)
-            k_ctx, v_ctx = attn.project_kv(ctx, ctx_rope)  # the context skips input_layernorm and the MLP
-            k = torch.cat([k_ctx, k_blk]).index_select(0, order)
-            v = torch.cat([v_ctx, v_blk]).index_select(0, order)
-            self.attn.write_kv(self.kv.layers[i], k, v)
-            h, residual = layer.post_attention_layernorm.add_and_norm(
-                attn.output(self.attn.attend(q, self.kv.layers[i])), residual)
-            x = layer.mlp(h)
+        for layer, layer_kv in zip(m.layers, self.kv.layers):
+            x, residual = layer(x, residual, self._block_attention(ctx, ctx_rope, blk_rope, layer_kv))
         return x + residual
-
-    def _kv_order(self, n_ctx: list[int], bs: int) -> torch.Tensor:
-        """Index into cat([all context rows, all block rows]) giving request-by-request [ctx_i ; block_i]."""
-        total_ctx, order, offset = sum(n_ctx), [], 0
-        for i, n in enumerate(n_ctx):
-            order += range(offset, offset + n)
-            order += range(total_ctx + i * bs, total_ctx + (i + 1) * bs)
-            offset += n
-        return torch.tensor(order, dtype=torch.long, device=self.device)

@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config
 
-from specdec.models.layers import AttentionProjections, GatedMLP, RMSNorm, RotaryEmbedding, use_fused_kernels
+from specdec.models.decoder import ArchitectureTraits, DecoderLayer
+from specdec.models.layers import RMSNorm, RotaryEmbedding, use_fused_kernels
 
 WEIGHTS_FILE = "model.safetensors"
 # config.json key marking compact weights: 2-D Linear weights as float8 e4m3 `<name>` plus float32 `<name>_scale`
@@ -71,14 +72,10 @@ class DFlashSpec:
                    value("final_logit_softcapping"))
 
 
-class DFlashLayer(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        bias = bool(getattr(config, "attention_bias", False))
-        self.self_attn = AttentionProjections(config, qkv_bias=bias, o_bias=bias, qk_norm=True)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+def dflash_layer(config) -> DecoderLayer:
+    """A draft layer: the shared pre-norm decoder layer with Qwen3's q/k norm (biases per the config)."""
+    bias = bool(getattr(config, "attention_bias", False))
+    return DecoderLayer(config, ArchitectureTraits(qkv_bias=bias, o_bias=bias, qk_norm=True, mlp_bias=False))
 
 
 class DFlashDraftModel(nn.Module):
@@ -87,7 +84,7 @@ class DFlashDraftModel(nn.Module):
         self.config = config
         self.spec = DFlashSpec.from_config(config)
         hidden = config.hidden_size
-        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(dflash_layer(config) for _ in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(self.spec.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
@@ -106,9 +103,12 @@ class DFlashDraftModel(nn.Module):
         return self.hidden_norm(self.fc(target_features))
 
     def block_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        logits = self.norm(hidden)
-        logits = lm_head(logits).float() * self.spec.output_multiplier
+        """Logits in the model dtype (fp32 once a multiplier or soft-capping applies): the argmax of a
+        bf16 matmul's output equals that of its fp32 cast, and the smaller buffer halves the traffic."""
+        logits = lm_head(self.norm(hidden))
         cap = self.spec.final_logit_softcapping
+        if self.spec.output_multiplier != 1.0 or cap:
+            logits = logits.float() * self.spec.output_multiplier
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from specdec import LLM, SamplingParams
-from specdec.model_arguments import add_model_arguments, chosen_drafter
+from specdec.model_arguments import add_model_arguments, chosen_drafter, engine_options
 
 from eval.comparison import compare
 from eval.grading import select_grader
@@ -49,8 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def make_llm(args, drafter) -> LLM:
-    return LLM(args.target, drafter, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-               max_num_seqs=args.concurrency, num_kv_pages=args.num_kv_pages)
+    return LLM(args.target, drafter, max_num_seqs=args.concurrency, **engine_options(args))
 
 
 def device_name(device) -> str:
@@ -82,6 +81,8 @@ def describe(args, argv, llm: LLM, drafter, problems, first_prompt: list[int]) -
         "data": args.data or "HuggingFaceH4/MATH-500 (test)", "limit": args.limit, "seed": args.seed,
         "num_problems": len(problems), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "concurrency": args.concurrency, "kv_cache_dtype": args.kv_cache_dtype, "kv_dtype": str(engine.kv_dtype),
+        "drafter_kv_dtype": str(engine.drafter_kv_dtype), "cuda_graphs": engine.graph_capture_seconds is not None,
+        "graph_capture_s": engine.graph_capture_seconds,
         "device": str(engine.device), "device_name": device_name(engine.device), "dtype": str(engine.dtype),
         "attention_backend": engine.backend_name, "num_kv_pages": engine.num_pages,
         "page_size": engine.pool.page_size, "prompt_instruction": INSTRUCTION,

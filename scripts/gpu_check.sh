@@ -30,6 +30,6 @@ PY
 python3 -m specdec.generate --target "$model" --drafter /tmp/random-drafter --kv-cache-dtype fp8 \
   --max-new-tokens 48 --prompt "Name three prime numbers." 2>&1 | tee "$out/cli.log"
 cli_rc=${PIPESTATUS[0]}
-python3 scripts/bench_steps.py --model "$model" --out "$out/bench.json" 2>&1 | tee "$out/bench.log"
+python3 scripts/bench_steps.py --model "$model" --drafter /tmp/random-drafter --out "$out/bench.json" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
 echo "SUMMARY: gpu tests $([ "$tests_rc" = 0 ] && echo PASS || echo FAIL) (rc $tests_rc), CLI rc $cli_rc, benchmark rc $bench_rc"

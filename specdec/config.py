@@ -26,6 +26,11 @@ class EngineConfig:
     # FP8 KV scales: 1.0 per layer by default (K/V of Llama/Qwen-sized models sit well inside e4m3's
     # +-448); True derives per-layer scales from the first prefill's max |K|, |V| (with headroom)
     calibrate_fp8_scales: bool = False
+    # the drafter's context cache: auto = the model dtype (it is small: a few layers); fp8 = float8 e4m3
+    # like the target's (costs acceptance: e4m3 rounding of the context's K/V changes the drafts)
+    drafter_kv_cache_dtype: str = "auto"
+    # CUDA graphs for the decode, verify and draft steps (CUDA only; CPU is always eager)
+    enforce_eager: bool = False
 
     def __post_init__(self):
         problems = []
@@ -33,6 +38,9 @@ class EngineConfig:
             problems.append(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.drafter_kv_cache_dtype not in KV_CACHE_DTYPES:
+            problems.append(f"drafter_kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                            f"{self.drafter_kv_cache_dtype!r}")
         if not isinstance(self.page_size, int) or self.page_size < 1:
             problems.append(f"page_size must be a positive integer, got {self.page_size!r}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:

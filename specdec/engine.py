@@ -14,18 +14,22 @@ import logging
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
-from attention.backend import make_backend, resolve_backend_name
-from attention.batch_layout import BatchLayout
+from attention.backend import resolve_backend_name
 from attention.kv_cache import FP8_DTYPE, KVCache
 from attention.page_pool import PagePool, PageTable
+from attention.transfer import upload
+from drafters.base import DraftContext
 from specdec.config import EngineConfig
+from specdec.cuda_graphs import ladder_sizes
 from specdec.models.loader import LoadedTarget
 from specdec.request import Request, Status
 from specdec.sampler import make_generator, sample_batch
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import Scheduler
+from specdec.target_runner import BlockOutput, TargetRunner
 
 log = logging.getLogger(__name__)
 
@@ -42,37 +46,66 @@ class Engine:
         self.device = next(self.model.parameters()).device
         self.dtype = self.model.model.embed_tokens.weight.dtype
         self.backend_name = resolve_backend_name(config.attention_backend, self.device)
-        self.kv_dtype = self._kv_dtype()
+        self.kv_dtype = self._kv_dtype(config.fp8_kv)
+        self.drafter_kv_dtype = self._kv_dtype(config.drafter_kv_cache_dtype.startswith("fp8"))
         mc = self.model.config
         self.max_context = mc.max_position_embeddings
+        self.drafter = drafter
+        lookahead = drafter.block_size if drafter is not None else 1
+        self.model.rotary.max_positions = self.max_context + lookahead  # RoPE table size on the fused path
+        # the runners' static buffers exist before the KV pool is sized from what memory is left
+        self.runner = TargetRunner(self.model, backend_name=self.backend_name, kv_dtype=self.kv_dtype,
+                                   page_size=config.page_size, max_batch=config.max_num_seqs, block_lens=(lookahead,),
+                                   feature_layers=drafter.target_layer_ids if drafter is not None else ())
+        if drafter is not None:
+            drafter.attach(DraftContext(self.device, self.dtype, self.drafter_kv_dtype, config.page_size, self.backend_name,
+                                        config.max_num_seqs, self.max_context, self.model.model.embed_tokens,
+                                        self.model.lm_head, config.calibrate_fp8_scales, self.runner.features_out))
         self.num_pages = self._num_pages(drafter)
         self.pool = PagePool(self.num_pages, config.page_size)
-        self.kv = KVCache(mc.num_hidden_layers, self.num_pages, config.page_size, mc.num_key_value_heads,
-                          self.model.head_dim, self.kv_dtype, self.device)
+        self.runner.allocate_kv(self.num_pages)
         if config.calibrate_fp8_scales and self.kv.is_fp8:
             self.kv.calibrate_on_first_write()
-        self.attn = make_backend(self.backend_name, num_qo_heads=mc.num_attention_heads,
-                                 num_kv_heads=mc.num_key_value_heads, head_dim=self.model.head_dim,
-                                 sm_scale=self.model.head_dim ** -0.5, device=self.device, kv_dtype=self.kv_dtype,
-                                 q_dtype=self.dtype)
-        if self.backend_name == "flashinfer" and not self.model.fused_kernels:
-            self.model.use_fused_kernels()
-        self.drafter = drafter
         self.speculator = None
         if drafter is not None:
             from specdec.speculator import Speculator
 
-            drafter.attach(self)
+            drafter.allocate_cache(self.num_pages)
             self.speculator = Speculator(drafter)
-        lookahead = drafter.block_size if drafter is not None else 1
-        self.model.rotary.max_positions = self.max_context + lookahead  # RoPE table size on the fused path
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, lookahead,
                                    self.max_context)
         self._next_id = 0
+        self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager
+                           and self.runner.attn.supports_graphs)
+        self.graph_capture_seconds: float | None = None
+        self.graph_memory_bytes = 0
+        # calibrated FP8 scales are baked into the graphs: capture after the first prefill has set them
+        if self.use_graphs and not (config.calibrate_fp8_scales and self.kv.is_fp8):
+            self.capture_graphs()
+
+    @property
+    def kv(self) -> KVCache:
+        return self.runner.kv
+
+    @property
+    def attn(self):
+        return self.runner.attn
+
+    def capture_graphs(self) -> None:
+        """CUDA graphs of the decode / verify and draft steps over the batch ladder, one memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        reserved_before = torch.cuda.memory_reserved(self.device)
+        seconds = self.runner.capture(pool)
+        if self.drafter is not None:
+            seconds += self.drafter.capture(pool)
+        self.graph_capture_seconds = seconds
+        self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        log.info("captured CUDA graphs for batch sizes %s in %.1f s (%.0f MiB)",
+                 ladder_sizes(self.config.max_num_seqs), seconds, self.graph_memory_bytes / 2**20)
 
     # ---- setup -------------------------------------------------------------------------------
-    def _kv_dtype(self) -> torch.dtype:
-        if not self.config.fp8_kv:
+    def _kv_dtype(self, fp8: bool) -> torch.dtype:
+        if not fp8:
             return self.dtype
         allowed = (torch.bfloat16, torch.float16) if self.backend_name == "flashinfer" else (
             torch.bfloat16, torch.float16, torch.float32)
@@ -85,17 +118,15 @@ class Engine:
     def _num_pages(self, drafter) -> int:
         if self.config.num_kv_pages is not None:
             return self.config.num_kv_pages
-        mc = self.model.config
-        per_page = KVCache.bytes_per_page(mc.num_hidden_layers, self.config.page_size, mc.num_key_value_heads,
-                                          self.model.head_dim, self.kv_dtype)
+        per_page = self.runner.kv_bytes_per_page()
         if drafter is not None:  # the drafter's context cache has as many pages as the target's
-            per_page += drafter.kv_bytes_per_page(self.config.page_size, self.kv_dtype)
+            per_page += drafter.kv_bytes_per_page(self.config.page_size, self.drafter_kv_dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = self.config.gpu_memory_utilization * total - (total - free) - ACTIVATION_RESERVE_BYTES
         else:
             budget = self.config.cpu_kv_cache_gib * (1 << 30)
-        pages = int(budget // per_page)
+        pages = int(budget // per_page) - 1  # one scratch page per cache
         if pages < 1:
             raise ValueError("no memory is left for the KV cache after loading the model; raise "
                              "gpu_memory_utilization or set num_kv_pages explicitly")
@@ -149,7 +180,7 @@ class Engine:
         if not request.params.greedy:
             request.generator = make_generator(request.params.seed, self.device)
         if request.params.stop:
-            request.decode_text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+            request.use_detokenizer(self.tokenizer)
 
     def _retire(self) -> None:
         still = []
@@ -168,30 +199,22 @@ class Engine:
                        logits_rows: torch.Tensor | None, feature_layers: tuple[int, ...] = ()):
         """Run the target on q_lens[i] new tokens of request i (flattened in `token_ids`), appended
         to its cache at positions num_cached.. (causal). Grows the page tables; K/V are written."""
-        starts = [r.num_cached for r in requests]
-        for request, n in zip(requests, q_lens):
-            request.target_pages.grow(n)
-        layout = BatchLayout.for_tokens(
-            q_lens=q_lens, kv_lens=[r.num_cached for r in requests],
-            page_tables=[r.target_pages.pages for r in requests], page_size=self.pool.page_size, causal=True)
-        positions = [start + j for start, n in zip(starts, q_lens) for j in range(n)]
-        self.attn.plan(layout)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return self.model(token_ids, pos, self.kv, self.attn, logits_rows=logits_rows, feature_layers=feature_layers)
+        return self.runner.forward([r.target_pages for r in requests], token_ids, q_lens, logits_rows=logits_rows,
+                                   feature_layers=feature_layers)
 
-    def ids_tensor(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.long, device=self.device)
+    def ids_tensor(self, ids) -> torch.Tensor:
+        return upload(np.asarray(ids, dtype=np.int64), self.device)
 
     def _prefill(self, requests: list[Request], on_commit: OnCommit) -> None:
         for request in requests:
             request.status = Status.RUNNING
         self.scheduler.running.extend(requests)
         lens = [len(r.prompt_ids) for r in requests]
-        last_rows = torch.tensor(lens, device=self.device).cumsum(0) - 1
         feature_layers = self.drafter.target_layer_ids if self.drafter is not None else ()
-        out = self.forward_tokens(requests, self.ids_tensor([t for r in requests for t in r.prompt_ids]), lens,
-                                  logits_rows=last_rows, feature_layers=feature_layers)
-        tokens = self.sample(out.logits, requests, [1] * len(requests)).tolist()
+        out = self.forward_tokens(requests, self.ids_tensor(np.concatenate([r.prompt_ids for r in requests])), lens,
+                                  logits_rows=self.ids_tensor(np.cumsum(lens) - 1), feature_layers=feature_layers)
+        tokens = sample_batch(out.logits, [1] * len(requests), [r.params for r in requests],
+                              [r.generator for r in requests]).tolist()
         for request, token in zip(requests, tokens):
             request.commit(token)
             on_commit(request, [token])
@@ -201,18 +224,23 @@ class Engine:
             self.drafter.begin(requests, list(out.features.split(lens)))
 
     def _decode(self, running: list[Request], on_commit: OnCommit) -> None:
+        if self.use_graphs and self.graph_capture_seconds is None:
+            self.capture_graphs()
         if self.speculator is not None:
             self.speculator.step(self, running, on_commit)
             return
-        out = self.forward_tokens(running, self.ids_tensor([r.pending_token for r in running]), [1] * len(running),
-                                  logits_rows=torch.arange(len(running), device=self.device))
-        tokens = self.sample(out.logits, running, [1] * len(running)).tolist()
+        out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], None, 1)
+        tokens = self.sample(out, running, 1).tolist()
         for request, token in zip(running, tokens):
             request.commit(token)
             on_commit(request, [token])
 
-    def sample(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
-        return sample_batch(logits, rows, [r.params for r in requests], [r.generator for r in requests])
+    def sample(self, out: BlockOutput, requests: list[Request], rows_per_request: int) -> torch.Tensor:
+        """Tokens for every row of a block step: the in-step argmax when every request is greedy."""
+        if all(r.params.greedy for r in requests):
+            return out.greedy
+        return sample_batch(out.logits, [rows_per_request] * len(requests), [r.params for r in requests],
+                            [r.generator for r in requests])
 
     # ---- convenience -------------------------------------------------------------------------
     @torch.no_grad()
@@ -225,7 +253,7 @@ class Engine:
                                       logits_rows=self.ids_tensor([len(token_ids) - 1]))
         finally:
             probe.target_pages.free()
-        return out.logits[0]
+        return out.logits[0].float()
 
     def generate_ids(self, prompts: list[list[int]], params: SamplingParams,
                      on_commit: OnCommit | None = None) -> list[Request]:

@@ -11,7 +11,7 @@ import logging
 import sys
 
 from specdec.llm import LLM
-from specdec.model_arguments import add_model_arguments, chosen_drafter
+from specdec.model_arguments import add_model_arguments, chosen_drafter, engine_options
 from specdec.sampling_params import SamplingParams
 
 # the shipped drafter was trained on step-by-step math answers, so the demo asks for one
@@ -61,10 +61,9 @@ def main(argv=None) -> int:
                                 chat=args.chat)
         prompts = read_prompts(args)
         drafter = chosen_drafter(args)
-        llm = LLM(args.target, drafter, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                  page_size=args.page_size, num_kv_pages=args.num_kv_pages,
-                  gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
-                  calibrate_fp8_scales=args.calibrate_fp8_scales)
+        llm = LLM(args.target, drafter, page_size=args.page_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                  attention_backend=args.attention_backend, calibrate_fp8_scales=args.calibrate_fp8_scales,
+                  **engine_options(args))
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -72,7 +71,9 @@ def main(argv=None) -> int:
     name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
     print(f"target {args.target} on {engine.device} ({name(engine.dtype)}, KV {name(engine.kv_dtype)}, "
           f"{engine.backend_name} attention, {engine.num_pages} pages of {engine.pool.page_size})"
-          + (f", drafter {drafter} (block {engine.drafter.block_size})" if drafter else ", no drafter"),
+          + (f", drafter {drafter} (block {engine.drafter.block_size})" if drafter else ", no drafter")
+          + (f"; CUDA graphs captured in {engine.graph_capture_seconds:.1f} s"
+             if engine.graph_capture_seconds is not None else ""),
           file=sys.stderr)
     stream = len(prompts) == 1
     on_text = (lambda i, text: print(text, end="", flush=True)) if stream else None

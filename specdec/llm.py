@@ -78,6 +78,9 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         requests = [self.engine.make_request(self.encode(p, chat), params) for p in prompts]
+        if on_text is not None:
+            for request in requests:
+                request.use_detokenizer(self.tokenizer)
         on_commit = self._callbacks(prompts, requests, on_text, on_finish)
         if on_finish is not None:  # requests refused up front finish before any step
             for i, request in enumerate(requests):
@@ -97,22 +100,44 @@ class LLM:
         if on_text is None and on_finish is None:
             return None
         index = {r.request_id: i for i, r in enumerate(requests)}
-        shown = {r.request_id: 0 for r in requests}
+        streams = {r.request_id: _TextStream(r) for r in requests} if on_text is not None else {}
 
         def on_commit(request: Request, tokens: list[int]) -> None:
             i = index[request.request_id]
+            result = self._result(prompts[i], request) if request.finished else None
             if on_text is not None:
-                text = self._text(request)
-                # hold back a trailing replacement char: the next token may complete a multi-byte character
-                stable = len(text) if request.finished else len(text.rstrip("\ufffd"))
-                if stable > shown[request.request_id]:
-                    on_text(i, text[shown[request.request_id]:stable])
-                    shown[request.request_id] = stable
-            if on_finish is not None and request.finished:
-                on_finish(i, self._result(prompts[i], request))
+                text = streams[request.request_id].take(result.text if result is not None else None)
+                if text:
+                    on_text(i, text)
+            if on_finish is not None and result is not None:
+                on_finish(i, result)
 
         return on_commit
 
     def _result(self, prompt: Prompt, request: Request) -> GenerationResult:
         return GenerationResult(prompt, request.prompt_ids, list(request.output_ids), self._text(request),
                                 request.finish_reason, request.stats, request.error)
+
+
+class _TextStream:
+    """What on_text shows of one request: the new text of the request's detokenizer, less a tail
+    that could still become a stop string (text past a stop is never shown), then at the end the
+    rest of the final text, so that the pieces add up to `GenerationResult.text`."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.shown = 0  # characters passed to on_text
+        self.held = ""  # text read from the detokenizer but not shown yet
+        self.hold = max(map(len, request.params.stop or ()), default=1) - 1
+
+    def take(self, final_text: str | None) -> str:
+        """The text to show now; `final_text` once the request has finished."""
+        if final_text is not None:
+            # the final text is a full decode: it also has what the detokenizer still held back
+            text = final_text[self.shown:]
+        else:
+            pending = self.held + self.request.detokenizer.read()
+            cut = max(0, len(pending) - self.hold)
+            text, self.held = pending[:cut], pending[cut:]
+        self.shown += len(text)
+        return text

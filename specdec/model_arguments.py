@@ -14,10 +14,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="DFlash drafter directory (z-lab format) or shipped name; "
                                                    "default: the target's shipped drafter, if any")
     p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the target's KV cache: auto = the model dtype, fp8 = float8 e4m3")
+    p.add_argument("--drafter-kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the drafter's context cache (auto = the model dtype: small, and fp8 there costs acceptance)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
     p.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size in pages (default: from memory)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly (no CUDA graphs; CPU is always eager)")
 
 
 def chosen_drafter(args: argparse.Namespace) -> str | None:
@@ -27,3 +32,10 @@ def chosen_drafter(args: argparse.Namespace) -> str | None:
     from drafters import DEFAULT_DRAFTERS  # drafters imports the engine: keep `--help` light
 
     return args.drafter or DEFAULT_DRAFTERS.get(args.target)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The `LLM` keyword arguments that `add_model_arguments` collected."""
+    return dict(device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                drafter_kv_cache_dtype=args.drafter_kv_cache_dtype, num_kv_pages=args.num_kv_pages,
+                enforce_eager=args.enforce_eager)

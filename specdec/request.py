@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attention.page_pool import PageTable
+from specdec.detokenizer import IncrementalDetokenizer
 from specdec.metrics import RequestStats
 from specdec.sampling_params import SamplingParams
 
@@ -32,11 +33,14 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "error"
     error: str | None = None
-    stop_text_end: int | None = None  # where the text ends when a stop string matched
+    stop_text_end: int | None = None  # where the text ends (a character index) when a stop string matched
     target_pages: PageTable | None = None
     generator: torch.Generator | None = None
     stats: RequestStats = field(default_factory=RequestStats)
-    decode_text: callable = None  # token ids -> text, set by the engine when stop strings are used
+    # committed tokens -> text, only when something needs text as it is produced (stop strings,
+    # streaming): `use_detokenizer`. Requests without either never touch a tokenizer.
+    detokenizer: IncrementalDetokenizer | None = None
+    stop_tail: str = field(default="", repr=False)  # the last (longest stop - 1) characters searched
     max_total_tokens: int | None = None  # the model's context: prompt + output never exceed it
 
     def __post_init__(self):
@@ -59,16 +63,22 @@ class Request:
     def num_cached(self) -> int:
         return self.target_pages.length
 
+    def use_detokenizer(self, tokenizer) -> None:
+        """Turn committed tokens into text as they come; stop matching and streaming share it."""
+        if self.detokenizer is None:
+            self.detokenizer = IncrementalDetokenizer(tokenizer)
+
     def commit(self, token: int) -> bool:
         """Append one generated token; returns True when the request has just finished."""
         self.output_ids.append(token)
+        new_text = self.detokenizer.push(token) if self.detokenizer is not None else ""
         self.stats.generated_tokens = len(self.output_ids)
         now = time.perf_counter()
         if self.stats.first_token_time is None:
             self.stats.first_token_time = now
         if token in self.eos_token_ids and not self.params.ignore_eos:
             self.finish("stop")
-        elif self.params.stop and self._matches_stop():
+        elif self.params.stop and self._matches_stop(new_text):
             self.finish("stop")
         elif len(self.output_ids) >= self.params.max_new_tokens or (
                 self.max_total_tokens is not None and len(self.prompt_ids) + len(self.output_ids) >= self.max_total_tokens):
@@ -82,14 +92,22 @@ class Request:
                 return n
         return len(tokens)
 
-    def _matches_stop(self) -> bool:
-        text = self.decode_text(self.output_ids)
-        # only the tail can hold a new match: earlier text was checked at earlier commits
-        hits = [text.find(s, max(0, len(text) - len(s) - 32)) for s in self.params.stop]
-        hits = [h for h in hits if h >= 0]
+    def _matches_stop(self, new_text: str) -> bool:
+        """Search the new text and the last (longest stop - 1) characters before it: a new match must
+        end in the new text, everything before was searched at earlier commits. Linear overall, and
+        a stop inside one long token is found."""
+        if self.detokenizer is None:  # fail loudly rather than never stop
+            raise RuntimeError("a request with stop strings needs use_detokenizer(tokenizer) before its first commit")
+        if not new_text:
+            return False
+        window = self.stop_tail + new_text
+        hits = [h for h in (window.find(s) for s in self.params.stop) if h >= 0]
         if hits:
-            self.stop_text_end = min(hits)
-        return bool(hits)
+            self.stop_text_end = self.detokenizer.num_chars - len(window) + min(hits)
+            return True
+        keep = max(map(len, self.params.stop)) - 1
+        self.stop_tail = window[max(0, len(window) - keep):] if keep else ""
+        return False
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status = Status.FINISHED

@@ -1,7 +1,7 @@
 """One speculative step for the running batch: draft, verify, accept, roll back.
 
     drafts  = drafter.propose(batch)                  # [B, bs-1], one drafter forward
-    verify  = target([anchor, drafts...]) per request  # one causal forward, bs queries each
+    verify  = target([anchor, drafts...]) per request  # one causal forward, bs queries each (CUDA graphs)
     a, bonus = accept(drafts, target tokens)          # greedy argmax or the target's samples
     commit drafts[:a] + [bonus]; target cache -> start + a + 1 (whole tail pages back to the pool);
     the drafter's context grows by the features of positions start .. start + a.
@@ -29,18 +29,14 @@ class Speculator:
     @torch.no_grad()
     def step(self, engine, running: list[Request], on_commit) -> None:
         bs, batch = self.block_size, len(running)
-        drafts = self.drafter.propose(running)  # [B, bs-1]
-        anchors = engine.ids_tensor([r.pending_token for r in running])
-        block = torch.cat([anchors[:, None], drafts], dim=1)  # [B, bs]
         starts = [r.num_cached for r in running]
-        out = engine.forward_tokens(running, block.flatten(), [bs] * batch,
-                                    logits_rows=torch.arange(batch * bs, device=engine.device),
-                                    feature_layers=self.drafter.target_layer_ids)
-        target_tokens = engine.sample(out.logits, running, [bs] * batch).view(batch, bs)
+        drafts = self.drafter.propose(running)  # [B, bs-1] on the device
+        out = engine.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], drafts, bs)
+        target_tokens = engine.sample(out, running, bs).view(batch, bs)
         accepted, bonus = accept(drafts, target_tokens)
-        host = torch.cat([drafts, accepted[:, None], bonus[:, None]], dim=1).tolist()
-        features = out.features.view(batch, bs, -1)
-        extended, new_features = [], []
+        # the step's one device-to-host transfer
+        host = torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1).tolist()
+        extended, rows, counts = [], [], []
         for i, (request, start) in enumerate(zip(running, starts)):
             a, tokens = host[i][bs - 1], host[i][:host[i][bs - 1]] + [host[i][bs]]
             taken = request.commit_many(tokens)
@@ -52,6 +48,7 @@ class Speculator:
             # keep K/V of the anchor and the accepted drafts; the bonus is the new pending token
             request.target_pages.truncate(start + a + 1)
             extended.append(request)
-            new_features.append(features[i, :a + 1])
+            rows.append(i)
+            counts.append(a + 1)
         if extended:
-            self.drafter.extend(extended, new_features)
+            self.drafter.extend(extended, out.features, rows, counts)

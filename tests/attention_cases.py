@@ -40,7 +40,7 @@ class PagedCase:
             t.grow(h)
         for t, n in zip(self.tables, new_kv):
             t.grow(n)
-        self.layout = BatchLayout(tuple(q_lens), tuple(t.length for t in self.tables), tuple(new_kv),
+        self.layout = BatchLayout.build(tuple(q_lens), tuple(t.length for t in self.tables), tuple(new_kv),
                                   tuple(tuple(t.pages) for t in self.tables), page_size, causal)
         total = [t.length for t in self.tables]  # dense K/V per request, as the cache will hold them
         self.k_all = [torch.randn(n, HKV, D, generator=g).to(device, dtype) for n in total]

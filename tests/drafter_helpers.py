@@ -62,7 +62,7 @@ class ScriptedDrafter(Drafter):
     def begin(self, requests, prompt_features):
         self.live.update(r.request_id for r in requests)
 
-    def extend(self, requests, features):
+    def extend(self, requests, features, rows, counts):
         assert all(r.request_id in self.live for r in requests)
 
     def release(self, request):

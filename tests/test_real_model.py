@@ -41,6 +41,14 @@ def test_stop_string_truncates_text(llm):
     assert stopped.text == free.text[:free.text.index(word)]
 
 
+def test_streamed_text_adds_up_to_the_result(llm):
+    for stop in (None, [".", "\n"]):
+        pieces = []
+        result = llm.generate(PROMPTS[1], SamplingParams(max_new_tokens=24, stop=stop), chat=True,
+                              on_text=lambda i, text: pieces.append(text))[0]
+        assert len(pieces) > 1 and "".join(pieces) == result.text
+
+
 def test_cli_runs(capsys):
     code = main(["--target", MODEL, "--device", "cpu", "--max-new-tokens", "8", "--prompt", "Hello!"])
     assert code == 0

@@ -150,7 +150,7 @@ def test_random_batches_leak_no_pages(target_dir, tmp_path):
 
 @pytest.mark.parametrize("calibrate", [False, True])
 def test_fp8_kv_speculative_equals_fp8_autoregressive(target_dir, tmp_path, calibrate):
-    config = dict(kv_cache_dtype="fp8", calibrate_fp8_scales=calibrate)
+    config = dict(kv_cache_dtype="fp8", drafter_kv_cache_dtype="fp8", calibrate_fp8_scales=calibrate)
     ar = tiny_engine(target_dir, eos=(), **config)
     expected = [r.output_ids for r in ar.generate_ids(MANY_PROMPTS, SamplingParams(max_new_tokens=21))]
     engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), **config)

@@ -47,3 +47,20 @@ def test_rollback_then_reappend_reads_new_values():
     backend.plan(case.layout)
     backend.write_kv(case.layer, fresh_k, fresh_v)
     torch.testing.assert_close(backend.attend(case.q, case.layer), case.expected(D ** -0.5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_fused_kv_pair_write_equals_two_writes(kv_dtype):
+    """K and V that are neighbouring columns of one q|k|v buffer are written as one tensor; the cache
+    must hold exactly what two separate writes store."""
+    from attention.kv_cache import KVCache, _adjacent_pair
+
+    qkv = torch.randn(5, (4 + 2 + 2) * 8, generator=torch.Generator().manual_seed(0)) * 50
+    q, k, v = (p.view(5, h, 8) for p, h in zip(qkv.split([32, 16, 16], dim=-1), (4, 2, 2)))
+    assert _adjacent_pair(k, v) is not None and _adjacent_pair(k.clone(), v.clone()) is None
+    assert _adjacent_pair(q[:, 2:], k) is not None and _adjacent_pair(v, k) is None
+    fused, separate = (KVCache(1, 4, 4, 2, 8, kv_dtype, "cpu") for _ in range(2))
+    pages, offsets = torch.tensor([0, 1, 1, 3, 2]), torch.tensor([0, 3, 1, 2, 0])
+    fused.layers[0].write(pages, offsets, k, v)
+    separate.layers[0].write(pages, offsets, k.clone(), v.clone())
+    assert torch.equal(fused.layers[0].data.view(torch.uint8), separate.layers[0].data.view(torch.uint8))

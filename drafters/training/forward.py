@@ -43,21 +43,24 @@ def block_hidden(model: DFlashDraftModel, features: torch.Tensor, block_embeds: 
     ctx_rope = model.rotary.at(torch.arange(ctx_len, device=dev).repeat(b), dtype)
     blk_rope = model.rotary.at((anchor_positions[..., None] + torch.arange(bs, device=dev)).flatten(), dtype)
     mask = training_mask(anchor_positions, ctx_len, bs)
-    for layer in model.layers:
-        attn = layer.self_attn
+
+    def attend(attn, h):  # block queries over [context ; blocks] under the training mask
         nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        h = layer.input_layernorm(x).reshape(b * q_len, hidden)
         q, k_blk, v_blk = attn.project(h, blk_rope)
-        q = q.view(b, q_len, nh, hd).transpose(1, 2)
         k_ctx, v_ctx = attn.project_kv(ctx, ctx_rope)
+        q = q.view(b, q_len, nh, hd).transpose(1, 2)
         k = torch.cat([k_ctx.view(b, ctx_len, nkv, hd), k_blk.view(b, q_len, nkv, hd)], dim=1)
         v = torch.cat([v_ctx.view(b, ctx_len, nkv, hd), v_blk.view(b, q_len, nkv, hd)], dim=1)
         k = k.transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
         v = v.transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=hd ** -0.5)
-        x = x + attn.output(out.transpose(1, 2).reshape(b * q_len, nh, hd)).view(b, q_len, hidden)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return x.view(b, a, bs, hidden)
+        return out.transpose(1, 2).reshape(b * q_len, nh, hd)
+
+    x = x.reshape(b * q_len, hidden)
+    residual = None
+    for layer in model.layers:  # the shared pre-norm layer (specdec.models.decoder.DecoderLayer)
+        x, residual = layer(x, residual, attend)
+    return (x + residual).view(b, a, bs, hidden)
 
 
 class LinearCrossEntropy(torch.autograd.Function):

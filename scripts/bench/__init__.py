@@ -1,1 +1,2 @@
-"""Pieces of `scripts/bench_peers.py`: the compared systems (`systems`) and the report (`report`)."""
+"""Pieces of `scripts/bench_peers.py`: the compared systems (`systems`) and the report (`report`); and
+random-weight models of a real shape for `scripts/bench_steps.py` (`random_models`)."""

@@ -8,13 +8,14 @@ HF state dict loads as is. Attention goes through a planned `AttentionBackend` o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from attention.backend import AttentionBackend
 from attention.kv_cache import KVCache
-from specdec.models.layers import AttentionProjections, GatedMLP, RMSNorm, RotaryEmbedding, use_fused_kernels
+from specdec.models.layers import AttentionProjections, GatedMLP, RMSNorm, Rope, RotaryEmbedding, use_fused_kernels
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,17 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor | None  # [len(logits_rows), vocab] in fp32
+    logits: torch.Tensor | None  # [len(logits_rows), vocab] in the model dtype (fp32 on CPU)
     features: torch.Tensor | None  # [tokens, len(feature_layers) * hidden]: outputs of the chosen layers
 
 
+Attention = Callable[[AttentionProjections, torch.Tensor], torch.Tensor]
+
+
 class DecoderLayer(nn.Module):
+    """The one pre-norm decoder layer: the target's layers, the DFlash drafter's, and the drafter's
+    training forward all run through it; they differ only in what `attention` does."""
+
     def __init__(self, config, traits: ArchitectureTraits):
         super().__init__()
         self.self_attn = AttentionProjections(config, traits.qkv_bias, traits.o_bias, traits.qk_norm)
@@ -55,15 +62,25 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, residual, rope, layer_kv, attn: AttentionBackend):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, attention: Attention):
         """Pre-norm block on a residual stream: returns (this layer's delta, the stream before it);
-        the layer's output is their sum (the fused add+norm of the next layer adds them)."""
+        the layer's output is their sum (the fused add+norm of the next layer adds them).
+        attention(self_attn, normed x) -> attention output [tokens, heads, head_dim], before o_proj."""
         h, residual = self.input_layernorm.add_and_norm(x, residual)
-        q, k, v = self.self_attn.project(h, rope)
-        attn.write_kv(layer_kv, k, v)
-        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn.output(attn.attend(q, layer_kv)),
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn.output(attention(self.self_attn, h)),
                                                                  residual)
         return self.mlp(h), residual
+
+
+def paged_attention(rope: Rope, layer_kv, backend: AttentionBackend) -> Attention:
+    """Self-attention of the step's tokens over the paged cache (their K/V are written first)."""
+
+    def attend(projections: AttentionProjections, h: torch.Tensor) -> torch.Tensor:
+        q, k, v = projections.project(h, rope)
+        backend.write_kv(layer_kv, k, v)
+        return backend.attend(q, layer_kv)
+
+    return attend
 
 
 class DecoderBody(nn.Module):
@@ -105,9 +122,12 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden states -> fp32 logits."""
-        return self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states -> logits in the model dtype (a later cast to fp32 is exact), written
+        into `out` when given (a CUDA graph's static output)."""
+        if out is None:
+            return self.lm_head(hidden)
+        return torch.matmul(hidden, self.lm_head.weight.t(), out=out)
 
     def forward(
         self,
@@ -116,25 +136,27 @@ class CausalLM(nn.Module):
         kv_cache: KVCache,
         attn: AttentionBackend,
         *,
-        logits_rows: torch.Tensor | None = None,
+        logits_rows: torch.Tensor | slice | None = None,
         feature_layers: tuple[int, ...] = (),
+        logits_out: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """input_ids, positions: [tokens] in the planned layout's order.
 
-        logits_rows: which token rows get logits (None: none). feature_layers: decoder layers
-        whose outputs are returned, concatenated on the last dim, for every token.
+        logits_rows: which token rows get logits (None: none; a slice or an index tensor).
+        feature_layers: decoder layers whose outputs are returned, concatenated on the last dim, for
+        every token. logits_out: a buffer the logits are written into.
         """
         x = self.embed(input_ids)
         rope = self.rotary.at(positions, x.dtype, fused=self.fused_kernels)
         wanted = {layer: None for layer in feature_layers}
         residual = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, rope, kv_cache.layers[i], attn)
+            x, residual = layer(x, residual, paged_attention(rope, kv_cache.layers[i], attn))
             if i in wanted:
                 wanted[i] = x + residual  # the output of decoder layer i
         features = torch.cat([wanted[i] for i in feature_layers], dim=-1) if feature_layers else None
         logits = None
         if logits_rows is not None:
             x, residual = x[logits_rows], residual[logits_rows]
-            logits = self.logits(self.model.norm.add_and_norm(x, residual)[0])
+            logits = self.logits(self.model.norm.add_and_norm(x, residual)[0], logits_out)
         return ForwardOutput(logits, features)

@@ -1,0 +1,97 @@
+"""CUDA graphs of one fixed-shape step over a ladder of batch sizes, and their static inputs.
+
+    ladder = GraphLadder("verify", sizes, attn, max_pages, dummy_layout, body, pool)
+    ladder.capture()                          # at start-up, largest batch first, one shared memory pool
+    rung = ladder.rung_for(batch)             # smallest captured size >= batch (None: run eagerly)
+    attn.plan_graph(ladder.slot(rung), layout, scratch_page)   # host planning into the rung's buffers
+    ...fill the static inputs...; ladder.replay(rung)
+
+`body(batch_size)` is the step itself: it reads only static input buffers and the attention
+backend's current page metadata, and writes its results into static output buffers, so the same
+function runs eagerly (enforce_eager, or a batch above the ladder) and inside a graph.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from attention.batch_layout import BatchLayout
+
+DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def ladder_sizes(max_batch: int) -> tuple[int, ...]:
+    """The default rungs up to max_batch, with max_batch itself as the top rung."""
+    return tuple(sorted({s for s in DEFAULT_LADDER if s < max_batch} | {max_batch}))
+
+
+class StaticInputs:
+    """Named int64 input buffers at fixed device addresses, filled on the host in one pinned mirror and
+    sent with one non-blocking copy. Filled at most once per step: the step's single device-to-host
+    transfer orders the next fill after the previous copy."""
+
+    def __init__(self, sizes: dict[str, int], device: torch.device):
+        self.offsets, total = {}, 0
+        for name, size in sizes.items():
+            self.offsets[name] = (total, size)
+            total += size
+        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.host_view = self.host.numpy()
+        self.device_buffer = torch.zeros(total, dtype=torch.int64, device=device)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        start, size = self.offsets[name]
+        return self.device_buffer[start:start + size]
+
+    def fill(self, name: str, values, pad: int = 0) -> None:
+        start, size = self.offsets[name]
+        values = np.asarray(values, dtype=np.int64).reshape(-1)
+        self.host_view[start:start + len(values)] = values
+        self.host_view[start + len(values):start + size] = pad
+
+    def upload(self) -> None:
+        self.device_buffer.copy_(self.host, non_blocking=True)
+
+
+class GraphLadder:
+    def __init__(self, name: str, sizes: tuple[int, ...], attn, max_pages: int,
+                 dummy_layout: Callable[[int], BatchLayout], body: Callable[[int], None], pool):
+        self.name = name
+        self.sizes = tuple(sorted(sizes))
+        self.attn = attn
+        self.max_pages = max_pages
+        self.dummy_layout = dummy_layout
+        self.body = body
+        self.pool = pool
+        self.slots: dict[int, object] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def capture(self, scratch_page: int) -> float:
+        """Capture every rung, largest first (smaller ones reuse its pool memory); returns seconds."""
+        start = time.perf_counter()
+        for size in reversed(self.sizes):
+            slot = self.attn.graph_slot(size, self.max_pages)
+            self.attn.plan_graph(slot, self.dummy_layout(size), scratch_page)
+            self.body(size)  # warm-up outside the graph: lazy initialisations must not be captured
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.body(size)
+            self.slots[size], self.graphs[size] = slot, graph
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def rung_for(self, batch: int) -> int | None:
+        if not self.graphs:
+            return None
+        return next((s for s in self.sizes if s >= batch), None)
+
+    def slot(self, rung: int):
+        return self.slots[rung]
+
+    def replay(self, rung: int) -> None:
+        self.graphs[rung].replay()

@@ -1,0 +1,67 @@
+"""scripts/bench_steps.py on CPU: the quick run end to end (tiny random target and drafter), the
+weight-byte count of the default target's shape, how kernel times turn into busy % or n/a, and how
+profiler events are sorted."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Qwen2Config
+
+from drafters import DEFAULT_DRAFTERS, resolve_drafter_path
+from scripts.bench.random_models import TARGET_SHAPE
+from scripts.bench_steps import derive, event_kind, main, weight_bytes
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-steps") / "steps.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_quick_run_has_every_row_with_positive_times(quick):
+    want = {(system, kv, graphs, batch) for system in ("AR", "DFlash") for graphs in (False, True)
+            for kv, batches in (("fp32", (1, 2)), ("fp8", (1,))) for batch in batches}
+    rows = quick["rows"]
+    assert {(r["system"], r["kv"], r["graphs"], r["batch"]) for r in rows} == want and len(rows) == len(want)
+    for r in rows:
+        assert r["step_wall_ms"] > 0 and r["tpot_ms"] > 0 and r["bound_ms"] > 0
+        assert r["steps"] >= 1 and 1 <= r["tokens_per_step"] <= 4  # the tiny drafter's block is 4
+        assert r["kernel_ms"] is None and r["busy_pct"] is None  # no CUDA: n/a, not a number
+    assert quick["copy_bandwidth"] > 0 and quick["skipped"] is None
+    w = quick["weight_bytes"]
+    assert w["dflash"] == w["target"] + w["drafter"] + w["lm_head"] and w["drafter"] > 0
+    assert set(quick["graph_capture_s"]) == {f"{s} {kv} {g}" for s in ("AR", "DFlash") for kv in ("fp32", "fp8")
+                                             for g in ("eager", "graphs")}
+
+
+def test_weight_bytes_of_the_default_target_shape(tmp_path):
+    Qwen2Config(**TARGET_SHAPE).save_pretrained(tmp_path)
+    drafter = resolve_drafter_path(DEFAULT_DRAFTERS["qwen2.5-coder-1.5b-instruct"])
+    w = weight_bytes(tmp_path, drafter, itemsize=2)
+    per_layer = (1536 * 1536 + 1536) + 2 * (1536 * 256 + 256) + 1536 * 1536 + 3 * 1536 * 8960 + 2 * 1536
+    lm_head = 151936 * 1536
+    assert w["target"] == 2 * (28 * per_layer + 1536 + lm_head)  # no embedding, lm_head once
+    assert w["lm_head"] == 2 * lm_head
+    assert 0 < w["drafter"] < 64 << 20 and w["dflash"] == w["target"] + w["drafter"] + w["lm_head"]
+
+
+def test_kernel_time_becomes_busy_share_or_not_available():
+    row = derive({"step_wall_ms": 4.0, "kernel_ms": 3.0}, None, bandwidth=2e12, nbytes=2e9)
+    assert row["bound_ms"] == pytest.approx(1.0) and row["busy_pct"] == pytest.approx(75.0)
+    assert row["wall_over_kernel"] == pytest.approx(4 / 3)
+    hidden = derive({"step_wall_ms": 2.0, "kernel_ms": 0.1}, 3.0, bandwidth=2e12, nbytes=2e9)  # graph kernels unseen
+    assert hidden["kernel_ms"] is None and hidden["busy_pct"] is None and hidden["kernel_ms_raw"] == 0.1
+    assert derive({"step_wall_ms": 2.0, "kernel_ms": 1.8}, 2.0, 2e12, 2e9)["busy_pct"] == pytest.approx(90.0)
+
+
+def test_event_kinds_without_activity_type():
+    """Kineto events of a torch without `activity_type()`: kernels and copies told apart by device and name."""
+    event = lambda device, name: SimpleNamespace(device_type=lambda: device, name=lambda: name)  # noqa: E731
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    assert event_kind(event(cuda, "void gemm_kernel<...>")) == "kernel"
+    assert event_kind(event(cuda, "Memcpy DtoD (Device -> Device)")) == "gpu_memcpy"
+    assert event_kind(event(cpu, "aten::mm")) == "host"
+    assert event_kind(SimpleNamespace(activity_type=lambda: "gpu_memset")) == "gpu_memset"
