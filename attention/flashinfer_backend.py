@@ -7,10 +7,12 @@ has its own `GraphSlot`: a wrapper built with `use_cuda_graph=True` over index b
 addresses, planned on the host before every replay. All wrappers of a backend share one float
 workspace (steps never overlap). Host metadata reaches the GPU only from pinned memory with
 non-blocking copies, so planning never synchronizes the host with the GPU.
-Every wrapper pins `backend="fa2"`: the fa3 kernels need FP8 queries, and on an H200 fa2's paged
-kernel takes 9-15 us a layer where fa3's takes 20-50 us once a request's KV reaches ~1,000 tokens or
-the batch grows (fa3 wins only on short KV). One kernel family for eager and graphed steps also
-keeps their results identical.
+Kernels: "auto" (fa3 on Hopper) for bf16/fp16 caches, "fa2" for FP8 (fa3 needs FP8 queries; "auto"
+would stick to the choice of its first plan). fa3 computes a query row the same way whether its
+request has 1 query (decode) or block_size queries (verify), so greedy speculation reproduces greedy
+decoding token for token; fa2 picks its tiles by query count, and the two drift apart at near-ties.
+fa2 is the faster kernel once a request's KV passes ~1,000 tokens or the batch is large (measured on
+an H200: 9-15 us a layer against fa3's 20-50 us). Eager and graphed steps use the same kernels.
 """
 
 from __future__ import annotations
@@ -21,11 +23,10 @@ import torch
 
 from attention.backend import AttentionBackend
 from attention.batch_layout import BatchLayout, slots_on_device
-from attention.kv_cache import LayerKV
+from attention.kv_cache import FP8_DTYPE, LayerKV
 from attention.transfer import pinned, upload
 
 WORKSPACE_BYTES = 256 << 20
-KERNEL_BACKEND = "fa2"
 
 
 class GraphSlot:
@@ -46,7 +47,7 @@ class GraphSlot:
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr,
             paged_kv_indptr_buf=self.kv_indptr, paged_kv_indices_buf=self.kv_indices,
-            paged_kv_last_page_len_buf=self.last_page_len, backend=KERNEL_BACKEND)
+            paged_kv_last_page_len_buf=self.last_page_len, backend=backend.kernel_backend)
 
     def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
         """values in the pinned host buffer `name`; returns that slice."""
@@ -65,8 +66,9 @@ class FlashInferBackend(AttentionBackend):
         self.kv_dtype = kv_dtype
         self.q_dtype = q_dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.kernel_backend = "fa2" if kv_dtype == FP8_DTYPE else "auto"
         self.eager_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                            backend=KERNEL_BACKEND)
+                                                                            backend=self.kernel_backend)
         self.wrapper = self.eager_wrapper
 
     def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:

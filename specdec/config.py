@@ -26,8 +26,8 @@ class EngineConfig:
     # FP8 KV scales: 1.0 per layer by default (K/V of Llama/Qwen-sized models sit well inside e4m3's
     # +-448); True derives per-layer scales from the first prefill's max |K|, |V| (with headroom)
     calibrate_fp8_scales: bool = False
-    # the drafter's context cache: auto = the model dtype (it is small: a few layers); fp8 = float8 e4m3
-    # like the target's (costs acceptance: e4m3 rounding of the context's K/V changes the drafts)
+    # the drafter's context cache: auto = the model dtype (it is small: a few layers, and needs no
+    # quantization kernels); fp8 = float8 e4m3 like the target's
     drafter_kv_cache_dtype: str = "auto"
     # CUDA graphs for the decode, verify and draft steps (CUDA only; CPU is always eager)
     enforce_eager: bool = False

@@ -33,8 +33,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--calibrate-fp8-scales", action="store_true",
-                   help="FP8 KV: per-layer scales from the first prefill (default: scale 1.0)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto")
@@ -62,8 +60,7 @@ def main(argv=None) -> int:
         prompts = read_prompts(args)
         drafter = chosen_drafter(args)
         llm = LLM(args.target, drafter, page_size=args.page_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                  attention_backend=args.attention_backend, calibrate_fp8_scales=args.calibrate_fp8_scales,
-                  **engine_options(args))
+                  attention_backend=args.attention_backend, **engine_options(args))
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

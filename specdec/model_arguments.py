@@ -17,10 +17,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="the target's KV cache: auto = the model dtype, fp8 = float8 e4m3")
     p.add_argument("--drafter-kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                   help="the drafter's context cache (auto = the model dtype: small, and fp8 there costs acceptance)")
+                   help="the drafter's context cache (auto = the model dtype)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
     p.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size in pages (default: from memory)")
+    p.add_argument("--calibrate-fp8-scales", action="store_true",
+                   help="FP8 KV: per-layer scales from the first prefill (default: scale 1.0)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (no CUDA graphs; CPU is always eager)")
 
@@ -38,4 +40,4 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The `LLM` keyword arguments that `add_model_arguments` collected."""
     return dict(device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                 drafter_kv_cache_dtype=args.drafter_kv_cache_dtype, num_kv_pages=args.num_kv_pages,
-                enforce_eager=args.enforce_eager)
+                calibrate_fp8_scales=args.calibrate_fp8_scales, enforce_eager=args.enforce_eager)
