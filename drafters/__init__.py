@@ -36,7 +36,7 @@ def load_drafter(name_or_path: str | os.PathLike, target_model) -> Drafter:
     check_compatible(read_dflash_config(path), target_model.config, str(path))
     device = target_model.lm_head.weight.device
     dtype = target_model.lm_head.weight.dtype
-    return DFlashDrafter(load_dflash(path, device, dtype), target_model)
+    return DFlashDrafter(load_dflash(path, device, dtype))
 
 
 __all__ = ["Drafter", "DFlashDrafter", "load_drafter", "DEFAULT_DRAFTERS", "resolve_drafter_path"]

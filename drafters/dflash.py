@@ -34,7 +34,7 @@ from specdec.request import Request
 
 
 class DFlashDrafter(Drafter):
-    def __init__(self, model: DFlashDraftModel, target=None):
+    def __init__(self, model: DFlashDraftModel):
         self.model = model
         self.block_size = model.spec.block_size
         self.target_layer_ids = model.spec.target_layer_ids
