@@ -25,7 +25,7 @@ from drafters.base import DraftContext
 from specdec.config import EngineConfig
 from specdec.cuda_graphs import ladder_sizes
 from specdec.models.loader import LoadedTarget
-from specdec.request import Request, Status
+from specdec.request import Request
 from specdec.sampler import make_generator, sample_batch
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import Scheduler
@@ -158,22 +158,38 @@ class Engine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, requests: list[Request], on_commit: OnCommit | None = None) -> None:
-        """Generate until every request has finished. Failed requests never stop the others."""
+        """Generate until every request has finished. Failed requests never stop the others.
+
+        An exception (a failing component, a callback's, Ctrl-C) aborts every unfinished request of
+        the call and returns everything they hold before it propagates: the engine is left as clean as
+        before the call, and each request keeps what it had committed."""
         on_commit = on_commit or (lambda request, tokens: None)
+        try:
+            for request in requests:
+                if not request.finished:
+                    self._prepare(request)
+                    self.scheduler.add(request)
+            while not self.scheduler.idle:
+                admitted = self.scheduler.admit()
+                if not admitted and not self.scheduler.running:
+                    raise RuntimeError("scheduler stalled with waiting requests and nothing running")
+                if admitted:
+                    self._prefill(admitted, on_commit)
+                running = [r for r in self.scheduler.running if not r.finished]
+                if running:
+                    self._decode(running, on_commit)
+                self._retire()
+        except BaseException:
+            self.abort(requests)
+            raise
+
+    def abort(self, requests: list[Request]) -> None:
+        """Finish every unfinished request of `requests` as aborted and give back all it holds."""
         for request in requests:
             if not request.finished:
-                self._prepare(request)
-                self.scheduler.add(request)
-        while not self.scheduler.idle:
-            admitted = self.scheduler.admit()
-            if not admitted and not self.scheduler.running:
-                raise RuntimeError("scheduler stalled with waiting requests and nothing running")
-            if admitted:
-                self._prefill(admitted, on_commit)
-            running = [r for r in self.scheduler.running if not r.finished]
-            if running:
-                self._decode(running, on_commit)
-            self._retire()
+                request.finish("abort", "generation was interrupted before this request finished")
+        self.scheduler.drop_finished_waiting()
+        self._retire()
 
     def _prepare(self, request: Request) -> None:
         request.target_pages = PageTable(self.pool)
@@ -183,16 +199,13 @@ class Engine:
             request.use_detokenizer(self.tokenizer)
 
     def _retire(self) -> None:
-        still = []
-        for request in self.scheduler.running:
-            if request.finished:
-                request.target_pages.free()
-                if self.drafter is not None:
-                    self.drafter.release(request)
-                self.scheduler.release(request)
-            else:
-                still.append(request)
-        self.scheduler.running = still
+        for request in [r for r in self.scheduler.running if r.finished]:
+            # out of the running set first: a failure below must not release a request twice
+            self.scheduler.running.remove(request)
+            self.scheduler.release(request)
+            request.target_pages.free()
+            if self.drafter is not None:
+                self.drafter.release(request)
 
     # ---- forwards ----------------------------------------------------------------------------
     def forward_tokens(self, requests: list[Request], token_ids: torch.Tensor, q_lens: list[int], *,
@@ -206,9 +219,6 @@ class Engine:
         return upload(np.asarray(ids, dtype=np.int64), self.device)
 
     def _prefill(self, requests: list[Request], on_commit: OnCommit) -> None:
-        for request in requests:
-            request.status = Status.RUNNING
-        self.scheduler.running.extend(requests)
         lens = [len(r.prompt_ids) for r in requests]
         feature_layers = self.drafter.target_layer_ids if self.drafter is not None else ()
         out = self.forward_tokens(requests, self.ids_tensor(np.concatenate([r.prompt_ids for r in requests])), lens,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -25,7 +26,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated tokens only
     text: str
-    finish_reason: str  # "stop" | "length" | "error"
+    finish_reason: str  # "stop" | "length" | "error" | "abort" (the call was interrupted)
     stats: RequestStats
     error: str | None = None
 
@@ -53,6 +54,8 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.engine = Engine(loaded, self.config, draft_model)
         self.last_summary: Summary | None = None
+        self._lock = threading.Lock()
+        self._generating: int | None = None  # the thread inside generate(), to catch re-entry from a callback
 
     def encode(self, prompt: Prompt, chat: bool) -> list[int]:
         if not isinstance(prompt, str):
@@ -72,7 +75,23 @@ class LLM:
         """Generate for every prompt (strings, or lists of token ids). `chat` overrides params.chat.
 
         on_text(index, new_text) is called as text is produced (streaming); on_finish(index, result)
-        as soon as a request finishes (requests run concurrently, up to max_num_seqs at a time)."""
+        as soon as a request finishes (requests run concurrently, up to max_num_seqs at a time).
+
+        Calls from several threads run one after another (a lock). If the call is interrupted or a
+        component fails, the engine is left clean (every request of the call aborted, all pages
+        returned) and the exception propagates with `partial_results`: a GenerationResult per prompt
+        holding what it had committed (finish_reason "abort" where it had not finished)."""
+        if self._generating == threading.get_ident():
+            raise RuntimeError("LLM.generate was called from inside one of its own callbacks; collect the "
+                               "prompts and call generate again after this call returns")
+        with self._lock:
+            self._generating = threading.get_ident()
+            try:
+                return self._generate(prompts, params, chat, on_text, on_finish)
+            finally:
+                self._generating = None
+
+    def _generate(self, prompts, params, chat, on_text, on_finish) -> list[GenerationResult]:
         params = params or SamplingParams()
         chat = params.chat if chat is None else chat
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -87,7 +106,11 @@ class LLM:
                 if request.finished:
                     on_finish(i, self._result(prompts[i], request))
         start = time.perf_counter()
-        self.engine.run(requests, on_commit)
+        try:
+            self.engine.run(requests, on_commit)
+        except BaseException as err:  # Ctrl-C included: the engine has aborted what was left
+            err.partial_results = [self._result(p, r) for p, r in zip(prompts, requests)]
+            raise
         self.last_summary = summarize([r.stats for r in requests if r.finish_reason != "error"],
                                       time.perf_counter() - start)
         return [self._result(p, r) for p, r in zip(prompts, requests)]

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
+
+
+# below this, logits / temperature overflows float32 for ordinary logits: use 0 for greedy instead
+MIN_TEMPERATURE = 1e-5
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -17,23 +30,30 @@ class SamplingParams:
     chat: bool = False  # apply the tokenizer's chat template to string prompts
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is not None:
-            object.__setattr__(self, "stop", tuple(self.stop))
         problems = []
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        elif stop is not None:
+            try:
+                stop = tuple(stop)
+            except TypeError:
+                problems.append(f"stop must be a string or a list of strings, got {stop!r}")
+                stop = None
+        object.__setattr__(self, "stop", stop)
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             problems.append(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            problems.append(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_real(self.temperature) or not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
+            problems.append(f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE:g}, got "
+                            f"{self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
             problems.append(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
-            problems.append(f"stop must be non-empty strings, got {self.stop!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            problems.append(f"seed must be an integer, got {self.seed!r}")
+        if stop is not None and any(not isinstance(s, str) or not s for s in stop):
+            problems.append(f"stop must be non-empty strings, got {stop!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            problems.append(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if problems:
             raise ValueError("invalid sampling parameters: " + "; ".join(problems))
 

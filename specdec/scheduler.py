@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 from attention.page_pool import PagePool
-from specdec.request import Request
+from specdec.request import Request, Status
 
 
 class Scheduler:
@@ -41,7 +41,7 @@ class Scheduler:
 
     def admit(self) -> list[Request]:
         admitted, tokens = [], 0
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs:  # admitted ones are running already
             request = self.waiting[0]
             need = self.worst_case_pages(request)
             if self.reserved + need > self.pool.num_pages:
@@ -51,8 +51,13 @@ class Scheduler:
             self.waiting.popleft()
             self.reserved += need
             tokens += len(request.prompt_ids)
+            request.status = Status.RUNNING
+            self.running.append(request)  # running from the moment its pages are reserved
             admitted.append(request)
         return admitted
+
+    def drop_finished_waiting(self) -> None:
+        self.waiting = deque(r for r in self.waiting if not r.finished)
 
     def release(self, request: Request) -> None:
         self.reserved -= self.worst_case_pages(request)
