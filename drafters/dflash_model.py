@@ -132,7 +132,11 @@ def load_dflash(path: str | os.PathLike, device: torch.device, dtype: torch.dtyp
         raise FileNotFoundError(f"no safetensors weights in {path}")
     state = {}
     for f in files:
-        state.update(load_file(f, device=str(device)))
+        try:
+            state.update(load_file(f, device=str(device)))
+        except Exception as err:  # safetensors raises its own error type for truncated or corrupt files
+            raise ValueError(f"cannot read the drafter weights {f}: {err}; the file may be truncated or corrupt: "
+                             f"copy or export it again") from err
     storage = getattr(config, WEIGHT_STORAGE_KEY, None)
     if storage == FP8_STORAGE:
         state = _dequantize_fp8(state)

@@ -11,6 +11,13 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
+def _valid_device(device) -> bool:
+    if not isinstance(device, str):
+        return False
+    kind, _, index = device.partition(":")
+    return device in ("auto", "cpu") or (kind == "cuda" and (not index or index.isdigit()))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = "auto"  # auto = cuda when available, else cpu
@@ -34,6 +41,8 @@ class EngineConfig:
 
     def __post_init__(self):
         problems = []
+        if not _valid_device(self.device):
+            problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype != "auto" and DTYPE_ALIASES.get(self.dtype, self.dtype) not in DTYPES:
             problems.append(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 import time
@@ -29,6 +30,28 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "error" | "abort" (the call was interrupted)
     stats: RequestStats
     error: str | None = None
+
+
+def prompt_list(prompts) -> list:
+    """One prompt (a string or token ids) or several, as a list; numpy arrays and tensors of ids too."""
+    if hasattr(prompts, "tolist") and not isinstance(prompts, str):  # numpy array or tensor
+        prompts = prompts.tolist()
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and isinstance(prompts[0], numbers.Integral)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got "
+                         f"{type(prompts).__name__}")
+    return list(prompts)
+
+
+def token_ids(prompt) -> list[int]:
+    """A prompt given as token ids (a list, numpy array or tensor of integers) -> list[int]."""
+    ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                      for t in ids):
+        raise ValueError(f"a prompt must be a string or a flat list of integer token ids; got {str(prompt)[:80]!r}")
+    return [int(t) for t in ids]
 
 
 class LLM:
@@ -59,7 +82,7 @@ class LLM:
 
     def encode(self, prompt: Prompt, chat: bool) -> list[int]:
         if not isinstance(prompt, str):
-            return list(prompt)
+            return token_ids(prompt)
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise ValueError("chat=True but this model's tokenizer has no chat template")
@@ -94,8 +117,7 @@ class LLM:
     def _generate(self, prompts, params, chat, on_text, on_finish) -> list[GenerationResult]:
         params = params or SamplingParams()
         chat = params.chat if chat is None else chat
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = prompt_list(prompts)
         requests = [self.engine.make_request(self.encode(p, chat), params) for p in prompts]
         if on_text is not None:
             for request in requests:

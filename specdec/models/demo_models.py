@@ -400,7 +400,11 @@ def _convert_cached(
     work = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-{dir_name}-", dir=models))
     try:
         out = work / dir_name
-        summary = convert_gguf_to_hf(gguf_path, out)
+        try:
+            summary = convert_gguf_to_hf(gguf_path, out)
+        except Exception as err:  # gguf and numpy raise many kinds on a truncated or corrupt file
+            raise ValueError(f"cannot convert {gguf_path}: {type(err).__name__}: {err}; the file may be "
+                             f"truncated or corrupt: download it again") from err
         marker = {
             "key": key,
             "conversion_version": CONVERSION_VERSION,

@@ -12,6 +12,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from specdec.models.decoder import SUPPORTED_MODEL_TYPES, CausalLM
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def _has_file(directory, patterns) -> bool:
+    return any(next(Path(directory).glob(pattern), None) is not None for pattern in patterns)
+
+
 @dataclass
 class LoadedTarget:
     model: CausalLM
@@ -36,7 +44,14 @@ def read_config(model_dir: Path):
 def load_causal_lm(model_dir: Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
     config = read_config(model_dir)
     # transformers reads the checkpoint (sharding, renames); its tensors are then adopted without a copy
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": device})
+    if not _has_file(model_dir, WEIGHT_FILES):
+        raise ValueError(f"{model_dir} has a config.json but no weights ({' or '.join(WEIGHT_FILES)}); "
+                         f"copy the model's weight files into it")
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": device})
+    except Exception as err:  # safetensors raises its own error type for truncated or corrupt files
+        raise ValueError(f"cannot read the model weights in {model_dir}: {str(err).splitlines()[0]}; the files "
+                         f"may be truncated or corrupt: download them again") from err
     state = hf.state_dict()
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -67,6 +82,18 @@ def load_target(name_or_path: str | os.PathLike, device: torch.device, dtype: to
     from specdec.models.demo_models import resolve_model
 
     model_dir = resolve_model(name_or_path)
+    tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir, device, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return LoadedTarget(model, tokenizer, eos_token_ids(model_dir, tokenizer), model_dir)
+
+
+def load_tokenizer(model_dir: Path):
+    """The model's own tokenizer. Without tokenizer files transformers would quietly substitute a tiny
+    one (every prompt encoding to nothing), so their absence is an error."""
+    if not _has_file(model_dir, TOKENIZER_FILES):
+        raise ValueError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy the model's "
+                         f"tokenizer into it, or pass token ids instead of text to the library")
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot load the tokenizer in {model_dir}: {str(err).splitlines()[0]}") from err

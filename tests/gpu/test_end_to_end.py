@@ -1,9 +1,10 @@
 """End to end on the GPU with a real demo model: greedy speculative output vs greedy
 autoregressive output of the same engine, through FlashInfer, with bf16 and FP8 KV caches.
 
-bf16 kernels can flip near-ties between a 16-token verify and a 1-token decode. Every divergence is
-reported with its position and the logit gap between the two tokens under the autoregressive
-engine; a gap beyond NEAR_TIE is a bug, as is a match rate below MIN_MATCH_RATE.
+bf16 kernels can flip near-ties between a 16-token verify and a 1-token decode in a batch. Every
+divergence is reported with its position and the logit gap between the two tokens under the
+autoregressive engine; a gap beyond NEAR_TIE either way is a bug, and so is any divergence at
+batch 1 (one prompt at a time), where the kernels compute decode and verify rows alike.
 """
 
 import json
@@ -15,7 +16,7 @@ from specdec import LLM, SamplingParams
 from tests.drafter_helpers import ScriptedDrafter, build_random_drafter
 
 MODEL = os.environ.get("SPECDEC_GPU_MODEL", "smollm2-135m-instruct")
-NEAR_TIE, MIN_MATCH_RATE, NEW_TOKENS = 0.5, 0.8, 96
+NEAR_TIE, NEW_TOKENS, BATCH_ONE_PROMPTS = 0.5, 96, 4
 PROMPTS = [
     "What is 17 * 23? Show your work.", "Write a Python function that reverses a linked list.",
     "Explain what a hash table is in two sentences.", "List the first ten prime numbers.",
@@ -75,8 +76,8 @@ def compare(ar_llm, spec_llm, label):
             "spec_tokens_per_s": summary.tokens_per_s, "ar_tokens_per_s": ar_llm.last_summary.tokens_per_s}
     print(json.dumps(data))
     report(label, data)
-    assert match_rate >= MIN_MATCH_RATE, data
-    assert all(d.get("logit_gap", 0) <= NEAR_TIE for d in divergences if d.get("kind") != "length"), data
+    assert not [d for d in divergences if d.get("kind") == "length"], data
+    assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in divergences), data
     return ar
 
 
@@ -99,3 +100,14 @@ def test_high_acceptance_speculation_equals_autoregressive(kv):
     spec_llm = LLM(MODEL, drafter=drafter, device="cuda", kv_cache_dtype=kv, num_kv_pages=2048,
                    attention_backend="flashinfer")
     compare(ar_llm, spec_llm, f"scripted-{kv}")
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_batch_one_speculation_is_exact(drafter_dir, kv):
+    """One prompt at a time: no padding and no batch-dependent kernels, so not even a near-tie may flip."""
+    common = dict(device="cuda", kv_cache_dtype=kv, num_kv_pages=2048, attention_backend="flashinfer")
+    ar_llm, spec_llm = LLM(MODEL, **common), LLM(MODEL, drafter=drafter_dir, **common)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    for prompt in PROMPTS[:BATCH_ONE_PROMPTS]:
+        want = ar_llm.generate([prompt], params, chat=True)[0].token_ids
+        assert spec_llm.generate([prompt], params, chat=True)[0].token_ids == want, prompt
