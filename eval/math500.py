@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import platform
 import shlex
 import sys
@@ -22,7 +23,7 @@ from specdec.model_arguments import add_model_arguments, chosen_drafter, engine_
 
 from eval.comparison import compare
 from eval.grading import select_grader
-from eval.problems import INSTRUCTION, DataUnavailable, load_problems, prompt_ids, select
+from eval.problems import HUB, INSTRUCTION, DataUnavailable, data_label, load_problems, prompt_ids, select
 from eval.report import summary_markdown, write_histogram_png, write_json
 from eval.runner import Run, run_problems
 
@@ -30,14 +31,16 @@ from eval.runner import Run, run_problems
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.math500", description=__doc__.splitlines()[0])
     add_model_arguments(p)
-    p.add_argument("--data", default=None, help="local math500 jsonl (default: HuggingFaceH4/MATH-500 test split)")
+    p.add_argument("--data", default=None, help="math500 jsonl (default: the 500 problems shipped in eval/data/; "
+                                                f"'{HUB}': the HuggingFaceH4/MATH-500 test split from the hub)")
     p.add_argument("--limit", type=int, default=None, help="a seeded random subset of N problems")
     p.add_argument("--seed", type=int, default=0, help="seed of the subset and of sampling")
     p.add_argument("--max-new-tokens", type=int, default=2048)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight (engine max_num_seqs); "
                                                               "1 = the z-lab batch-1 protocol")
-    p.add_argument("--output", default=None, help="output directory (default: results/math500-<timestamp>)")
+    p.add_argument("--output", default=None, help="output directory (default: ./math500-<timestamp> in the "
+                                                  "current directory)")
     p.add_argument("--baseline", action="store_true", help="also run without the drafter and compare")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -46,6 +49,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.concurrency < 1:
         p.error("--concurrency must be positive")
     return args
+
+
+def output_dir(args) -> Path:
+    """--output, else math500-<timestamp> in the current directory (never inside the repository's results/)."""
+    return Path(args.output) if args.output else Path(f"math500-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def check_output_dir(out: Path) -> bool:
+    """Create `out` and prove it writable (by writing a file: access() passes for root on a read-only mount),
+    before any model is loaded. Returns whether it was created here; raises OSError naming the path."""
+    created = not out.exists()
+    try:
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(20, "exists and is not a directory")
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        if created:
+            remove_if_empty(out)
+        raise OSError(f"--output {out}: cannot write there ({err.strerror or err})") from None
+    return created
+
+
+def remove_if_empty(out: Path) -> None:
+    try:
+        out.rmdir()
+    except OSError:
+        pass
 
 
 def make_llm(args, drafter) -> LLM:
@@ -78,7 +111,7 @@ def describe(args, argv, llm: LLM, drafter, problems, first_prompt: list[int]) -
         "command_line": shlex.join([Path(sys.executable).name, "-m", "eval.math500", *argv]),
         "target": str(args.target), "drafter": str(drafter) if drafter else None,
         "block_size": engine.drafter.block_size if engine.drafter is not None else None,
-        "data": args.data or "HuggingFaceH4/MATH-500 (test)", "limit": args.limit, "seed": args.seed,
+        "data": data_label(args.data), "limit": args.limit, "seed": args.seed,
         "num_problems": len(problems), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "concurrency": args.concurrency, "kv_cache_dtype": args.kv_cache_dtype, "kv_dtype": str(engine.kv_dtype),
         "drafter_kv_dtype": str(engine.drafter_kv_dtype), "cuda_graphs": engine.graph_capture_seconds is not None,
@@ -114,18 +147,21 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     drafter = chosen_drafter(args)
-    try:
+    out = output_dir(args)
+    try:  # the inputs first (data, then --output), so that mistakes surface before a model is loaded
         problems = select(load_problems(args.data), args.limit, args.seed)
+        created = check_output_dir(out)
+    except (DataUnavailable, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
         llm = make_llm(args, drafter)
         prompts = [prompt_ids(llm.tokenizer, p.problem) for p in problems]
     except (DataUnavailable, ValueError, FileNotFoundError, ImportError) as err:
+        if created:
+            remove_if_empty(out)
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if not problems:
-        print("error: the data holds no problems", file=sys.stderr)
-        return 2
-    out = Path(args.output or f"results/math500-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
     grader = select_grader()
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     config = describe(args, argv, llm, drafter, problems, prompts[0])

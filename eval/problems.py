@@ -1,4 +1,4 @@
-"""math500 problems: loading (hub or a local jsonl), seeded subsets and the z-lab prompt."""
+"""math500 problems: loading (the shipped copy, a local jsonl or the hub), seeded subsets and the z-lab prompt."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HUB_DATASET = "HuggingFaceH4/MATH-500"
-OFFLINE_HINT = "--data ../shared/data/math500.jsonl"
+HUB = "hub"  # `--data hub`: the hub's test split through `datasets` (opt-in; the shipped copy is the default)
+# the same 500 problems (the hub's test split, same fields), shipped with the package for offline use
+PACKAGED_DATA = Path(__file__).parent / "data" / "math500.jsonl"
+REQUIRED = ("problem", "answer")
 # the z-lab benchmark's user turn, appended to every problem (no system prompt of our own)
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -26,39 +29,76 @@ class Problem:
     level: int | None = None
 
 
+def _check_row(row, where: str) -> dict:
+    if not isinstance(row, dict):
+        raise DataUnavailable(f"{where}: not a JSON object (a {type(row).__name__})")
+    missing = [k for k in REQUIRED if k not in row or row[k] is None]
+    if missing:
+        raise DataUnavailable(f"{where}: missing field(s) {', '.join(missing)} (each line needs "
+                              f"{' and '.join(REQUIRED)})")
+    empty = [k for k in REQUIRED if not str(row[k]).strip()]
+    if empty:
+        raise DataUnavailable(f"{where}: empty field(s) {', '.join(empty)}")
+    return row
+
+
 def _read_jsonl(path: str) -> list[dict]:
+    """The rows of a jsonl file, each checked: the first bad line is reported as `path:line: what`."""
     import json
 
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    p = Path(path)
+    if not p.exists():
+        raise DataUnavailable(f"{path}: no such file")
+    if not p.is_file():
+        raise DataUnavailable(f"{path}: not a file")
+    rows = []
+    try:
+        with open(p, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataUnavailable(f"{path}:{number}: not a JSON line ({err.msg}, column {err.colno})") from None
+                rows.append(_check_row(row, f"{path}:{number}"))
+    except UnicodeDecodeError as err:
+        raise DataUnavailable(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise DataUnavailable(f"{path}: cannot read ({err.strerror or err})") from None
+    if not rows:
+        raise DataUnavailable(f"{path}: holds no problems (empty file)")
+    return rows
 
 
-def _rows(data: str | None) -> list[dict]:
-    """Rows of the hub's test split (data None) or of a local jsonl. Without the `datasets` package
-    (e.g. a bare GPU image) a local jsonl is read directly."""
-    if data is not None and not Path(data).is_file():
-        raise DataUnavailable(f"--data {data}: no such file")
+def _hub_rows() -> list[dict]:
     try:
         import datasets
     except ImportError:
-        if data is None:
-            raise DataUnavailable(f"the `datasets` package is needed for the hub split; use {OFFLINE_HINT}")
-        return _read_jsonl(data)
-    if data is not None:
-        return list(datasets.load_dataset("json", data_files=str(data), split="train"))
+        raise DataUnavailable("--data hub needs the `datasets` package; without --data the shipped copy "
+                              "is used") from None
     try:
-        return list(datasets.load_dataset(HUB_DATASET, split="test"))
+        rows = list(datasets.load_dataset(HUB_DATASET, split="test"))
     except Exception as err:  # offline machines raise ConnectionError, OSError or hub-specific errors
-        raise DataUnavailable(f"cannot load {HUB_DATASET} from the Hugging Face hub ({err}); "
-                              f"use a local copy, e.g. {OFFLINE_HINT}") from err
+        raise DataUnavailable(f"cannot load {HUB_DATASET} from the Hugging Face hub ({err}); run without --data "
+                              f"for the shipped copy") from err
+    if not rows:
+        raise DataUnavailable(f"{HUB_DATASET} (test split): holds no problems")
+    return [_check_row(row, f"{HUB_DATASET} (test split) row {i}") for i, row in enumerate(rows)]
+
+
+def data_label(data: str | None) -> str:
+    """What results.json records as the data source."""
+    if data == HUB:
+        return f"{HUB_DATASET} (test, hub)"
+    return str(data) if data is not None else f"{HUB_DATASET} (test, shipped copy)"
 
 
 def load_problems(data: str | None = None) -> list[Problem]:
-    """Every problem in file order: `data` is a local jsonl path, None means the hub's test split."""
-    rows = _rows(data)
-    missing = {"problem", "answer"} - set(rows[0] if rows else ())
-    if missing:
-        raise DataUnavailable(f"the data has no {', '.join(sorted(missing))} field(s)")
+    """Every problem in file order. `data`: a local jsonl path; None, the copy shipped in eval/data/;
+    "hub", the hub's test split (needs `datasets` and a network). Local files are read without `datasets`.
+    Raises DataUnavailable naming the file and line of the first malformed row."""
+    rows = _hub_rows() if data == HUB else _read_jsonl(str(PACKAGED_DATA) if data is None else data)
     return [Problem(i, str(row.get("unique_id") or i), row["problem"], str(row["answer"]), row.get("subject"),
                     row.get("level")) for i, row in enumerate(rows)]
 

@@ -1,6 +1,6 @@
 """Side-by-side benchmark against peer systems on the same math500 prompts, plus our throughput.
 
-    python scripts/bench_peers.py --data ../shared/data/math500.jsonl [--limit 20] [--seed 0]
+    python scripts/bench_peers.py [--data FILE.jsonl] [--limit 20] [--seed 0]
         [--max-new-tokens 512] [--target qwen2.5-coder-1.5b-instruct] [--drafter NAME|DIR]
         [--assistant qwen2.5-coder-0.5b-instruct] [--systems ours-ar,hf-generate,...]
         [--concurrency 1,8,32] [--throughput-prompts 32] [--device auto|cpu|cuda]
@@ -82,7 +82,7 @@ def _systems(text: str) -> list[str]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=None, help="local math500 jsonl (default: the hub's test split)")
+    p.add_argument("--data", default=None, help="math500 jsonl (default: the copy shipped in eval/data)")
     p.add_argument("--limit", type=int, default=20, help="seeded random subset size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=512)

@@ -82,7 +82,10 @@ def test_outputs_match_autoregressive(bench_run):
     # run other kernels (greedy near-ties may go either way)
     for name in (s for s in RUN if s not in ("ours-ar", "ours-dflash-bf16")):
         same = systems[name]["summary"]["same_as_ar"]
-        assert same["compared"] == 2 and 0.0 <= same["fraction"] <= 1.0
+        # the reported count and fraction are exactly those of the token ids the JSON holds
+        identical = sum(p["token_ids"] == a for p, a in zip(systems[name]["prompts"], ar))
+        assert same["compared"] == 2 and same["identical"] == identical, name
+        assert same["fraction"] == identical / 2 and len(same["differing"]) == 2 - identical, name
 
 
 def test_throughput_rows(bench_run):
@@ -119,3 +122,14 @@ def test_report_helpers():
     cmp = report.compare_outputs(a, b)
     assert cmp["compared"] == 1 and cmp["identical"] == 0 and cmp["differing"] == [{"index": 0, "first_diff": 2}]
     assert report.first_difference([1, 2], [1, 2, 3]) == 2 and report.first_difference([5], [5]) is None
+
+
+def test_same_as_ar_fraction_on_constructed_outputs():
+    """Two of three shared prompts identical (a fourth only in the reference): fraction exactly 2/3."""
+    ar = [{"index": i, "token_ids": ids} for i, ids in enumerate([[1, 2], [3, 4, 5], [6], [7, 8]])]
+    other = [{"index": 2, "token_ids": [6]}, {"index": 0, "token_ids": [1, 2]}, {"index": 1, "token_ids": [3, 9, 5]}]
+    cmp = report.compare_outputs(ar, other)
+    assert cmp["compared"] == 3 and cmp["identical"] == 2 and cmp["fraction"] == pytest.approx(2 / 3)
+    assert cmp["differing"] == [{"index": 1, "first_diff": 1}]
+    assert report.compare_outputs(ar, [{"index": 0, "token_ids": [2, 1]}])["fraction"] == 0.0
+    assert report.compare_outputs(ar, [])["fraction"] is None

@@ -1,15 +1,17 @@
 """math500 evaluation: answer extraction and grading, and the CLI end to end on a tiny random model."""
 
 import json
+import os
 import string
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from eval import math500
 from eval.grading import as_number, last_boxed, normalize, select_grader, strings_match
-from eval.problems import INSTRUCTION, DataUnavailable, Problem, load_problems, prompt_ids, select
+from eval.problems import INSTRUCTION, HUB, PACKAGED_DATA, DataUnavailable, Problem, load_problems, prompt_ids, select
 from eval.runner import run_problems
 from specdec import SamplingParams
 from specdec.metrics import RequestStats
@@ -128,15 +130,16 @@ def test_without_drafter(setup):
     assert not (out / "acceptance_histogram.png").exists() and (out / "summary.md").is_file()
 
 
-def test_missing_hub_data_suggests_local_copy(monkeypatch):
+def test_unreachable_hub_points_at_the_shipped_copy(monkeypatch):
+    """The hub split is opt-in (--data hub); when it cannot be reached, the error names the offline default."""
     import datasets
 
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach the hub")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(DataUnavailable, match="--data ../shared/data/math500.jsonl"):
-        load_problems(None)
+    with pytest.raises(DataUnavailable, match="without --data"):
+        load_problems(HUB)
 
 
 def test_subset_is_seeded_and_in_file_order():
@@ -237,5 +240,126 @@ def test_local_jsonl_loads_without_datasets(tmp_path, monkeypatch):
     without = load_problems(str(path))
     assert [(p.id, p.problem, p.answer) for p in without] == [("a", "1+1?", "2"), ("1", "2+2?", "4")]
     assert [(p.id, p.problem, p.answer) for p in without] == [(p.id, p.problem, p.answer) for p in with_datasets]
+    assert len(load_problems(None)) == 500  # the shipped copy needs no `datasets` either
     with pytest.raises(DataUnavailable, match="datasets"):
-        load_problems(None)
+        load_problems(HUB)
+
+
+def test_default_data_is_the_shipped_copy_without_the_hub(monkeypatch):
+    """No --data: the 500 problems shipped with the package, read without trying the hub (offline machines)."""
+    import datasets
+
+    def hub(*args, **kwargs):
+        raise AssertionError("the hub must not be tried by default")
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    problems = load_problems(None)
+    assert len(problems) == 500 and len({p.id for p in problems}) == 500
+    assert problems[0].id.startswith("test/") and problems[0].problem and problems[0].answer
+    assert PACKAGED_DATA.is_file() and load_problems(str(PACKAGED_DATA)) == problems
+
+
+def test_no_message_points_at_a_shared_checkout():
+    import eval.problems as problems_module
+
+    for module in (problems_module, math500):
+        assert "shared/data" not in Path(module.__file__).read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("", r"holds no problems"),
+    ("\n\n", r"holds no problems"),
+    ('{"problem": "a", "answer": "1"}\nnot json\n', r":2: not a JSON"),
+    ('{"problem": "a", "answer": "1"}\n{"problem": "b"}\n', r":2: .*missing .*answer"),
+    ('{"answer": "1"}\n', r":1: .*missing .*problem"),
+    ('[1, 2]\n', r":1: not a JSON object"),
+    ('{"problem": "a", "answer": "1"}\n\n{"problem": "", "answer": "2"}\n', r":3: .*empty .*problem"),
+])
+def test_malformed_data_names_file_and_line(tmp_path, content, expected):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(DataUnavailable, match=expected) as info:
+        load_problems(str(path))
+    assert str(path) in str(info.value)
+
+
+def refuse_model_loading(monkeypatch):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not be loaded before the inputs are checked")
+
+    monkeypatch.setattr(math500, "make_llm", no_model)
+
+
+def cli_error(monkeypatch, capsys, argv) -> str:
+    refuse_model_loading(monkeypatch)
+    assert math500.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("content", ["", "garbage\n", '{"problem": "a"}\n'])
+def test_cli_rejects_malformed_data_before_loading_a_model(tmp_path, monkeypatch, capsys, content):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content, encoding="utf-8")
+    err = cli_error(monkeypatch, capsys, ["--data", str(path), "--output", str(tmp_path / "out"), "--no-drafter"])
+    assert err.startswith("error: ") and str(path) in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_rejects_missing_data_file(tmp_path, monkeypatch, capsys):
+    err = cli_error(monkeypatch, capsys, ["--data", str(tmp_path / "nope.jsonl"), "--no-drafter",
+                                          "--output", str(tmp_path / "out")])
+    assert str(tmp_path / "nope.jsonl") in err
+
+
+def test_cli_rejects_output_under_a_file(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    out = blocker / "run"
+    err = cli_error(monkeypatch, capsys, ["--limit", "1", "--no-drafter", "--output", str(out)])
+    assert err.startswith("error: ") and str(out) in err
+
+
+@pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="root writes into read-only dirs")
+def test_cli_rejects_read_only_output(tmp_path, monkeypatch, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        err = cli_error(monkeypatch, capsys, ["--limit", "1", "--no-drafter", "--output", str(ro / "run")])
+    finally:
+        ro.chmod(0o755)
+    assert str(ro / "run") in err
+
+
+def test_cli_rejects_output_that_is_a_file(tmp_path, monkeypatch, capsys):
+    target = tmp_path / "results.txt"
+    target.write_text("x")
+    err = cli_error(monkeypatch, capsys, ["--limit", "1", "--no-drafter", "--output", str(target)])
+    assert str(target) in err
+
+
+def test_read_only_output_is_detected_even_as_root(tmp_path, monkeypatch):
+    """The writability probe writes a file (an access() check passes for root on a read-only mount)."""
+    from eval.math500 import check_output_dir
+
+    calls = []
+
+    def refuse(self, *args, **kwargs):
+        calls.append(self)
+        raise PermissionError(13, "Read-only file system")
+
+    monkeypatch.setattr(Path, "write_bytes", refuse)
+    with pytest.raises(OSError, match="cannot write"):
+        check_output_dir(tmp_path / "run")
+    assert calls
+
+
+def test_default_output_is_outside_the_repository(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = math500.output_dir(math500.parse_args([]))
+    assert out.parent.resolve() == tmp_path.resolve() and out.name.startswith("math500-")
+    repo_results = Path(math500.__file__).resolve().parents[1] / "results"
+    assert repo_results not in out.resolve().parents
+    assert math500.output_dir(math500.parse_args(["--output", "x/y"])) == Path("x/y")
