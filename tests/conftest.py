@@ -42,6 +42,17 @@ def build_tiny_model(model_type: str, path, seed: int = 0, **overrides):
     return model
 
 
+def build_tiny_model_with_tokenizer(path):
+    """A random tiny qwen2 model with a real byte-level tokenizer (no chat template) saved beside it, so
+    `LLM(path)` loads it as any HF model directory."""
+    from tests.test_detokenizer import as_transformers, bytelevel_tokenizer
+
+    tokenizer = as_transformers(bytelevel_tokenizer(), eos_token="<|endoftext|>")
+    build_tiny_model("qwen2", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])
 def tiny_model_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"tiny-{request.param}")

@@ -16,7 +16,6 @@ from specdec import generate
 from specdec.engine import Engine
 from specdec.model_arguments import add_model_arguments
 from specdec.sampling_params import SamplingParams
-from tests.test_detokenizer import as_transformers, bytelevel_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,12 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A random tiny model with a real byte-level tokenizer (no chat template) saved beside it."""
-    from tests.conftest import build_tiny_model
+    from tests.conftest import build_tiny_model_with_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-cli-model")
-    tokenizer = as_transformers(bytelevel_tokenizer(), eos_token="<|endoftext|>")
-    build_tiny_model("qwen2", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    tokenizer.save_pretrained(path)
+    build_tiny_model_with_tokenizer(path)
     return path
 
 

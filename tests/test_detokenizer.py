@@ -283,12 +283,10 @@ def test_no_tokenizer_without_stop_strings():
 def tiny_llm(tmp_path_factory):
     """A random tiny model with a real (byte-level) tokenizer saved beside it: LLM loads it as any HF dir."""
     from specdec import LLM
-    from tests.conftest import build_tiny_model
+    from tests.conftest import build_tiny_model_with_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llm-with-tokenizer")
-    tokenizer = as_transformers(bytelevel_tokenizer(), eos_token="<|endoftext|>")
-    build_tiny_model("qwen2", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    tokenizer.save_pretrained(path)
+    build_tiny_model_with_tokenizer(path)
     return LLM(str(path), device="cpu", dtype="float32", num_kv_pages=512, page_size=4)
 
 

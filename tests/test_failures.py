@@ -7,8 +7,7 @@ import threading
 import pytest
 
 from specdec.sampling_params import SamplingParams
-from tests.conftest import build_tiny_model
-from tests.test_detokenizer import as_transformers, bytelevel_tokenizer
+from tests.conftest import build_tiny_model, build_tiny_model_with_tokenizer
 from tests.test_speculative import MANY_PROMPTS, dflash_drafter, spec_engine
 
 
@@ -104,9 +103,7 @@ def test_committed_tokens_survive_an_abort(target_dir, tmp_path):
 @pytest.fixture(scope="module")
 def llm_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("failures-llm")
-    tokenizer = as_transformers(bytelevel_tokenizer(), eos_token="<|endoftext|>")
-    build_tiny_model("qwen2", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    tokenizer.save_pretrained(path)
+    build_tiny_model_with_tokenizer(path)
     return path
 
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from specdec.config import EngineConfig
-from tests.conftest import build_tiny_model
+from tests.conftest import build_tiny_model_with_tokenizer
 from tests.drafter_helpers import build_random_drafter
-from tests.test_detokenizer import as_transformers, bytelevel_tokenizer
 
 
 def llm(path):
@@ -21,9 +20,7 @@ def llm(path):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("load-errors")
-    tokenizer = as_transformers(bytelevel_tokenizer(), eos_token="<|endoftext|>")
-    build_tiny_model("qwen2", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    tokenizer.save_pretrained(path)
+    build_tiny_model_with_tokenizer(path)
     return path
 
 
