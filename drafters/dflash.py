@@ -29,7 +29,7 @@ from attention.page_pool import PagePool, PageTable
 from attention.transfer import upload
 from drafters.base import DraftContext, Drafter
 from drafters.dflash_model import DFlashDraftModel
-from specdec.cuda_graphs import GraphLadder, StaticInputs, ladder_sizes
+from specdec.cuda_graphs import GraphLadder, StaticInputs, graph_max_pages, ladder_sizes
 from specdec.request import Request
 
 
@@ -76,7 +76,8 @@ class DFlashDrafter(Drafter):
 
     def capture(self, pool) -> float:
         bs, ps, scratch = self.block_size, self.context.page_size, self.kv.scratch_page
-        max_pages = self.kv.num_pages + self.context.max_batch * (-(-2 * bs // ps) + 1)
+        # a padding request writes block_size context rows and block_size block rows
+        max_pages = graph_max_pages(self.kv.num_pages, self.context.max_batch, 2 * bs, ps)
         self.ladder = GraphLadder("draft", ladder_sizes(self.context.max_batch), self.attn, max_pages,
                                   lambda b: BatchLayout.dummy(b, bs, bs, ps, scratch, causal=False),
                                   self._draft_body, pool)

@@ -29,6 +29,12 @@ def ladder_sizes(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted({s for s in DEFAULT_LADDER if s < max_batch} | {max_batch}))
 
 
+def graph_max_pages(num_pages: int, max_batch: int, new_rows_per_request: int, page_size: int) -> int:
+    """Page-index room a graph slot needs: every real page at most once, plus the scratch pages of
+    padding requests that each write `new_rows_per_request` K/V rows."""
+    return num_pages + max_batch * (-(-new_rows_per_request // page_size) + 1)
+
+
 class StaticInputs:
     """Named int64 input buffers at fixed device addresses, filled on the host in one pinned mirror and
     sent with one non-blocking copy. Filled at most once per step: the step's single device-to-host

@@ -23,7 +23,7 @@ from attention.batch_layout import BatchLayout, slots_on_device
 from attention.kv_cache import KVCache
 from attention.page_pool import PageTable
 from attention.transfer import upload
-from specdec.cuda_graphs import GraphLadder, StaticInputs, ladder_sizes
+from specdec.cuda_graphs import GraphLadder, StaticInputs, graph_max_pages, ladder_sizes
 from specdec.models.decoder import CausalLM, ForwardOutput
 
 
@@ -77,16 +77,13 @@ class TargetRunner:
         """Capture every block length over the batch ladder; returns seconds."""
         seconds = 0.0
         for q in self.inputs:
-            ladder = GraphLadder(f"target q={q}", ladder_sizes(self.max_batch), self.attn, self._max_graph_pages(q),
+            ladder = GraphLadder(f"target q={q}", ladder_sizes(self.max_batch), self.attn,
+                                 graph_max_pages(self.kv.num_pages, self.max_batch, q, self.page_size),
                                  lambda b, q=q: BatchLayout.dummy(b, q, q, self.page_size, self.kv.scratch_page, True),
                                  lambda b, q=q: self._block_body(q, b), pool)
             seconds += ladder.capture(self.kv.scratch_page)
             self.ladders[q] = ladder
         return seconds
-
-    def _max_graph_pages(self, q: int) -> int:
-        # every real page at most once, plus a few scratch pages per padding request
-        return self.kv.num_pages + self.max_batch * (-(-q // self.page_size) + 1)
 
     # ---- forwards ----------------------------------------------------------------------------
     def forward(self, tables: list[PageTable], token_ids: torch.Tensor, q_lens: list[int], *,
