@@ -5,7 +5,7 @@
         [--assistant qwen2.5-coder-0.5b-instruct] [--systems ours-ar,hf-generate,...]
         [--concurrency 1,8,32] [--throughput-prompts 32] [--device auto|cpu|cuda]
         [--num-kv-pages N] [--warmup-tokens 32] [--system-budget-s S] [--deadline-s S]
-        [--out FILE.json]
+        [--peer-site vllm=DIR,sglang=DIR] [--peer-timeout-s 900] [--out FILE.json]
 
 Batch 1, greedy, the same prompt token ids (math500 subset, z-lab prompt, the target's chat
 template: `eval.problems`) and the same stop tokens (the engine's EOS ids) for every system:
@@ -13,10 +13,18 @@ template: `eval.problems`) and the same stop tokens (the engine's EOS ids) for e
     ours-dflash-bf16  specdec.LLM(target, drafter), bf16 KV cache (the model dtype), max_num_seqs=1
     ours-dflash-fp8   the same with kv_cache_dtype="fp8"
     ours-ar           specdec.LLM(target) without a drafter
+    vllm-dflash       vLLM (AsyncLLM) with our drafter, method "dflash", block_size - 1 speculative tokens
+    vllm-ar           vLLM without speculation
+    sglang-dflash     SGLang (Engine) with our drafter, algorithm DFLASH
+    sglang-ar         SGLang without speculation
     hf-generate       transformers generate (sdpa; bf16 on CUDA, fp32 on CPU)
     hf-assisted       transformers assisted generation, --assistant as assistant_model
     zlab-dflash       z-lab's `dflash` package: DFlashDraftModel.spec_generate with the HF target and
                       our drafter rewritten in plain weights (skipped when `dflash` is not importable)
+
+Peers run in a process of their own each, from their own site directory (--peer-site; built from
+pinned wheels by scripts/peers/), on the same GPU; they are skipped with a note when not importable
+(scripts/bench/peers.py, scripts/bench/peer_worker.py says how they are timed).
 
 Each system gets one warm-up call (a math500 problem outside the subset, --warmup-tokens new
 tokens) before its timed prompts; GPU memory is released between systems. TPOT excludes the
@@ -25,9 +33,11 @@ end-to-end tokens/s, tau, speedups over hf-generate and ours-ar (TPOT ratios on 
 the fraction of prompts whose output token ids equal ours-ar's (whose KV cache is in the model
 dtype: for ours-dflash-fp8 a difference may come from the fp8 cache as well as from bf16 near-ties).
 
-Throughput (ours, DFlash with bf16 KV vs AR): for each --concurrency C, the subset repeated to at
-least --throughput-prompts prompts is submitted at once with max_num_seqs=C: generated tokens /
-wall seconds, and the mean per-request TPOT.
+Throughput (ours with DFlash bf16 KV and AR; each peer that ran): for each --concurrency C, the subset
+repeated to at least --throughput-prompts prompts, at most C requests in flight (ours: max_num_seqs=C;
+peers: C concurrent streams on one engine): generated tokens / wall seconds, the mean per-request
+TPOT, tokens/s over the same engine's AR, outputs equal to ours-ar's at that C. Peak GPU memory:
+device-wide through NVML while a system ran (scripts/bench/gpu_memory.py).
 
 Prints both Markdown tables and writes the raw JSON (device, versions, command line, per-prompt
 numbers and token ids) to --out (default results/bench-peers-<date>.json), rewritten after every
@@ -53,8 +63,9 @@ if str(ROOT) not in sys.path:  # run as `python scripts/bench_peers.py`: the rep
 import torch  # noqa: E402
 
 from scripts.bench import report  # noqa: E402
+from scripts.bench.peers import PEER_SYSTEMS, parse_sites, run_peer  # noqa: E402
 from scripts.bench.runner import (HF_TARGET_SYSTEMS, SYSTEMS, Clock, Context, environment, log,  # noqa: E402
-                                  release_memory, run_system, run_throughput)
+                                  release_memory, run_system, run_throughput, throughput_prompts)
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_ASSISTANT = "qwen2.5-coder-0.5b-instruct"
@@ -80,6 +91,13 @@ def _systems(text: str) -> list[str]:
     return [s for s in SYSTEMS if s in names]  # fixed order
 
 
+def _sites(text: str) -> dict[str, str]:
+    try:
+        return parse_sites(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None, help="math500 jsonl (default: the copy shipped in eval/data)")
@@ -91,9 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                    "(default: the target's shipped drafter)")
     p.add_argument("--assistant", default=DEFAULT_ASSISTANT, help="assistant model of hf-assisted (same tokenizer)")
     p.add_argument("--systems", type=_systems, default=list(SYSTEMS), help=f"comma-separated: {','.join(SYSTEMS)}")
-    p.add_argument("--concurrency", type=_int_list, default=[1, 8, 32],
+    p.add_argument("--concurrency", type=_int_list, default=[1, 8, 32, 64],
                    help="throughput runs of ours (max_num_seqs values); 'none' skips them")
-    p.add_argument("--throughput-prompts", type=int, default=32,
+    p.add_argument("--throughput-prompts", type=int, default=64,
                    help="the subset is repeated until at least this many prompts are submitted")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size of ours (default: from memory)")
@@ -101,6 +119,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--system-budget-s", type=float, default=0.0,
                    help="seconds per system (build included) before it stops taking prompts; 0: no limit")
     p.add_argument("--deadline-s", type=float, default=0.0, help="wall-clock budget of the whole run; 0: no limit")
+    p.add_argument("--peer-site", type=_sites, default={},
+                   help="site directories of the peers, e.g. vllm=/tmp/peers/vllm,sglang=/tmp/peers/sglang "
+                        "(default: import them from this Python)")
+    p.add_argument("--peer-timeout-s", type=float, default=900.0,
+                   help="a peer's process (engine start, batch 1 and throughput) is killed after this long")
     p.add_argument("--out", default=None, help="JSON file (default results/bench-peers-<date>.json)")
     args = p.parse_args(argv)
     if args.limit < 1 or args.max_new_tokens < 2 or args.warmup_tokens < 1 or args.throughput_prompts < 1:
@@ -159,8 +182,13 @@ def main(argv=None) -> int:
         "systems": systems, "skipped": skipped, "throughput": [], "throughput_skipped": {}, "throughput_error": None,
     }
 
+    batch = throughput_prompts(prompts, args.throughput_prompts)
+    ours_rows, peer_rows, outputs = [], [], {}
+
     def save() -> dict:
-        rows = report.system_rows(systems)
+        result["throughput"] = report.compare_throughput(ours_rows + peer_rows, outputs, list(SYSTEMS),
+                                                         args.concurrency, ctx.eos_ids)
+        rows = report.system_rows(systems, result["throughput"], ctx.eos_ids)
         for name, row in rows.items():
             systems[name]["summary"] = row
         out.write_text(json.dumps(result, indent=1), encoding="utf-8")
@@ -175,7 +203,14 @@ def main(argv=None) -> int:
         else:
             try:
                 budget = clock.system_budget(sum(ctx.why_skip(s) is None for s in args.systems[i:]))
-                systems[name] = run_system(ctx, name, problems, prompts, warm_prompt, budget)
+                if name in PEER_SYSTEMS:
+                    systems[name], rows, peer_skipped = run_peer(
+                        ctx, name, problems, prompts, warm_prompt, batch if args.concurrency else [], budget,
+                        args.peer_timeout_s, outputs)
+                    peer_rows.extend(rows)
+                    result["throughput_skipped"].update({f"C={c} {name}": why for c, why in peer_skipped.items()})
+                else:
+                    systems[name] = run_system(ctx, name, problems, prompts, warm_prompt, budget)
             except Exception as err:  # one system failing must not lose the others' numbers
                 traceback.print_exc()
                 skipped[name] = f"failed: {type(err).__name__}: {err}"
@@ -186,12 +221,13 @@ def main(argv=None) -> int:
 
     if args.concurrency:
         def on_row(rows, throughput_skipped):
-            result["throughput"], result["throughput_skipped"] = rows, throughput_skipped
+            ours_rows[:] = rows
+            result["throughput_skipped"].update(throughput_skipped)
             save()
 
         try:
-            result["throughput"], result["throughput_skipped"] = run_throughput(ctx, prompts, warm_prompt, clock,
-                                                                                systems, on_row)
+            ours_rows[:], ours_skipped = run_throughput(ctx, batch, warm_prompt, clock, systems, outputs, on_row)
+            result["throughput_skipped"].update(ours_skipped)
         except Exception as err:
             traceback.print_exc()
             result["throughput_error"] = f"{type(err).__name__}: {err}"
@@ -200,7 +236,7 @@ def main(argv=None) -> int:
     print("\n## Batch 1, greedy\n")
     print(report.latency_table(rows, skipped))
     if args.concurrency:
-        print("\n## Throughput (ours)\n")
+        print("\n## Throughput\n")
         print(report.throughput_table(result["throughput"]))
         for key, why in result["throughput_skipped"].items():
             print(f"- {key}: skipped, {why}")

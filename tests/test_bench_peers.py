@@ -7,6 +7,7 @@ import math
 import pytest
 
 from scripts.bench import report
+from scripts.bench.peers import PEER_SYSTEMS, why_skip_peer
 from scripts.bench.systems import dflash_import_error
 from scripts.bench_peers import SYSTEMS, main
 from tests.conftest import VOCAB, build_tiny_model
@@ -15,7 +16,9 @@ from tests.test_eval_math500 import PROBLEMS, save_char_tokenizer
 
 
 ZLAB_MISSING = dflash_import_error()  # the z-lab system is reported as skipped without the dflash package
-RUN = [s for s in SYSTEMS if not (ZLAB_MISSING and s == "zlab-dflash")]
+PEERS_MISSING = {name: why_skip_peer(engine, None) for name, (engine, _) in PEER_SYSTEMS.items()}
+SKIPPED = {**{name: why for name, why in PEERS_MISSING.items() if why}, **({"zlab-dflash": ZLAB_MISSING} if ZLAB_MISSING else {})}
+RUN = [s for s in SYSTEMS if s not in SKIPPED]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +56,7 @@ def finite(x) -> bool:
 def test_every_system_runs_with_finite_numbers(bench_run):
     res = bench_run
     assert list(res["systems"]) == RUN
-    assert res["skipped"] == ({"zlab-dflash": ZLAB_MISSING} if ZLAB_MISSING else {})
+    assert res["skipped"] == SKIPPED
     assert res["environment"]["torch"] and res["environment"]["device"] == "cpu"
     assert "scripts/bench_peers.py" in res["command_line"] and res["config"]["max_new_tokens"] == 8
     assert [p["index"] for p in res["prompts"]] == [0, 1]

@@ -14,22 +14,28 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import json
 import itertools
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from scripts.bench.systems import (HFSystem, OursSystem, ZLabSystem, dflash_import_error, drafter_directory,
-                                   load_hf_model)
+from scripts.bench.gpu_memory import PeakGpuMemory
+from scripts.bench.peers import PEER_SYSTEMS, why_skip_peer
+from scripts.bench.systems import (HFSystem, OursSystem, ZLabSystem, convert_drafter_for_zlab, dflash_import_error,
+                                   drafter_directory, load_hf_model)
 
 ROOT = Path(__file__).resolve().parents[2]
-SYSTEMS = ("ours-dflash-bf16", "ours-dflash-fp8", "ours-ar", "hf-generate", "hf-assisted", "zlab-dflash")
-DRAFTER_SYSTEMS = {"ours-dflash-bf16", "ours-dflash-fp8", "zlab-dflash"}
+SYSTEMS = ("ours-dflash-bf16", "ours-dflash-fp8", "ours-ar", *PEER_SYSTEMS, "hf-generate", "hf-assisted",
+           "zlab-dflash")
+DRAFTER_SYSTEMS = {"ours-dflash-bf16", "ours-dflash-fp8", "zlab-dflash",
+                   *(name for name, (_, speculative) in PEER_SYSTEMS.items() if speculative)}
 HF_TARGET_SYSTEMS = ("hf-generate", "hf-assisted", "zlab-dflash")  # share one HF copy of the target
 THROUGHPUT_SHARE = 0.3  # of --deadline-s, kept for the throughput runs
 BUILD_ALLOWANCE_S = 15.0  # model load + warm-up of one throughput run, added to its estimate
@@ -131,6 +137,24 @@ class Context:
             except Exception as err:  # unknown name, or a demo model that cannot be fetched here
                 self.assistant_problem = f"assistant {args.assistant}: {type(err).__name__}: {err}"
         self.hf_target = None
+        self.peer_sites = args.peer_site
+        self._peer_problems: dict[str, str | None] = {}
+        self._peer_drafter = None
+
+    @property
+    def block_size(self) -> int | None:
+        if self.drafter_dir is None:
+            return None
+        config = json.loads((Path(self.drafter_dir) / "config.json").read_text(encoding="utf-8"))
+        return int((config.get("dflash_config") or {}).get("block_size") or config["block_size"])
+
+    def peer_drafter_dir(self) -> Path:
+        """Our drafter rewritten once in plain bf16 weights (the z-lab format vLLM and SGLang read)."""
+        if self._peer_drafter is None:
+            self._peer_drafter = tempfile.TemporaryDirectory(prefix="peer-drafter-")
+            convert_drafter_for_zlab(self.drafter_dir, self._peer_drafter.name, self.device, torch.bfloat16)
+            release_memory(self.device)
+        return Path(self._peer_drafter.name)
 
     def shared_hf_target(self):
         if self.hf_target is None:
@@ -144,6 +168,11 @@ class Context:
             return self.assistant_problem
         if name == "zlab-dflash":
             return dflash_import_error()
+        if name in PEER_SYSTEMS:
+            engine = PEER_SYSTEMS[name][0]
+            if engine not in self._peer_problems:
+                self._peer_problems[engine] = why_skip_peer(engine, self.peer_sites.get(engine))
+            return self._peer_problems[engine]
         return None
 
     def ours(self, drafter: bool, kv_cache_dtype: str = "auto", max_num_seqs: int = 1) -> OursSystem:
@@ -171,28 +200,36 @@ class Context:
 
 def run_system(ctx: Context, name: str, problems, prompts, warm_prompt, budget_s: float | None) -> dict:
     """Build, warm up once, then time the prompts in order until done or the next would overrun budget_s."""
-    args = ctx.args
     entered = time.perf_counter()
-    system = ctx.build(name)
-    try:
-        system.generate(warm_prompt, args.warmup_tokens)
-        records = []
-        for i, (problem, ids) in enumerate(zip(problems, prompts)):
-            if budget_s is not None and records:
-                per_prompt = statistics.fmean(r["wall_s"] for r in records)
-                if time.perf_counter() - entered + per_prompt > budget_s:
-                    log(f"[{name}] time budget ({budget_s:.0f} s) reached after {len(records)} prompt(s)")
-                    break
-            sample = system.generate(ids, args.max_new_tokens)
-            records.append({"index": i, "id": problem.id, **sample.as_dict()})
-            tpot = f"{sample.tpot_s * 1e3:.2f} ms" if sample.tpot_s else "-"
-            log(f"[{name}] {i + 1}/{len(prompts)}: {sample.generated_tokens} tokens, TPOT {tpot}, "
-                f"wall {sample.wall_s:.2f} s")
-        return {"info": system.info(), "prompts": records, "truncated": len(records) < len(prompts),
-                "budget_s": budget_s, "seconds": time.perf_counter() - entered}
-    finally:
-        system.close()
-        del system
+    with PeakGpuMemory() as memory:
+        system = ctx.build(name)
+        try:
+            info, records = system.info(), time_prompts(ctx, name, system, problems, prompts, warm_prompt,
+                                                        entered, budget_s)
+        finally:
+            system.close()
+            del system
+    return {"info": info, "prompts": records, "truncated": len(records) < len(prompts), "budget_s": budget_s,
+            "seconds": time.perf_counter() - entered, "peak_gpu_memory_bytes": memory.peak_bytes}
+
+
+def time_prompts(ctx: Context, name: str, system, problems, prompts, warm_prompt, entered: float,
+                 budget_s: float | None) -> list[dict]:
+    args = ctx.args
+    system.generate(warm_prompt, args.warmup_tokens)
+    records = []
+    for i, (problem, ids) in enumerate(zip(problems, prompts)):
+        if budget_s is not None and records:
+            per_prompt = statistics.fmean(r["wall_s"] for r in records)
+            if time.perf_counter() - entered + per_prompt > budget_s:
+                log(f"[{name}] time budget ({budget_s:.0f} s) reached after {len(records)} prompt(s)")
+                break
+        sample = system.generate(ids, args.max_new_tokens)
+        records.append({"index": i, "id": problem.id, **sample.as_dict()})
+        tpot = f"{sample.tpot_s * 1e3:.2f} ms" if sample.tpot_s else "-"
+        log(f"[{name}] {i + 1}/{len(prompts)}: {sample.generated_tokens} tokens, TPOT {tpot}, "
+            f"wall {sample.wall_s:.2f} s")
+    return records
 
 
 def throughput_prompts(prompts: list[list[int]], minimum: int) -> list[list[int]]:
@@ -209,15 +246,15 @@ def estimate_run_s(batch1: dict | None, count: int, concurrency: int) -> float |
     return BUILD_ALLOWANCE_S + count * per_prompt / concurrency * (1 + concurrency / 16)
 
 
-def run_throughput(ctx: Context, prompts, warm_prompt, clock: Clock, batch1: dict[str, dict], on_row) -> tuple:
+def run_throughput(ctx: Context, batch, warm_prompt, clock: Clock, batch1: dict[str, dict], outputs: dict,
+                   on_row) -> tuple:
     """Ours, DFlash (bf16 KV) and AR, all prompts submitted at once with max_num_seqs=C, from the highest C down.
-    Returns (rows in --concurrency order, {"C/system": why skipped})."""
+    Fills outputs[(system, C)] with the token ids; returns (rows, {"C/system": why skipped})."""
     args = ctx.args
-    batch = throughput_prompts(prompts, args.throughput_prompts)
     variants = [("ours-ar", False)]
     if ctx.drafter_dir is not None:
         variants.insert(0, ("ours-dflash-bf16", True))
-    rows, skipped, outputs = [], {}, {}
+    rows, skipped = [], {}
     for concurrency in sorted(set(args.concurrency), reverse=True):
         for name, drafter in variants:
             estimate = estimate_run_s(batch1.get(name), len(batch), concurrency)
@@ -226,34 +263,27 @@ def run_throughput(ctx: Context, prompts, warm_prompt, clock: Clock, batch1: dic
                                                       f"left of --deadline-s")
                 log(f"[throughput C={concurrency}] {name} skipped: {skipped[f'C={concurrency} {name}']}")
                 continue
-            system = ctx.ours(drafter=drafter, max_num_seqs=concurrency)
-            try:
-                system.generate_many([warm_prompt] * min(concurrency, len(batch)), args.warmup_tokens)
-                results, summary, wall = system.generate_many(batch, args.max_new_tokens)
-            finally:
-                system.close()
-                del system
-                release_memory(ctx.device)
-            outputs[(concurrency, name)] = [r.token_ids for r in results]
+            with PeakGpuMemory() as memory:
+                system = ctx.ours(drafter=drafter, max_num_seqs=concurrency)
+                try:
+                    system.generate_many([warm_prompt] * min(concurrency, len(batch)), args.warmup_tokens)
+                    results, summary, wall = system.generate_many(batch, args.max_new_tokens)
+                finally:
+                    system.close()
+                    del system
+                    release_memory(ctx.device)
+            outputs[(name, concurrency)] = [r.token_ids for r in results]
             row = {"concurrency": concurrency, "system": name, "prompts": len(batch),
                    "generated_tokens": summary.generated_tokens, "wall_s": wall,
                    "tokens_per_s": summary.generated_tokens / wall if wall > 0 else None,
                    "tpot_ms_mean": None if summary.tpot_s is None else summary.tpot_s * 1e3,
                    "tau": summary.tau_mean_of_requests, "tau_overall": summary.tau_overall,
                    "verify_steps": summary.verify_steps, "estimate_s": estimate,
+                   "peak_gpu_memory_bytes": memory.peak_bytes,
                    "per_request": [{"generated_tokens": r.stats.generated_tokens, "tpot_s": r.stats.tpot,
                                     "ttft_s": r.stats.ttft} for r in results]}
             rows.append(row)
             log(f"[throughput C={concurrency}] {name}: {row['generated_tokens']} tokens in {wall:.2f} s, "
                 f"{row['tokens_per_s']:.1f} tok/s")
             on_row(rows, skipped)
-        ar = outputs.get((concurrency, "ours-ar"))
-        ar_row = next((r for r in rows if r["concurrency"] == concurrency and r["system"] == "ours-ar"), None)
-        for row in rows:
-            if row["concurrency"] == concurrency and row["system"] != "ours-ar" and ar is not None:
-                row["speedup_vs_ar"] = row["tokens_per_s"] / ar_row["tokens_per_s"] if ar_row["tokens_per_s"] else None
-                same = sum(a == b for a, b in zip(outputs[(concurrency, row["system"])], ar))
-                row["same_as_ar"] = f"{same}/{len(batch)}"
-    order = {c: k for k, c in enumerate(args.concurrency)}
-    rows.sort(key=lambda r: (order[r["concurrency"]], [v[0] for v in variants].index(r["system"])))
     return rows, skipped
