@@ -3,6 +3,7 @@ finite numbers for each, and greedy speculation (fp32, torch path) reproduces ou
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,8 @@ from tests.test_eval_math500 import PROBLEMS, save_char_tokenizer
 
 ZLAB_MISSING = dflash_import_error()  # the z-lab system is reported as skipped without the dflash package
 PEERS_MISSING = {name: why_skip_peer(engine, None) for name, (engine, _) in PEER_SYSTEMS.items()}
-SKIPPED = {**{name: why for name, why in PEERS_MISSING.items() if why}, **({"zlab-dflash": ZLAB_MISSING} if ZLAB_MISSING else {})}
+SKIPPED = {**{name: why for name, why in PEERS_MISSING.items() if why},
+           **({"zlab-dflash": ZLAB_MISSING} if ZLAB_MISSING else {})}
 RUN = [s for s in SYSTEMS if s not in SKIPPED]
 
 
@@ -136,3 +138,97 @@ def test_same_as_ar_fraction_on_constructed_outputs():
     assert cmp["differing"] == [{"index": 1, "first_diff": 1}]
     assert report.compare_outputs(ar, [{"index": 0, "token_ids": [2, 1]}])["fraction"] == 0.0
     assert report.compare_outputs(ar, [])["fraction"] is None
+
+
+FAKE_VLLM = '''"""A stand-in for vLLM's async API, decoding greedily with specdec (what the peer worker calls)."""
+import sys
+sys.path.insert(0, {root!r})
+__version__ = "0.0-test"
+
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, stop_token_ids, repetition_penalty):
+        self.max_tokens, self.stop_token_ids = max_tokens, stop_token_ids
+'''
+FAKE_ASYNC_LLM = '''import types
+from specdec import LLM, SamplingParams
+
+
+class AsyncLLM:
+    @classmethod
+    def from_engine_args(cls, args):
+        engine = cls()
+        engine.llm = LLM(args.model, device="cpu", num_kv_pages=64)
+        return engine
+
+    async def generate(self, prompt, params, request_id):
+        [result] = self.llm.generate([prompt["prompt_token_ids"]], SamplingParams(max_new_tokens=params.max_tokens))
+        ids = list(result.token_ids)
+        for end in (1, len(ids)):  # two chunks, as a streaming engine would send them
+            yield types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids[:end])])
+
+    def shutdown(self):
+        pass
+'''
+FAKE_ENGINE_ARGS = '''class AsyncEngineArgs:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+'''
+
+
+def fake_vllm_site(root):
+    """A site directory whose `vllm` is FAKE_VLLM: enough of vLLM's API for scripts/bench/peer_worker.py."""
+    site = root / "fake-vllm-site"
+    files = {"vllm/__init__.py": FAKE_VLLM.format(root=str(Path(__file__).resolve().parents[1])),
+             "vllm/engine/__init__.py": "", "vllm/engine/arg_utils.py": FAKE_ENGINE_ARGS,
+             "vllm/v1/__init__.py": "", "vllm/v1/engine/__init__.py": "",
+             "vllm/v1/engine/async_llm.py": FAKE_ASYNC_LLM}
+    for name, text in files.items():
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_text(text, encoding="utf-8")
+    return site
+
+
+def test_peer_system_in_its_own_process(tiny):
+    """vllm-ar through the real worker process and site-directory plumbing (a stand-in engine that decodes
+    greedily with specdec): its batch-1 records and throughput rows land in the JSON, and its outputs are
+    counted identical to ours-ar's."""
+    site = fake_vllm_site(tiny)
+    res = run_main(tiny, "peer", "--systems", "ours-ar,vllm-ar,vllm-dflash", "--concurrency", "2",
+                   "--peer-site", f"vllm={site}", "--drafter", str(tiny / "nowhere"))
+    assert list(res["systems"]) == ["ours-ar", "vllm-ar"] and "nowhere" in res["skipped"]["vllm-dflash"]
+    peer = res["systems"]["vllm-ar"]
+    assert peer["info"]["vllm"] == "0.0-test" and peer["info"]["exit"] == 0 and peer["info"]["error"] is None
+    assert peer["summary"]["same_as_ar"]["identical"] == 2 and peer["summary"]["tau_mean"] is None
+    assert all(finite(r["tpot_s"]) and finite(r["ttft_s"]) for r in peer["prompts"])
+    rows = {(r["concurrency"], r["system"]): r for r in res["throughput"]}
+    assert set(rows) == {(2, "ours-ar"), (2, "vllm-ar")}
+    assert rows[(2, "vllm-ar")]["same_as_ar"] == "4/4" and rows[(2, "vllm-ar")]["generated_tokens"] > 0
+
+
+def test_peer_failures_are_named(tiny):
+    """A peer that is not installed is skipped with the fix; one that dies is reported with its error line."""
+    res = run_main(tiny, "no-peer", "--systems", "ours-ar,sglang-ar", "--concurrency", "none",
+                   "--peer-site", f"sglang={tiny / 'no-such-site'}")
+    assert "no-such-site does not exist" in res["skipped"]["sglang-ar"]
+    broken = tiny / "broken-site" / "vllm"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ValueError('Model Qwen2ForCausalLM implements neither')\n")
+    res = run_main(tiny, "broken", "--systems", "ours-ar,vllm-ar", "--concurrency", "none",
+                   "--peer-site", f"vllm={broken.parent}")
+    assert "ValueError: Model Qwen2ForCausalLM implements neither" in res["skipped"]["vllm-ar"]
+
+
+def test_throughput_comparisons():
+    rows = [{"system": s, "concurrency": c, "tokens_per_s": t} for s, c, t in
+            [("vllm-dflash", 8, 300.0), ("ours-ar", 8, 50.0), ("vllm-ar", 8, 100.0), ("ours-dflash-bf16", 8, 150.0)]]
+    outputs = {("ours-ar", 8): [[1, 2, 9], [3]], ("vllm-ar", 8): [[1, 2], [4]], ("vllm-dflash", 8): [[1, 2, 9], [3, 9]],
+               ("ours-dflash-bf16", 8): [[1, 2, 9], [3]]}
+    done = report.compare_throughput(rows, outputs, list(SYSTEMS), [8], stop_ids=(9,))
+    assert [r["system"] for r in done] == ["ours-dflash-bf16", "ours-ar", "vllm-dflash", "vllm-ar"]
+    by = {r["system"]: r for r in done}
+    assert by["vllm-dflash"]["speedup_vs_ar"] == pytest.approx(3.0)  # over vLLM's own AR, not ours
+    assert by["ours-dflash-bf16"]["speedup_vs_ar"] == pytest.approx(3.0)
+    # a final stop token is ignored (engines differ in returning it); anything else must match
+    assert by["vllm-ar"]["same_as_ar"] == "1/2" and by["vllm-dflash"]["same_as_ar"] == "2/2"
+    assert "same_as_ar" not in by["ours-ar"]

@@ -283,6 +283,13 @@ def test_export_bf16_and_fp8(setup, tmp_path):
     assert size("fp8") < 0.65 * size("bf16")
     load_drafter(tmp_path / "fp8", target.model)  # the engine's loader accepts it
 
+    # a stored drafter re-exported for the peers (fp8 -> bf16): exactly the bf16 weights the engine loads
+    export(str(tmp_path / "fp8"), str(tmp_path / "fp8-as-bf16"))
+    assert "weight_storage" not in json.loads((tmp_path / "fp8-as-bf16" / "config.json").read_text())
+    engine_weights = load_dflash(tmp_path / "fp8", torch.device("cpu"), torch.bfloat16).state_dict()
+    for k, v in load_dflash(tmp_path / "fp8-as-bf16", torch.device("cpu"), torch.bfloat16).state_dict().items():
+        assert torch.equal(v, engine_weights[k]), k
+
 
 def test_train_script_starts_from_an_exported_drafter(setup, tmp_path):
     """--init-from: a new run whose step-0 checkpoint holds the exported (fp8-dequantized) weights."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -260,4 +261,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the result is written: leave without joining the engines' leftover threads and tasks (a vLLM engine
+    # shut down from here can keep the interpreter from exiting)
+    os._exit(code)

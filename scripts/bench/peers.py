@@ -10,11 +10,14 @@ process in time, samples the GPU's peak memory and turns the worker's result int
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +27,8 @@ WORKER = Path(__file__).resolve().with_name("peer_worker.py")
 PEER_SYSTEMS = {"vllm-dflash": ("vllm", True), "vllm-ar": ("vllm", False),
                 "sglang-dflash": ("sglang", True), "sglang-ar": ("sglang", False)}
 GPU_MEMORY_UTILIZATION = 0.9  # the same fraction ours sizes its KV pool from
+TAIL_LINES = 200
+ERROR_LINE = re.compile(r"\b\w*(Error|Exception): ")
 
 
 def parse_sites(text: str) -> dict[str, str]:
@@ -63,6 +68,36 @@ def why_skip_peer(engine: str, site: str | None) -> str | None:
     return None
 
 
+def run_worker(command: list[str], env: dict, timeout_s: float) -> tuple[int | str, list[str]]:
+    """Runs the worker, echoing its output here (progress shows in the benchmark's log) and keeping the last
+    lines: a peer that dies in a subprocess of its own (SGLang's scheduler) leaves its reason only there."""
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace")
+
+    def pump():
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            tail.append(line.rstrip())
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        rc = f"killed after {timeout_s:.0f} s"
+    reader.join(timeout=10)
+    return rc, list(tail)
+
+
+def last_error(lines: list[str]) -> str:
+    """The last line that names an exception (e.g. "ValueError: ..."), else the last line."""
+    errors = [line.strip() for line in lines if ERROR_LINE.search(line)]
+    return (errors or [line.strip() for line in lines if line.strip()] or ["no output"])[-1]
+
+
 def build_job(ctx, name: str, prompts, warm_prompt, batch, budget_s) -> dict:
     engine, speculative = PEER_SYSTEMS[name]
     args = ctx.args
@@ -86,13 +121,10 @@ def run_peer(ctx, name: str, problems, prompts, warm_prompt, batch, budget_s: fl
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(build_job(ctx, name, prompts, warm_prompt, batch, budget_s)), encoding="utf-8")
         with PeakGpuMemory() as memory:
-            try:
-                rc = subprocess.run([sys.executable, str(WORKER), str(job_path), str(result_path)],
-                                    env=peer_environment(ctx.peer_sites.get(engine)), timeout=timeout_s).returncode
-            except subprocess.TimeoutExpired:
-                rc = f"killed after {timeout_s:.0f} s"
+            rc, tail = run_worker([sys.executable, str(WORKER), str(job_path), str(result_path)],
+                                  peer_environment(ctx.peer_sites.get(engine)), timeout_s)
         if not result_path.exists():
-            raise RuntimeError(f"{name}: the worker wrote no result (exit {rc})")
+            raise RuntimeError(f"{name}: the worker wrote no result (exit {rc}); {last_error(tail)}")
         result = json.loads(result_path.read_text(encoding="utf-8"))
     if result["error"] and not result["prompts"]:
         raise RuntimeError(f"{name}: {result['error']}")

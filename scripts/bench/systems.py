@@ -239,13 +239,11 @@ def dflash_import_error() -> str | None:
 
 
 def convert_drafter_for_zlab(drafter_dir, out_dir, device: torch.device, dtype: torch.dtype) -> None:
-    """Rewrite a drafter checkpoint in plain `dtype` weights: z-lab's loader cannot read the compact fp8
-    storage of the shipped drafters (our loader dequantizes it)."""
-    from drafters.dflash_model import load_dflash, save_dflash
+    """Rewrite a drafter checkpoint in plain `dtype` weights (`scripts/export_drafter.py`): z-lab's loader,
+    vLLM and SGLang cannot read the compact fp8 storage of the shipped drafters (our loader dequantizes it)."""
+    from scripts.export_drafter import export
 
-    model = load_dflash(drafter_dir, device, dtype)
-    save_dflash(model, out_dir, dtype=dtype)
-    del model
+    export(str(drafter_dir), str(out_dir), "bf16", device, dtype)
 
 
 class ZLabSystem:

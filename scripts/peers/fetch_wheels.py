@@ -44,6 +44,8 @@ SKIP = {"tokenspeed-triton", "tokenspeed-mla", "nvidia-cutlass-dsl", "nvidia-cut
         "tilelang", "z3-solver", "pynvvideocodec", "torchcodec", "cuda-tile", "nvidia-mathdx", "helion",
         "flash-attn-4", "sgl-deep-gemm", "py-spy", "modelscope"}
 CARRY = {"sglang": {"transformers"}}  # pinned by the peer to a version the image does not have
+# transformers 5.12.1 (SGLang's pin) refuses the image's tokenizers 0.23.2 at import (it wants <= 0.23.0)
+EXTRA = {"sglang": ["tokenizers==0.22.2"]}
 
 
 def normalize(name: str) -> str:
@@ -64,7 +66,8 @@ def stub_wheels(directory: Path) -> list[str]:
         info = f"{name}-{version}.dist-info"
         with zipfile.ZipFile(directory / f"{name}-{version}-py3-none-any.whl", "w") as whl:
             whl.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-            whl.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: stub\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+            whl.writestr(f"{info}/WHEEL",
+                         "Wheel-Version: 1.0\nGenerator: stub\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
             whl.writestr(f"{info}/RECORD", "")
         requirements.append(f"{name}=={version}")
     return requirements
@@ -86,7 +89,7 @@ def resolve(peer: str) -> list[str]:
         if name in GIVEN or name in SKIP or (name in image and name not in carry):
             continue
         keep.append(f"{name}=={version}")
-    return sorted(keep)
+    return sorted(keep + EXTRA.get(peer, []))
 
 
 def download(requirements: list[str], directory: Path) -> list[Path]:
