@@ -3,9 +3,10 @@
 Set-up: `attach(context)` with the narrow `DraftContext` (device, dtypes, page geometry, the target's
 embedding and lm_head, where the target's features appear), then `allocate_cache(num_pages)` once the
 engine has sized its pool, then `capture(pool)` for CUDA graphs (when the engine uses them).
-Lifecycle per request: `begin` after the target's prefill (with the prompt's features), then each
-step `propose` a block and, after verification, `extend` with the rows of the verify's features that
-the step committed; `release` when the request finishes. A drafter owns its own caches; the engine
+Lifecycle per request: `add_context` after each chunk of the target's prefill (with that chunk's
+features), then each step `propose` a block and, after verification, `extend` with the rows of the
+verify's features that the step committed; `release` when the request finishes or is preempted (a
+preempted request starts again with `add_context` over its recomputed prefill). A drafter owns its own caches; the engine
 owns the target's.
 """
 
@@ -58,8 +59,9 @@ class Drafter(ABC):
         return 0.0
 
     @abstractmethod
-    def begin(self, requests: list[Request], prompt_features: list[torch.Tensor]) -> None:
-        """Start requests whose target prefill produced `prompt_features[i]` [prompt_len, F]."""
+    def add_context(self, requests: list[Request], features: list[torch.Tensor]) -> None:
+        """A prefill chunk of request i produced `features[i]` [n_i, F]: the target features of its next
+        n_i positions (the first chunk starts at position 0)."""
 
     @abstractmethod
     def propose(self, requests: list[Request]) -> torch.Tensor:
@@ -72,4 +74,4 @@ class Drafter(ABC):
 
     @abstractmethod
     def release(self, request: Request) -> None:
-        """The request finished: free everything held for it."""
+        """The request finished or was preempted: free everything held for it (a no-op for one unknown)."""

@@ -2,7 +2,7 @@
 
 Per request the drafter keeps a context cache (per draft layer, the K/V of the projected target
 features of every committed position whose features are known). The prompt's context is written
-at `begin`, eagerly (its length varies). After a verify, the a + 1 committed positions' features are
+chunk by chunk as the target prefills it (`add_context`), eagerly (its length varies). After a verify, the a + 1 committed positions' features are
 rows of the target's verify features (`extend` records which rows); the next draft step writes them.
 
 A draft step has a fixed shape, so it is captured as CUDA graphs over the batch ladder:
@@ -85,19 +85,21 @@ class DFlashDrafter(Drafter):
 
     # ---- lifecycle ---------------------------------------------------------------------------
     @torch.no_grad()
-    def begin(self, requests: list[Request], prompt_features: list[torch.Tensor]) -> None:
-        """Write each prompt's context K/V (positions 0 .. len - 1) now."""
-        tables = [PageTable(self.pool) for _ in requests]
-        lens = [len(f) for f in prompt_features]
-        for request, table, n in zip(requests, tables, lens):
-            self.tables[request.request_id] = table
+    def add_context(self, requests: list[Request], features: list[torch.Tensor]) -> None:
+        """Write the context K/V of each prefill chunk now (positions length .. length + n - 1 of the
+        request's context cache; a request's first chunk creates the cache)."""
+        tables = [self.tables.setdefault(r.request_id, PageTable(self.pool)) for r in requests]
+        lens = [len(f) for f in features]
+        ends = []
+        for table, n in zip(tables, lens):
             table.grow(n)
-        layout = BatchLayout.for_tokens(lens, lens, [t.array for t in tables], self.context.page_size, causal=False)
+            ends.append(table.length)
+        layout = BatchLayout.for_tokens(lens, ends, [t.array for t in tables], self.context.page_size, causal=False)
         pages, offsets = layout.new_kv_slots(self.device)
         positions = upload(layout.new_kv_positions().astype(np.int64), self.device)
         m = self.model
         dtype = m.fc.weight.dtype
-        context = m.project_context(torch.cat(prompt_features).to(dtype))
+        context = m.project_context(torch.cat(features).to(dtype))
         rope = m.rotary.at(positions, dtype)
         for layer, layer_kv in zip(m.layers, self.kv.layers):
             k, v = layer.self_attn.project_kv(context, rope)

@@ -28,7 +28,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of total GPU memory the engine may use in all
     cpu_kv_cache_gib: float = 2.0  # KV pool size on CPU when num_kv_pages is None
     max_num_seqs: int = 64  # requests decoded together
-    max_prefill_tokens: int = 4096  # prompt tokens per prefill forward (one prompt may exceed it alone)
+    max_prefill_tokens: int = 4096  # prefill tokens per step; a longer prompt is prefilled in chunks
     attention_backend: str = "auto"  # auto | torch | flashinfer
     # FP8 KV scales: 1.0 per layer by default (K/V of Llama/Qwen-sized models sit well inside e4m3's
     # +-448); True derives per-layer scales from the first prefill's max |K|, |V| (with headroom)

@@ -1,17 +1,23 @@
 """The generation loop: admit, prefill, decode (autoregressive or speculative), finish.
 
     engine = Engine(target, EngineConfig(...), drafter=None)
-    requests = [engine.make_request(ids, params) for ids in prompts]
-    engine.run(requests, on_commit=callback)
+    request = engine.add_request(ids, params)       # any time between steps
+    while engine.has_unfinished_requests:
+        out = engine.step()                          # out.committed, out.finished
+    engine.abort(request.request_id)                 # any time between steps
 
-One step = at most one prefill forward for newly admitted requests plus one decode forward
-(AR: one token per request; speculative: a drafted block per request) for the running batch.
+or, for a closed batch, `engine.run(requests, on_commit=callback)` (a loop over `step`).
+
+One step = at most one prefill forward (chunks of admitted requests' prompts, within a token
+budget) plus one decode forward (AR: one token per request; speculative: a drafted block per
+request) for the requests whose prefill is complete. The scheduler plans it (specdec/scheduler.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -34,6 +40,17 @@ from specdec.target_runner import BlockOutput, TargetRunner
 log = logging.getLogger(__name__)
 
 OnCommit = Callable[[Request, list[int]], None]
+
+
+def _ignore(request: Request, tokens: list[int]) -> None:
+    pass
+
+
+@dataclass
+class StepOutput:
+    committed: list[tuple[Request, list[int]]] = field(default_factory=list)  # (request, its new tokens), in order
+    finished: list[Request] = field(default_factory=list)  # retired in this step: their pages are back
+    preempted: list[Request] = field(default_factory=list)  # gave their pages back; requeued to recompute
 ACTIVATION_RESERVE_BYTES = 2 << 30  # GPU memory kept free for activations and workspaces
 
 
@@ -138,58 +155,103 @@ class Engine:
         request = Request(self._next_id, list(prompt_ids), params, self.eos_token_ids,
                           max_total_tokens=self.max_context)
         self._next_id += 1
-        problem = self._why_invalid(request)
+        problem = self.why_invalid(request.prompt_ids, params)
         if problem is not None:
+            problem = f"request {request.request_id}: {problem}"
             log.error(problem)
             request.finish("error", problem)
         return request
 
-    def _why_invalid(self, request: Request) -> str | None:
-        n, vocab = len(request.prompt_ids), self.model.config.vocab_size
+    def why_invalid(self, prompt_ids: list[int], params: SamplingParams) -> str | None:
+        """Why a request can never be served (None if it can). Reads only fixed settings: callable from any thread."""
+        n, vocab = len(prompt_ids), self.model.config.vocab_size
         if n == 0:
-            return f"request {request.request_id}: the prompt is empty"
+            return "the prompt is empty"
         if n >= self.max_context:
-            return (f"request {request.request_id}: the prompt has {n} tokens but the model's context is "
-                    f"{self.max_context}; shorten the prompt")
-        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
+            return f"the prompt has {n} tokens but the model's context is {self.max_context}; shorten the prompt"
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
-            return f"request {request.request_id}: token ids {bad[:5]} are outside the vocabulary (size {vocab})"
-        return self.scheduler.why_unservable(request)
+            return f"token ids {bad[:5]} are outside the vocabulary (size {vocab})"
+        return self.scheduler.why_unservable(n, params.max_new_tokens)
 
     # ---- the loop ----------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request for the coming steps. One that can never be served comes back finished
+        with an error (`finish_reason "error"`), and nothing else is touched."""
+        request = self.make_request(prompt_ids, params)
+        if not request.finished:
+            self._prepare(request)
+            self.scheduler.add(request)
+        return request
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return not self.scheduler.idle
+
+    def step(self, on_commit: OnCommit | None = None) -> StepOutput:
+        """One step: prefill chunks for admitted requests, then one decode (or speculative) step for the
+        requests that have finished their prefill. Requests join and leave between steps."""
+        on_commit = on_commit or _ignore
+        plan = self.scheduler.schedule()
+        if self.drafter is not None:
+            for request in plan.preempted:
+                self.drafter.release(request)
+        if plan.empty and self.scheduler.waiting:
+            raise RuntimeError("scheduler stalled with waiting requests and nothing to run")
+        out = StepOutput(preempted=plan.preempted)
+
+        def commit(request: Request, tokens: list[int]) -> None:
+            out.committed.append((request, tokens))
+            on_commit(request, tokens)
+
+        if plan.prefill:
+            self._prefill(plan.prefill, commit)
+        if plan.decode:
+            self._decode(plan.decode, commit)
+        out.finished = self._retire()
+        return out
+
     def run(self, requests: list[Request], on_commit: OnCommit | None = None) -> None:
         """Generate until every request has finished. Failed requests never stop the others.
 
         An exception (a failing component, a callback's, Ctrl-C) aborts every unfinished request of
         the call and returns everything they hold before it propagates: the engine is left as clean as
         before the call, and each request keeps what it had committed."""
-        on_commit = on_commit or (lambda request, tokens: None)
         try:
             for request in requests:
                 if not request.finished:
                     self._prepare(request)
                     self.scheduler.add(request)
             while not self.scheduler.idle:
-                admitted = self.scheduler.admit()
-                if not admitted and not self.scheduler.running:
-                    raise RuntimeError("scheduler stalled with waiting requests and nothing running")
-                if admitted:
-                    self._prefill(admitted, on_commit)
-                running = [r for r in self.scheduler.running if not r.finished]
-                if running:
-                    self._decode(running, on_commit)
-                self._retire()
+                self.step(on_commit)
         except BaseException:
-            self.abort(requests)
+            self.abort_all(requests)
             raise
 
-    def abort(self, requests: list[Request]) -> None:
-        """Finish every unfinished request of `requests` as aborted and give back all it holds."""
-        for request in requests:
-            if not request.finished:
-                request.finish("abort", "generation was interrupted before this request finished")
+    def abort(self, request_id: int) -> Request | None:
+        """Finish a waiting or running request as aborted and give back its pages at once; None if no
+        such request is unfinished. Call between steps."""
+        request = self.scheduler.find(request_id)
+        if request is None or request.finished:
+            return None
+        self.abort_all([request])
+        return request
+
+    def abort_all(self, requests: list[Request] | None = None, reason: str = "abort",
+                  message: str = "generation was interrupted before this request finished") -> list[Request]:
+        """Finish every unfinished request of `requests` (default: all the engine holds) with `reason` and
+        give back all they hold; returns the requests it finished."""
+        if requests is None:
+            requests = [*self.scheduler.running, *self.scheduler.waiting]
+        ended = [r for r in requests if not r.finished]
+        for request in ended:
+            request.finish(reason, message)
         self.scheduler.drop_finished_waiting()
         self._retire()
+        if self.drafter is not None:  # a request preempted inside a failed step may still hold drafter state
+            for request in ended:
+                self.drafter.release(request)
+        return ended
 
     def _prepare(self, request: Request) -> None:
         request.target_pages = PageTable(self.pool)
@@ -198,14 +260,27 @@ class Engine:
         if request.params.stop:
             request.use_detokenizer(self.tokenizer)
 
-    def _retire(self) -> None:
-        for request in [r for r in self.scheduler.running if r.finished]:
+    def _retire(self) -> list[Request]:
+        done = [r for r in self.scheduler.running if r.finished]
+        for request in done:
             # out of the running set first: a failure below must not release a request twice
             self.scheduler.running.remove(request)
-            self.scheduler.release(request)
             request.target_pages.free()
             if self.drafter is not None:
                 self.drafter.release(request)
+        return done
+
+    def commit(self, request: Request, tokens: list[int], on_commit: OnCommit) -> int:
+        """Commit tokens in order until one finishes the request; returns how many were taken. A failure
+        of this request alone (its stop strings, its detokenizer) fails only this request."""
+        try:
+            taken = request.commit_many(tokens)
+        except Exception as err:  # noqa: BLE001 - contained to the request; logged with its traceback
+            log.exception("request %s failed while committing tokens", request.request_id)
+            request.finish("error", f"request {request.request_id} failed: {type(err).__name__}: {err}")
+            return 0
+        on_commit(request, tokens[:taken])
+        return taken
 
     # ---- forwards ----------------------------------------------------------------------------
     def forward_tokens(self, requests: list[Request], token_ids: torch.Tensor, q_lens: list[int], *,
@@ -218,20 +293,26 @@ class Engine:
     def ids_tensor(self, ids) -> torch.Tensor:
         return upload(np.asarray(ids, dtype=np.int64), self.device)
 
-    def _prefill(self, requests: list[Request], on_commit: OnCommit) -> None:
-        lens = [len(r.prompt_ids) for r in requests]
+    def _prefill(self, chunks: list[tuple[Request, int]], on_commit: OnCommit) -> None:
+        """One forward over the next `n` prefill tokens of each request; a fresh request whose prompt is
+        complete samples its first token (a recomputed one already has its pending token)."""
+        requests, lens = [r for r, _ in chunks], [n for _, n in chunks]
+        ids = np.concatenate([np.asarray(r.token_slice(r.num_cached, r.num_cached + n), dtype=np.int64)
+                              for r, n in chunks])
+        first = [i for i, (r, n) in enumerate(chunks) if not r.output_ids and r.num_cached + n == r.prefill_len]
         feature_layers = self.drafter.target_layer_ids if self.drafter is not None else ()
-        out = self.forward_tokens(requests, self.ids_tensor(np.concatenate([r.prompt_ids for r in requests])), lens,
-                                  logits_rows=self.ids_tensor(np.cumsum(lens) - 1), feature_layers=feature_layers)
-        tokens = sample_batch(out.logits, [1] * len(requests), [r.params for r in requests],
-                              [r.generator for r in requests]).tolist()
-        for request, token in zip(requests, tokens):
-            request.commit(token)
-            on_commit(request, [token])
+        out = self.forward_tokens(requests, self.ids_tensor(ids), lens, feature_layers=feature_layers,
+                                  logits_rows=self.ids_tensor((np.cumsum(lens) - 1)[first]) if first else None)
         if self.drafter is not None:
             for request in requests:
                 request.stats.block_size = self.drafter.block_size
-            self.drafter.begin(requests, list(out.features.split(lens)))
+            self.drafter.add_context(requests, list(out.features.split(lens)))
+        if first:
+            starting = [requests[i] for i in first]
+            tokens = sample_batch(out.logits, [1] * len(starting), [r.params for r in starting],
+                                  [r.generator for r in starting]).tolist()
+            for request, token in zip(starting, tokens):
+                self.commit(request, [token], on_commit)
 
     def _decode(self, running: list[Request], on_commit: OnCommit) -> None:
         if self.use_graphs and self.graph_capture_seconds is None:
@@ -242,8 +323,7 @@ class Engine:
         out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], None, 1)
         tokens = self.sample(out, running, 1).tolist()
         for request, token in zip(running, tokens):
-            request.commit(token)
-            on_commit(request, [token])
+            self.commit(request, [token], on_commit)
 
     def sample(self, out: BlockOutput, requests: list[Request], rows_per_request: int) -> torch.Tensor:
         """Tokens for every row of a block step: the in-step argmax when every request is greedy."""

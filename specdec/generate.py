@@ -16,7 +16,8 @@ import time
 
 from specdec.llm import LLM
 from specdec.metrics import summarize
-from specdec.model_arguments import DefaultsHelpFormatter, add_model_arguments, chosen_drafter, engine_options
+from specdec.model_arguments import (DefaultsHelpFormatter, add_engine_arguments, add_model_arguments, chosen_drafter,
+                                     engine_options, engine_settings)
 from specdec.sampling_params import SamplingParams
 
 # the shipped drafter was trained on step-by-step math answers, so the demo asks for one
@@ -47,11 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (None = unseeded)")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    p.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory the engine may use (weights, KV pool, graphs)")
-    p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto",
-                   help="attention kernels (auto = flashinfer on CUDA when installed, else torch)")
+    add_engine_arguments(p)
     return p
 
 
@@ -122,8 +119,7 @@ def _run(args) -> int:
                                 chat=args.chat)
         prompts = read_prompts(args)
         drafter = chosen_drafter(args)
-        llm = LLM(args.target, drafter, page_size=args.page_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                  attention_backend=args.attention_backend, **engine_options(args))
+        llm = LLM(args.target, drafter, **engine_settings(args), **engine_options(args))
     except (InputError, ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2

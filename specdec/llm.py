@@ -15,6 +15,7 @@ from specdec.metrics import RequestStats, Summary, summarize
 from specdec.models.loader import load_target
 from specdec.request import Request
 from specdec.sampling_params import SamplingParams
+from specdec.text_stream import TextStream, final_text
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 
@@ -84,12 +85,15 @@ class LLM:
         if not isinstance(prompt, str):
             return token_ids(prompt)
         if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("chat=True but this model's tokenizer has no chat template")
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                      add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """A conversation through the tokenizer's chat template, with the assistant's generation prompt."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("chat=True but this model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None, *,
                  chat: bool | None = None,
@@ -137,15 +141,11 @@ class LLM:
                                       time.perf_counter() - start)
         return [self._result(p, r) for p, r in zip(prompts, requests)]
 
-    def _text(self, request: Request) -> str:
-        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
-        return text if request.stop_text_end is None else text[:request.stop_text_end]
-
     def _callbacks(self, prompts, requests: list[Request], on_text, on_finish):
         if on_text is None and on_finish is None:
             return None
         index = {r.request_id: i for i, r in enumerate(requests)}
-        streams = {r.request_id: _TextStream(r) for r in requests} if on_text is not None else {}
+        streams = {r.request_id: TextStream(r) for r in requests} if on_text is not None else {}
 
         def on_commit(request: Request, tokens: list[int]) -> None:
             i = index[request.request_id]
@@ -160,29 +160,5 @@ class LLM:
         return on_commit
 
     def _result(self, prompt: Prompt, request: Request) -> GenerationResult:
-        return GenerationResult(prompt, request.prompt_ids, list(request.output_ids), self._text(request),
-                                request.finish_reason, request.stats, request.error)
-
-
-class _TextStream:
-    """What on_text shows of one request: the new text of the request's detokenizer, less a tail
-    that could still become a stop string (text past a stop is never shown), then at the end the
-    rest of the final text, so that the pieces add up to `GenerationResult.text`."""
-
-    def __init__(self, request: Request):
-        self.request = request
-        self.shown = 0  # characters passed to on_text
-        self.held = ""  # text read from the detokenizer but not shown yet
-        self.hold = max(map(len, request.params.stop or ()), default=1) - 1
-
-    def take(self, final_text: str | None) -> str:
-        """The text to show now; `final_text` once the request has finished."""
-        if final_text is not None:
-            # the final text is a full decode: it also has what the detokenizer still held back
-            text = final_text[self.shown:]
-        else:
-            pending = self.held + self.request.detokenizer.read()
-            cut = max(0, len(pending) - self.hold)
-            text, self.held = pending[:cut], pending[cut:]
-        self.shown += len(text)
-        return text
+        return GenerationResult(prompt, request.prompt_ids, list(request.output_ids),
+                                final_text(self.tokenizer, request), request.finish_reason, request.stats, request.error)

@@ -24,6 +24,7 @@ class RequestStats:
     finish_time: float | None = None
     acceptance_lengths: list[int] = field(default_factory=list)  # committed tokens per verify step
     block_size: int = 0  # 0 = no drafter
+    preemptions: int = 0  # times the request gave its KV pages back and was recomputed later
 
     @property
     def verify_steps(self) -> int:

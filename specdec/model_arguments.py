@@ -53,6 +53,21 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly (no CUDA graphs; CPU is always eager)")
 
 
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Memory and kernel settings of the engine (`engine_settings` reads them back)."""
+    p.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory the engine may use (weights, KV pool, graphs)")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto",
+                   help="attention kernels (auto = flashinfer on CUDA when installed, else torch)")
+
+
+def engine_settings(args: argparse.Namespace) -> dict:
+    """The `LLM` keyword arguments that `add_engine_arguments` collected."""
+    return dict(page_size=args.page_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                attention_backend=args.attention_backend)
+
+
 def chosen_drafter(args: argparse.Namespace) -> str | None:
     """--drafter, else the target's shipped drafter; None with --no-drafter or when none is shipped."""
     if args.no_drafter:

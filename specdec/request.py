@@ -22,8 +22,11 @@ class Status(enum.Enum):
 
 @dataclass
 class Request:
-    """Invariant while running: the target cache holds K/V of every token except the last one
-    committed (`pending_token`), which the next forward feeds in at position `num_cached`."""
+    """Invariant while decoding: the target cache holds K/V of every token except the last one
+    committed (`pending_token`), which the next forward feeds in at position `num_cached`.
+
+    Before that the request is prefilling: its `prefill_len` tokens (the prompt; after a preemption,
+    the prompt and all output but the pending token) go into the cache chunk by chunk."""
 
     request_id: int
     prompt_ids: list[int]
@@ -31,7 +34,7 @@ class Request:
     eos_token_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
     error: str | None = None
     stop_text_end: int | None = None  # where the text ends (a character index) when a stop string matched
     target_pages: PageTable | None = None
@@ -62,6 +65,22 @@ class Request:
     @property
     def num_cached(self) -> int:
         return self.target_pages.length
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens whose K/V the target cache must hold before the request decodes."""
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.output_ids) and self.target_pages.length == self.prefill_len
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens start .. end - 1 of prompt + output, without building the whole list."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(start - n, 0):end - n]
 
     def use_detokenizer(self, tokenizer) -> None:
         """Turn committed tokens into text as they come; stop matching and streaming share it."""

@@ -39,10 +39,10 @@ class Speculator:
         extended, rows, counts = [], [], []
         for i, (request, start) in enumerate(zip(running, starts)):
             a, tokens = host[i][bs - 1], host[i][:host[i][bs - 1]] + [host[i][bs]]
-            taken = request.commit_many(tokens)
+            taken = engine.commit(request, tokens, on_commit)
             # what the step committed: a + 1, or less when EOS / a stop / max_new_tokens cut it short
-            request.stats.acceptance_lengths.append(taken)
-            on_commit(request, tokens[:taken])
+            if taken:  # 0: the request failed alone while committing
+                request.stats.acceptance_lengths.append(taken)
             if request.finished:
                 continue  # its pages go back when it is retired
             # keep K/V of the anchor and the accepted drafts; the bonus is the new pending token

@@ -42,12 +42,19 @@ def build_tiny_model(model_type: str, path, seed: int = 0, **overrides):
     return model
 
 
-def build_tiny_model_with_tokenizer(path):
-    """A random tiny qwen2 model with a real byte-level tokenizer (no chat template) saved beside it, so
-    `LLM(path)` loads it as any HF model directory."""
+# ChatML, as Qwen's templates write it
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_model_with_tokenizer(path, chat_template: str | None = None):
+    """A random tiny qwen2 model with a real byte-level tokenizer (no chat template unless given) saved
+    beside it, so `LLM(path)` loads it as any HF model directory."""
     from tests.test_detokenizer import as_transformers, bytelevel_tokenizer
 
     tokenizer = as_transformers(bytelevel_tokenizer(), eos_token="<|endoftext|>")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     build_tiny_model("qwen2", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     tokenizer.save_pretrained(path)
     return path

@@ -59,7 +59,7 @@ class ScriptedDrafter(Drafter):
     def attach(self, engine):
         self.device = engine.device
 
-    def begin(self, requests, prompt_features):
+    def add_context(self, requests, features):
         self.live.update(r.request_id for r in requests)
 
     def extend(self, requests, features, rows, counts):

@@ -102,10 +102,9 @@ def test_block_logits_match_reference(setup, reference):
                 want = zlab_logits(root / "drafter", feats, block, len(committed), embed, lm_head)
             torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
 
-    requests = [engine.make_request(p, SamplingParams(max_new_tokens=40)) for p in PROMPTS]
-    for r in requests:  # driven by hand, step by step, below
-        engine._prepare(r)
-    engine._prefill(requests, lambda r, t: None)
+    requests = [engine.add_request(p, SamplingParams(max_new_tokens=40)) for p in PROMPTS]
+    engine.step()  # the prefill (every prompt fits the step's budget); then driven by hand, step by step
+    assert all(r.decoding for r in requests)
     check(requests)  # first step: the whole prompt is new context
     # a few real steps with partial acceptance, then the context comes from the paged cache
     hf_cont = {}

@@ -160,11 +160,9 @@ def test_training_forward_matches_inference_drafter(setup):
     target = tiny_target(root / "target", eos=())
     paged = load_drafter(root / "fp32", target.model)
     engine = Engine(target, EngineConfig(device="cpu", num_kv_pages=256, page_size=4), paged)
-    requests = [engine.make_request(s[:a], SamplingParams(max_new_tokens=40)) for s, row in zip(sequences, anchors)
+    requests = [engine.add_request(s[:a], SamplingParams(max_new_tokens=40)) for s, row in zip(sequences, anchors)
                 for a in row]
-    for r in requests:
-        engine._prepare(r)
-    engine._prefill(requests, lambda r, t: None)
+    engine.step()  # the prefill: every prompt fits one step's budget
     assert [r.pending_token for r in requests] == [s[a] for s, row in zip(sequences, anchors) for a in row]
     want = paged.draft_logits(requests)
 
@@ -245,9 +243,8 @@ def test_export_bf16_and_fp8(setup, tmp_path):
     paged = load_drafter(tmp_path / "bf16", target.model)
     engine = Engine(target, EngineConfig(device="cpu", num_kv_pages=64, page_size=4), paged)
     prompt = [5, 17, 33, 9, 11, 40, 41, 12]
-    request = engine.make_request(prompt, SamplingParams(max_new_tokens=8))
-    engine._prepare(request)
-    engine._prefill([request], lambda r, t: None)
+    request = engine.add_request(prompt, SamplingParams(max_new_tokens=8))
+    engine.step()  # the prefill
     want = paged.draft_logits([request])[0]
     frozen = frozen_target(root)
     seq = torch.tensor([prompt + [request.pending_token]])

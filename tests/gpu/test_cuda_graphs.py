@@ -96,14 +96,11 @@ def test_graphs_equal_eager(model_dirs, drafter, kv):
 def synchronizations_in_one_step(engine: Engine, batch: int) -> list[str]:
     """Admit and prefill a batch, run one warm-up step, then count the syncs of the next step."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    requests = [engine.make_request(p, params) for p in prompts(batch)]
-    for request in requests:
-        engine._prepare(request)
-        engine.scheduler.add(request)
-    admitted = engine.scheduler.admit()
+    admitted = [engine.add_request(p, params) for p in prompts(batch)]
+    engine.step()  # prefill
+    engine.step()  # warm-up decode step
+    assert all(r.decoding for r in admitted)
     noop = lambda request, tokens: None  # noqa: E731
-    engine._prefill(admitted, noop)
-    engine._decode(admitted, noop)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -113,8 +110,7 @@ def synchronizations_in_one_step(engine: Engine, batch: int) -> list[str]:
         finally:
             torch.cuda.set_sync_debug_mode(0)
     for request in admitted:
-        request.finish("length")
-    engine._retire()
+        engine.abort(request.request_id)
     # the message of a sync; the one-time "debug mode is a prototype" notice is not one
     return [f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)]
 

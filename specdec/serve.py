@@ -1,0 +1,68 @@
+"""OpenAI-compatible server: `python -m specdec.serve [--target NAME|PATH] [--drafter ...] [--port 8000]`.
+
+Loads the model (and its drafter) like `python -m specdec.generate`, then serves /v1/completions,
+/v1/chat/completions, /v1/models, /health and /metrics on --host:--port (127.0.0.1:8000 by
+default). Requests join the running batch as they arrive. SIGINT / SIGTERM stop accepting
+connections, let in-flight requests finish for up to --timeout-graceful-shutdown seconds, abort what
+is left, and exit 0. Exit status 2: bad arguments or a model that cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from specdec.model_arguments import (DefaultsHelpFormatter, add_engine_arguments, add_model_arguments, chosen_drafter,
+                                     engine_options, engine_settings)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m specdec.serve", description=__doc__.splitlines()[0],
+                                formatter_class=DefaultsHelpFormatter)
+    add_model_arguments(p)
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes the server)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --target)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
+    p.add_argument("--max-prefill-tokens", type=int, default=4096,
+                   help="prefill tokens per step; longer prompts are prefilled in chunks")
+    p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGINT/SIGTERM")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from specdec.llm import LLM
+    from specdec.openai_api import build_app
+
+    try:
+        llm = LLM(args.target, chosen_drafter(args), max_num_seqs=args.max_num_seqs,
+                  max_prefill_tokens=args.max_prefill_tokens, **engine_settings(args), **engine_options(args))
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    app = build_app(llm, args.served_model_name or args.target)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handler it
+    # found: with these no-op handlers that re-raise ends nothing, so a stop by signal exits 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
