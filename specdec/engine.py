@@ -32,6 +32,7 @@ from specdec.config import EngineConfig
 from specdec.cuda_graphs import ladder_sizes
 from specdec.models.loader import LoadedTarget
 from specdec.request import Request
+from specdec.request_limits import RequestLimits
 from specdec.sampler import make_generator, sample_batch
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import Scheduler
@@ -89,8 +90,8 @@ class Engine:
 
             drafter.allocate_cache(self.num_pages)
             self.speculator = Speculator(drafter)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, lookahead,
-                                   self.max_context)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, lookahead)
+        self.limits = RequestLimits(self.max_context, mc.vocab_size, self.num_pages, config.page_size, lookahead)
         self._next_id = 0
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                            and self.runner.attn.supports_graphs)
@@ -163,16 +164,8 @@ class Engine:
         return request
 
     def why_invalid(self, prompt_ids: list[int], params: SamplingParams) -> str | None:
-        """Why a request can never be served (None if it can). Reads only fixed settings: callable from any thread."""
-        n, vocab = len(prompt_ids), self.model.config.vocab_size
-        if n == 0:
-            return "the prompt is empty"
-        if n >= self.max_context:
-            return f"the prompt has {n} tokens but the model's context is {self.max_context}; shorten the prompt"
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            return f"token ids {bad[:5]} are outside the vocabulary (size {vocab})"
-        return self.scheduler.why_unservable(n, params.max_new_tokens)
+        """Why a request can never be served (None if it can)."""
+        return self.limits.why_invalid(prompt_ids, params.max_new_tokens)
 
     # ---- the loop ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:

@@ -55,6 +55,14 @@ def token_ids(prompt) -> list[int]:
     return [int(t) for t in ids]
 
 
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation through the tokenizer's chat template, with the assistant's generation prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat=True but this model's tokenizer has no chat template")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 class LLM:
     """A target model (and optionally a drafter) ready to generate.
 
@@ -76,6 +84,7 @@ class LLM:
         draft_model = drafter if drafter is None or isinstance(drafter, Drafter) else load_drafter(drafter,
                                                                                                    loaded.model)
         self.tokenizer = loaded.tokenizer
+        self.model_dir = loaded.path  # the HF directory the target was loaded from (converted, for a GGUF)
         self.engine = Engine(loaded, self.config, draft_model)
         self.last_summary: Summary | None = None
         self._lock = threading.Lock()
@@ -89,11 +98,7 @@ class LLM:
         return self.tokenizer.encode(prompt)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """A conversation through the tokenizer's chat template, with the assistant's generation prompt."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("chat=True but this model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_chat(self.tokenizer, messages)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None, *,
                  chat: bool | None = None,

@@ -21,39 +21,40 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from specdec.async_engine import AsyncEngine
-from specdec.llm import LLM, token_ids
+from specdec.llm import encode_chat, token_ids
 from specdec.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, GenerationFields,
                                      ResponseShape, error_body, usage)
-from specdec.server_metrics import ServerMetrics
+from specdec.request_limits import RequestLimits
 
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away (nobody receives it)
 
 
-def build_app(llm: LLM, model_name: str) -> FastAPI:
-    """The API for `llm`, served as `model_name`. The engine thread starts and stops with the app."""
-    engine = llm.engine
-    metrics = ServerMetrics(block_size=engine.drafter.block_size if engine.drafter is not None else 0)
-    metrics.observe_pools(engine)
+def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    """The API over `engine` (a `ThreadedEngine` or a `ProcessEngine`), serving it as `model_name`. The app
+    stops the engine when it shuts down."""
+    limits = engine.limits
     started = int(time.time())
+    registry = CollectorRegistry()  # what only the HTTP side sees; the engine's own metrics come from it
+    invalid_requests = Counter("specdec_invalid_requests", "Requests refused before any work, by status", ["status"],
+                               registry=registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.engine = AsyncEngine(llm, observer=metrics)
+        engine.bind_event_loop()
         try:
             yield
         finally:
-            await app.state.engine.shutdown()
+            await engine.shutdown()
 
     app = FastAPI(title="specdec", lifespan=lifespan)
-    app.state.metrics = metrics
 
     def refuse(err: APIError) -> JSONResponse:
-        metrics.invalid_requests.labels(str(err.status)).inc()
+        invalid_requests.labels(str(err.status)).inc()
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(APIError)
@@ -66,29 +67,28 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not app.state.engine.healthy:
+        if not engine.healthy:
             return JSONResponse(error_body("the engine is not running", "internal_server_error"), status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus():
-        metrics.observe_pools(engine)
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await engine.metrics_text() + generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
-                                            "owned_by": "specdec", "max_model_len": engine.max_context}]}
+                                            "owned_by": "specdec", "max_model_len": limits.max_context}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prepared = prepare(body, completion_prompt_ids(llm, body.prompt), body.max_tokens)
+        prepared = prepare(body, completion_prompt_ids(engine.tokenizer, body.prompt), body.max_tokens)
         return await answer(request, body, ResponseShape(chat=False, model=model_name), *prepared)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         try:
-            prompt_ids = llm.encode_chat(body.conversation())
+            prompt_ids = encode_chat(engine.tokenizer, body.conversation())
         except APIError:
             raise
         except Exception as err:  # noqa: BLE001 - a template that cannot render these messages: their fault
@@ -106,20 +106,20 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
         unsupported = body.unsupported()
         if unsupported:
             raise APIError(400, f"not supported: {', '.join(unsupported)}")
-        max_new = check_lengths(engine, len(prompt_ids), max_tokens)
+        max_new = check_lengths(limits, len(prompt_ids), max_tokens)
         try:
             params = body.sampling_params(max_new)
         except ValueError as err:
             raise APIError(400, str(err)) from err
-        problem = engine.why_invalid(prompt_ids, params)
+        problem = limits.why_invalid(prompt_ids, params.max_new_tokens)
         if problem is not None:
             raise APIError(400, problem)
         return prompt_ids, params
 
     async def answer(request: Request, body: GenerationFields, shape: ResponseShape, prompt_ids, params):
-        if not app.state.engine.healthy:
+        if not engine.healthy:
             raise APIError(503, "the engine is not running", kind="service_unavailable")
-        outputs = app.state.engine.generate(prompt_ids, params)
+        outputs = engine.generate(prompt_ids, params)
         if body.stream:
             return StreamingResponse(stream_events(outputs, shape, body.include_usage),
                                      media_type="text/event-stream")
@@ -128,7 +128,7 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
     return app
 
 
-def completion_prompt_ids(llm: LLM, prompt) -> list[int]:
+def completion_prompt_ids(tokenizer, prompt) -> list[int]:
     """One prompt: a string, token ids, or a list holding one of those."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -136,21 +136,21 @@ def completion_prompt_ids(llm: LLM, prompt) -> list[int]:
                            param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return llm.tokenizer.encode(prompt)
+        return tokenizer.encode(prompt)
     try:
         return token_ids(prompt)
     except ValueError as err:
         raise APIError(400, str(err), param="prompt") from err
 
 
-def check_lengths(engine, prompt_len: int, max_tokens: int | None) -> int:
+def check_lengths(limits: RequestLimits, prompt_len: int, max_tokens: int | None) -> int:
     """max_tokens checked against the context (the default: as many as the context and the KV pool allow)."""
-    context = engine.max_context
+    context = limits.max_context
     if prompt_len >= context:
         raise APIError(400, f"this model's maximum context length is {context} tokens, but the prompt has "
                             f"{prompt_len}; shorten the prompt", param="messages", code="context_length_exceeded")
     if max_tokens is None:
-        return max(1, engine.scheduler.max_new_tokens_that_fit(prompt_len))
+        return max(1, limits.max_new_tokens_that_fit(prompt_len))
     if max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     if prompt_len + max_tokens > context:

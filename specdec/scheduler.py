@@ -13,8 +13,8 @@ as fit. Each step is planned oldest request first (first come, first served):
 When the pool cannot hold what a request needs, the newest running request is preempted: its pages
 (target's now, the drafter's when the engine gets the plan) go back and it returns to the front of the queue, keeping its output; on
 re-admission it prefills prompt + output again (recompute) and goes on from where it stopped. The
-oldest request can always run (it may preempt every other one, and `why_unservable` refuses up front
-a request whose worst case exceeds the whole pool), so the engine never stalls.
+oldest request can always run (it may preempt every other one, and `RequestLimits.why_invalid` refuses
+up front a request whose worst case exceeds the whole pool), so the engine never stalls.
 """
 
 from __future__ import annotations
@@ -38,32 +38,14 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_num_seqs: int, max_prefill_tokens: int, lookahead: int, max_context: int):
+    def __init__(self, pool: PagePool, max_num_seqs: int, max_prefill_tokens: int, lookahead: int):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.lookahead = lookahead  # slots a decode step may write past the committed length
-        self.max_context = max_context
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
-
-    # ---- admission checks ----------------------------------------------------------------------
-    def worst_case_pages(self, prompt_len: int, max_new_tokens: int) -> int:
-        return self.pool.pages_for(min(prompt_len + max_new_tokens, self.max_context) + self.lookahead)
-
-    def max_new_tokens_that_fit(self, prompt_len: int) -> int:
-        """The largest max_new_tokens a prompt of this length can be served with (context and pool)."""
-        return max(0, min(self.max_context, self.pool.num_pages * self.pool.page_size - self.lookahead) - prompt_len)
-
-    def why_unservable(self, prompt_len: int, max_new_tokens: int) -> str | None:
-        need = self.worst_case_pages(prompt_len, max_new_tokens)
-        if need > self.pool.num_pages:
-            return (f"the request needs up to {need} KV pages (prompt {prompt_len} + max_new_tokens {max_new_tokens}) "
-                    f"but the pool has {self.pool.num_pages}; lower max_new_tokens (at most "
-                    f"{self.max_new_tokens_that_fit(prompt_len)} fit) or give the KV cache more memory "
-                    f"(num_kv_pages / gpu_memory_utilization)")
-        return None
 
     # ---- the queue -----------------------------------------------------------------------------
     def add(self, request: Request) -> None:

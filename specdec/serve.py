@@ -1,8 +1,9 @@
 """OpenAI-compatible server: `python -m specdec.serve [--target NAME|PATH] [--drafter ...] [--port 8000]`.
 
-Loads the model (and its drafter) like `python -m specdec.generate`, then serves /v1/completions,
-/v1/chat/completions, /v1/models, /health and /metrics on --host:--port (127.0.0.1:8000 by
-default). Requests join the running batch as they arrive. SIGINT / SIGTERM stop accepting
+Loads the model (and its drafter) like `python -m specdec.generate`, in an engine process of its own
+(specdec/engine_process.py), then serves /v1/completions, /v1/chat/completions, /v1/models, /health
+and /metrics on --host:--port (127.0.0.1:8000 by default). Requests join the running batch as they
+arrive. SIGINT / SIGTERM stop accepting
 connections, let in-flight requests finish for up to --timeout-graceful-shutdown seconds, abort what
 is left, and exit 0. Exit status 2: bad arguments or a model that cannot be loaded.
 """
@@ -31,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill tokens per step; longer prompts are prefilled in chunks")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="run the engine on a thread of the server's process instead of a process of its own (one "
+                        "process to debug or profile; slower under load: HTTP work shares the engine's interpreter)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -40,19 +44,20 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from specdec.llm import LLM
+    from specdec.engine_process import EngineStartError
     from specdec.openai_api import build_app
 
+    llm_args = dict(target=args.target, drafter=chosen_drafter(args), max_num_seqs=args.max_num_seqs,
+                    max_prefill_tokens=args.max_prefill_tokens, **engine_settings(args), **engine_options(args))
     try:
-        llm = LLM(args.target, chosen_drafter(args), max_num_seqs=args.max_num_seqs,
-                  max_prefill_tokens=args.max_prefill_tokens, **engine_settings(args), **engine_options(args))
-    except (ValueError, FileNotFoundError, ImportError) as err:
+        engine = start_engine(llm_args, args.engine_thread, args.log_level.upper())
+    except (EngineStartError, ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    app = build_app(llm, args.served_model_name or args.target)
+    app = build_app(engine, args.served_model_name or args.target)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handler it
@@ -62,6 +67,18 @@ def main(argv=None) -> int:
     server = uvicorn.Server(config)
     server.run()
     return 0 if server.started else 1
+
+
+def start_engine(llm_args: dict, on_thread: bool, log_level: str):
+    """The loaded model's engine, on a thread of this process or (default) in a process of its own."""
+    if on_thread:
+        from specdec.async_engine import ThreadedEngine
+        from specdec.llm import LLM
+
+        return ThreadedEngine(LLM(**llm_args))
+    from specdec.engine_process import ProcessEngine
+
+    return ProcessEngine.start(llm_args, log_level=log_level)
 
 
 if __name__ == "__main__":

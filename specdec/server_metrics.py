@@ -1,4 +1,4 @@
-"""The server's Prometheus metrics (`/metrics`), fed by the engine thread after every step and request.
+"""The engine's Prometheus metrics (`/metrics`), fed by the engine loop after every step and request.
 
 Names follow vLLM's where one exists (`vllm:` -> `specdec_`); acceptance length = tokens committed per
 verify step, bonus included (so 1 + accepted drafts), the same quantity the library reports as tau.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from specdec.async_engine import EngineObserver
 from specdec.engine import Engine, StepOutput
 from specdec.request import Request
 
@@ -17,13 +16,11 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.
                    10.0, 20.0, 40.0, 80.0)
 
 
-class ServerMetrics(EngineObserver):
+class ServerMetrics:
     def __init__(self, block_size: int = 0):
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("specdec_requests", "Finished requests by finish reason", ["finish_reason"],
                                 registry=registry)
-        self.invalid_requests = Counter("specdec_invalid_requests", "Requests refused before any work, by status",
-                                        ["status"], registry=registry)
         self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of finished requests", registry=registry)
         self.generation_tokens = Counter("specdec_generation_tokens", "Tokens committed", registry=registry)
         self.preemptions = Counter("specdec_preemptions", "Requests preempted (pages given back, recomputed later)",
@@ -62,7 +59,7 @@ class ServerMetrics(EngineObserver):
         self.waiting.set(len(engine.scheduler.waiting))
         self.running.set(len(engine.scheduler.running))
 
-    # ---- EngineObserver ------------------------------------------------------------------------
+    # ---- called by the engine loop after each step and request -----------------------------------
     def on_step(self, engine: Engine, out: StepOutput, seconds: float) -> None:
         self.step_time.observe(seconds)
         self.preemptions.inc(len(out.preempted))

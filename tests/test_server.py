@@ -18,6 +18,7 @@ import pytest
 from transformers import AutoConfig
 
 from specdec import LLM, SamplingParams
+from specdec.async_engine import ThreadedEngine
 from specdec.openai_api import build_app
 from specdec.request import Request
 from tests.conftest import CHAT_TEMPLATE, build_tiny_model_with_tokenizer
@@ -44,11 +45,25 @@ def reference(model_dirs):
     return LLM(*model_dirs, device="cpu", num_kv_pages=512, page_size=4)
 
 
+SMALL_POOL = dict(num_kv_pages=PAGES, page_size=4, max_num_seqs=16, max_prefill_tokens=64)
+
+
 @pytest.fixture(scope="module")
 def server(model_dirs):
-    llm = LLM(*model_dirs, device="cpu", num_kv_pages=PAGES, page_size=4, max_num_seqs=16, max_prefill_tokens=64)
-    with ThreadServer(build_app(llm, MODEL)) as running:
+    """The engine on a thread of the test's process: the tests can look inside it and inject failures."""
+    llm = LLM(*model_dirs, device="cpu", **SMALL_POOL)
+    with ThreadServer(build_app(ThreadedEngine(llm), MODEL)) as running:
         running.llm = llm
+        yield running
+
+
+@pytest.fixture(scope="module")
+def served(model_dirs):
+    """`specdec-serve` as users run it: the engine in a process of its own, behind the command line."""
+    target, drafter = model_dirs
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL_POOL.items()]
+    with ProcessServer("--target", target, "--drafter", drafter, "--device", "cpu", "--served-model-name", MODEL,
+                       *args) as running:
         yield running
 
 
@@ -308,24 +323,36 @@ async def run_load(base_url: str, specs, expected, rng: random.Random, total=300
     return plan, outcome
 
 
-def test_load_with_cancellations_invalid_requests_and_preemption(server, reference):
+def metric(text: str, name: str) -> float:
+    [value] = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
+    return value
+
+
+def test_load_with_cancellations_invalid_requests_and_preemption(served, reference):
+    """Against `specdec-serve` itself (the engine in its own process): outputs equal the library's run alone,
+    and afterwards every page of target and drafter is back, read from /metrics."""
     rng = random.Random(0)
     specs = load_specs(rng)
     expected = [library_text(reference, s["prompt"], s["chat"], max_new_tokens=s["max_tokens"],
                              temperature=s["temperature"], seed=s["seed"])[0] for s in specs]
-    preemptions_before = server.llm.engine.scheduler.num_preemptions
-    plan, outcome = asyncio.run(run_load(server.base_url, specs, expected, rng))
+    plan, outcome = asyncio.run(run_load(served.base_url, specs, expected, rng))
     kinds = [p[0] for p in plan]
     assert outcome["mismatch"] == []
     assert outcome["exact"] == kinds.count("valid") and outcome["cancelled"] == kinds.count("cancel")
     assert outcome["invalid"] == kinds.count("invalid") and all(400 <= s < 500 for s in outcome["statuses"])
     assert 40 <= kinds.count("cancel") and 15 <= kinds.count("invalid")
-    assert server.llm.engine.scheduler.num_preemptions > preemptions_before  # the pool was too small for the load
-    assert_pools_full(server)
-    assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
-    metrics = httpx.get(f"{server.base_url}/metrics").text
-    assert 'specdec_kv_pages_in_use{cache="target"} 0.0' in metrics
-    assert 'specdec_kv_pages_in_use{cache="drafter"} 0.0' in metrics
+    deadline = time.monotonic() + 30  # the last aborts reach the engine a moment after the disconnects
+    while True:
+        metrics = httpx.get(f"{served.base_url}/metrics").text
+        used = [metric(metrics, f'specdec_kv_pages_in_use{{cache="{c}"}}') for c in ("target", "drafter")]
+        if used == [0, 0] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert used == [0, 0]
+    assert metric(metrics, "specdec_requests_running") == metric(metrics, "specdec_requests_waiting") == 0
+    assert metric(metrics, "specdec_preemptions_total") > 0  # the pool was too small for the load
+    assert metric(metrics, 'specdec_requests_total{finish_reason="abort"}') >= kinds.count("cancel")
+    assert httpx.get(f"{served.base_url}/health").json() == {"status": "ok"}
 
 
 # ---- the command line and signals ------------------------------------------------------------------
