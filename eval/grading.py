@@ -12,7 +12,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable
+from typing import Callable, ClassVar
+
+from eval.problem_set import Graded
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
@@ -117,12 +119,22 @@ RULES = {
 
 @dataclass(frozen=True)
 class Grader:
+    """The math500 grader (`eval.problem_set.Grader`): the last \\boxed{} of a response against `answer`."""
+
     name: str  # "math-verify" or "normalized-string"; recorded in results.json
     version: str | None
     match: Callable[[str, str], bool]  # (predicted, gold) -> equal
+    metric: ClassVar[str] = "accuracy"
+    # on the calling thread as each request finishes: math-verify's timeout is a SIGALRM handler, which only
+    # the main thread may install
+    grading_threads: ClassVar[int | None] = None
 
     def is_correct(self, predicted: str | None, gold: str) -> bool:
         return predicted is not None and self.match(predicted, gold)
+
+    def grade(self, problem, text: str) -> Graded:
+        extracted = last_boxed(text)
+        return Graded(extracted, self.is_correct(extracted, problem.answer))
 
     def describe(self) -> dict:
         return {"name": self.name, "version": self.version, "rule": RULES[self.name]}

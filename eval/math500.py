@@ -1,197 +1,36 @@
 """math500 evaluation (the z-lab DFlash benchmark): `python -m eval.math500 [--limit N] [--baseline]`.
 
-Runs the MATH-500 problems through the target (speculating when a drafter is given or shipped),
-grades the last \\boxed{} answer, and writes results.json, summary.md and
-acceptance_histogram.png to --output. With --baseline the same prompts also run without the
-drafter, for the speedup and a token-for-token comparison.
+The MATH-500 problems (eval/problems.py), each asked to reason step by step and box its answer; the
+last \\boxed{} of a response is graded against the gold answer (eval/grading.py). The command, its
+flags and its files are shared with every problem set (eval/command.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import logging
-import os
-import platform
-import shlex
 import sys
-import time
-from pathlib import Path
 
-from specdec import LLM, SamplingParams
-from specdec.model_arguments import add_model_arguments, chosen_drafter, engine_options
-
-from eval.comparison import compare
+from eval import command
 from eval.grading import select_grader
-from eval.problems import HUB, INSTRUCTION, DataUnavailable, data_label, load_problems, prompt_ids, select
-from eval.report import summary_markdown, write_histogram_png, write_json
-from eval.runner import Run, run_problems
+from eval.problems import HUB, INSTRUCTION, data_label, load_problems, user_turn
+from eval.problem_set import ProblemSet
 
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m eval.math500", description=__doc__.splitlines()[0])
-    add_model_arguments(p)
-    p.add_argument("--data", default=None, help="math500 jsonl (default: the 500 problems shipped in eval/data/; "
-                                                f"'{HUB}': the HuggingFaceH4/MATH-500 test split from the hub)")
-    p.add_argument("--limit", type=int, default=None, help="a seeded random subset of N problems")
-    p.add_argument("--seed", type=int, default=0, help="seed of the subset and of sampling")
-    p.add_argument("--max-new-tokens", type=int, default=2048)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--concurrency", type=int, default=1, help="requests in flight (engine max_num_seqs); "
-                                                              "1 = the z-lab batch-1 protocol")
-    p.add_argument("--output", default=None, help="output directory (default: ./math500-<timestamp> in the "
-                                                  "current directory)")
-    p.add_argument("--baseline", action="store_true", help="also run without the drafter and compare")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        p.error("--limit must be positive")
-    if args.concurrency < 1:
-        p.error("--concurrency must be positive")
-    return args
-
-
-def output_dir(args) -> Path:
-    """--output, else math500-<timestamp> in the current directory (never inside the repository's results/)."""
-    return Path(args.output) if args.output else Path(f"math500-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-def check_output_dir(out: Path) -> bool:
-    """Create `out` and prove it writable (by writing a file: access() passes for root on a read-only mount),
-    before any model is loaded. Returns whether it was created here; raises OSError naming the path."""
-    created = not out.exists()
-    try:
-        if out.exists() and not out.is_dir():
-            raise NotADirectoryError(20, "exists and is not a directory")
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as err:
-        if created:
-            remove_if_empty(out)
-        raise OSError(f"--output {out}: cannot write there ({err.strerror or err})") from None
-    return created
-
-
-def remove_if_empty(out: Path) -> None:
-    try:
-        out.rmdir()
-    except OSError:
-        pass
-
-
-def make_llm(args, drafter) -> LLM:
-    return LLM(args.target, drafter, max_num_seqs=args.concurrency, **engine_options(args))
-
-
-def device_name(device) -> str:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()})"
-
-
-def release_memory(on_cuda: bool) -> None:
-    """Return a dropped engine's memory before the next one is built (its KV pool is sized from free memory)."""
-    import torch
-
-    gc.collect()
-    if on_cuda:
-        torch.cuda.empty_cache()
-
-
-def describe(args, argv, llm: LLM, drafter, problems, first_prompt: list[int]) -> dict:
-    import torch
-    import transformers
-
-    engine = llm.engine
-    return {
-        "command_line": shlex.join([Path(sys.executable).name, "-m", "eval.math500", *argv]),
-        "target": str(args.target), "drafter": str(drafter) if drafter else None,
-        "block_size": engine.drafter.block_size if engine.drafter is not None else None,
-        "data": data_label(args.data), "limit": args.limit, "seed": args.seed,
-        "num_problems": len(problems), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        "concurrency": args.concurrency, "kv_cache_dtype": args.kv_cache_dtype, "kv_dtype": str(engine.kv_dtype),
-        "drafter_kv_dtype": str(engine.drafter_kv_dtype), "cuda_graphs": engine.graph_capture_seconds is not None,
-        "graph_capture_s": engine.graph_capture_seconds,
-        "device": str(engine.device), "device_name": device_name(engine.device), "dtype": str(engine.dtype),
-        "attention_backend": engine.backend_name, "num_kv_pages": engine.num_pages,
-        "page_size": engine.pool.page_size, "prompt_instruction": INSTRUCTION,
-        "first_prompt": llm.tokenizer.decode(first_prompt), "torch": torch.__version__,
-        "transformers": transformers.__version__, "python": platform.python_version(),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-
-
-def problem_records(problems, main: Run, base: Run | None, comparison: dict | None) -> list[dict]:
-    differing = {d["index"]: d["first_diff"] for d in comparison["differing"]} if comparison else {}
-    records = []
-    for i, problem in enumerate(problems):
-        result = main.results[i]
-        record = {"index": problem.index, "id": problem.id, "subject": problem.subject, "level": problem.level,
-                  "answer": problem.answer, "extracted": main.extracted[i], "correct": main.correct[i],
-                  "tokens": len(result.token_ids), "tau": result.stats.tau, "tpot_s": result.stats.tpot,
-                  "finish_reason": result.finish_reason, "error": result.error, "output": result.text}
-        if base is not None:
-            record.update(baseline_extracted=base.extracted[i], baseline_correct=base.correct[i],
-                          baseline_tokens=len(base.results[i].token_ids), identical=i not in differing,
-                          first_diff=differing.get(i))
-        records.append(record)
-    return records
+MATH500 = ProblemSet(
+    name="math500",
+    description=__doc__.splitlines()[0],
+    default_max_new_tokens=2048,
+    data_help=f"math500 jsonl (default: the 500 problems shipped in eval/data/; '{HUB}': the HuggingFaceH4/MATH-500 "
+              "test split from the hub)",
+    load=load_problems,
+    data_label=data_label,
+    user_turn=lambda problem: user_turn(problem.problem),
+    make_grader=select_grader,
+    problem_fields=lambda problem: {"subject": problem.subject, "level": problem.level, "answer": problem.answer},
+    prompt_config={"prompt_instruction": INSTRUCTION},
+)
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    drafter = chosen_drafter(args)
-    out = output_dir(args)
-    try:  # the inputs first (data, then --output), so that mistakes surface before a model is loaded
-        problems = select(load_problems(args.data), args.limit, args.seed)
-        created = check_output_dir(out)
-    except (DataUnavailable, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    try:
-        llm = make_llm(args, drafter)
-        prompts = [prompt_ids(llm.tokenizer, p.problem) for p in problems]
-    except (DataUnavailable, ValueError, FileNotFoundError, ImportError) as err:
-        if created:
-            remove_if_empty(out)
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    grader = select_grader()
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-    config = describe(args, argv, llm, drafter, problems, prompts[0])
-    label = "speculative" if drafter else "autoregressive"
-    main_run = run_problems(llm, problems, prompts, params, args.concurrency, grader, label, not args.no_progress)
-    print(f"{label}: accuracy {main_run.accuracy:.3f}\n{main_run.summary.format()}", file=sys.stderr)
-    tokenizer = llm.tokenizer
-    base, comparison = None, None
-    if args.baseline and drafter is None:
-        print("warning: --baseline ignored: the main run already has no drafter", file=sys.stderr)
-    elif args.baseline:
-        on_cuda = llm.engine.device.type == "cuda"
-        del llm
-        release_memory(on_cuda)
-        base = run_problems(make_llm(args, None), problems, prompts, params, args.concurrency, grader, "baseline",
-                            not args.no_progress)
-        comparison = compare(main_run, base, [p.id for p in problems], tokenizer)
-        print(f"baseline: accuracy {base.accuracy:.3f}\n{base.summary.format()}\n"
-              f"identical outputs {comparison['identical_fraction']:.3f}, speedup (TPOT) "
-              f"{comparison['speedup_tpot'] or float('nan'):.2f}x", file=sys.stderr)
-    results = {"config": config, "grader": grader.describe(), "main": main_run.as_dict(),
-               "baseline": base.as_dict() if base else None, "comparison": comparison,
-               "problems": problem_records(problems, main_run, base, comparison)}
-    write_json(out / "results.json", results)
-    (out / "summary.md").write_text(summary_markdown(results), encoding="utf-8")
-    plotted = write_histogram_png(out / "acceptance_histogram.png", main_run.summary, config["block_size"] or 0,
-                                  f"math500, {config['target']}, {config['num_problems']} problems")
-    print(f"wrote {out}/results.json, summary.md" + (", acceptance_histogram.png" if plotted else ""),
-          file=sys.stderr)
-    return 1 if main_run.errors == len(problems) else 0
+    return command.main(MATH500, argv)
 
 
 if __name__ == "__main__":

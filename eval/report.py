@@ -23,7 +23,7 @@ def _fmt(value, spec: str = ".3f", scale: float = 1.0) -> str:
 def _run_rows(run: dict) -> list[tuple[str, str]]:
     s = run["summary"]
     rows = [
-        ("accuracy", f"{run['accuracy']:.3f} ({run['correct']}/{run['problems']})"),
+        (run["metric"], f"{run['accuracy']:.3f} ({run['correct']}/{run['problems']})"),
         ("requests failed", str(run["errors"])),
         ("generated tokens", str(s["generated_tokens"])),
         ("wall time (s)", f"{s['wall_time']:.2f}"),
@@ -40,7 +40,7 @@ def _run_rows(run: dict) -> list[tuple[str, str]]:
 def summary_markdown(results: dict) -> str:
     """A Markdown page: the configuration line, one table of metrics, the baseline comparison."""
     config, main, base = results["config"], results["main"], results.get("baseline")
-    lines = [f"# math500: {config['target']}", "",
+    lines = [f"# {config['problem_set']}: {config['target']}", "",
              f"drafter `{config['drafter'] or 'none'}`, {config['num_problems']} problems, "
              f"max_new_tokens {config['max_new_tokens']}, temperature {config['temperature']}, "
              f"concurrency {config['concurrency']}, KV {config['kv_cache_dtype']}, "

@@ -3,22 +3,32 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from eval.grading import Grader, last_boxed
-from eval.problems import Problem
+from eval.problem_set import Graded, Grader
 from specdec import SamplingParams
 from specdec.metrics import Summary, summarize
+
+FAILED_REQUEST = Graded(None, False)  # a request that failed has nothing to grade and counts as wrong
 
 
 @dataclass
 class Run:
-    label: str  # "speculative" or "autoregressive"
+    label: str  # "speculative", "autoregressive" or "baseline"
+    metric: str  # the grader's name for the fraction correct: "accuracy", "pass@1"
     results: list  # specdec GenerationResult per problem, in problem order
-    extracted: list[str | None]  # last \boxed{} content per problem
-    correct: list[bool]
+    graded: list[Graded]  # per problem, in problem order
     summary: Summary  # over the requests that did not fail
-    wall_time: float  # seconds inside llm.generate
+    wall_time: float  # seconds inside llm.generate (grading after generation is not timed)
+
+    @property
+    def extracted(self) -> list[str | None]:
+        return [g.extracted for g in self.graded]
+
+    @property
+    def correct(self) -> list[bool]:
+        return [g.correct for g in self.graded]
 
     @property
     def accuracy(self) -> float:
@@ -29,33 +39,47 @@ class Run:
         return sum(r.finish_reason == "error" for r in self.results)
 
     def as_dict(self) -> dict:
-        return {"mode": self.label, "accuracy": self.accuracy, "correct": sum(self.correct),
+        return {"mode": self.label, "metric": self.metric, "accuracy": self.accuracy, "correct": sum(self.correct),
                 "problems": len(self.correct), "errors": self.errors, "summary": self.summary.as_dict()}
 
 
-def run_problems(llm, problems: list[Problem], prompts: list[list[int]], params: SamplingParams,
-                 concurrency: int, grader: Grader, label: str, progress: bool = True) -> Run:
+def grade_result(grader: Grader, problem, result) -> Graded:
+    return FAILED_REQUEST if result.finish_reason == "error" else grader.grade(problem, result.text)
+
+
+def grade_all(grader: Grader, problems: list, results: list, progress_bar) -> list[Graded]:
+    """Grade every result on `grader.grading_threads` threads (each grading may wait on a subprocess)."""
+    with ThreadPoolExecutor(max_workers=grader.grading_threads, thread_name_prefix="grading") as pool:
+        graded = list(pool.map(lambda pr: grade_result(grader, *pr), zip(problems, results)))
+    progress_bar.set_postfix({grader.metric: f"{sum(g.correct for g in graded) / max(len(graded), 1):.3f}"})
+    return graded
+
+
+def run_problems(llm, problems: list, prompts: list[list[int]], params: SamplingParams, concurrency: int,
+                 grader: Grader, label: str, progress: bool = True, title: str = "") -> Run:
     """Generate for every prompt with at most `concurrency` requests in flight (the engine's
-    max_num_seqs; a finished request's slot is refilled at once) and grade each response.
-    With concurrency 1 this is exactly the batch-1 protocol."""
+    max_num_seqs; a finished request's slot is refilled at once) and grade each response: as it
+    finishes, or after generation when the grader asks for threads. With concurrency 1 this is
+    exactly the batch-1 protocol. `title` (the problem set's name) prefixes the progress bar."""
     from tqdm import tqdm
 
-    extracted: list[str | None] = [None] * len(prompts)
-    correct = [False] * len(prompts)
+    graded: list[Graded | None] = [None] * len(prompts)
     done = 0
-    with tqdm(total=len(prompts), desc=f"math500 {label}", unit="problem", disable=not progress) as bar:
+    inline = grader.grading_threads is None
+    with tqdm(total=len(prompts), desc=f"{title} {label}".strip(), unit="problem", disable=not progress) as bar:
 
         def on_finish(i, result):
             nonlocal done
             done += 1
-            if result.finish_reason != "error":
-                extracted[i] = last_boxed(result.text)
-            correct[i] = grader.is_correct(extracted[i], problems[i].answer)
             bar.update(1)
-            bar.set_postfix(acc=f"{sum(correct) / done:.3f}")
+            if inline:
+                graded[i] = grade_result(grader, problems[i], result)
+                bar.set_postfix({grader.metric: f"{sum(g.correct for g in graded if g) / done:.3f}"})
 
         began = time.perf_counter()
         results = llm.generate(prompts, params, on_finish=on_finish)
         wall = time.perf_counter() - began
+        if not inline:
+            graded = grade_all(grader, problems, results, bar)
     summary = summarize([r.stats for r in results if r.finish_reason != "error"], wall)
-    return Run(label, results, extracted, correct, summary, wall)
+    return Run(label, grader.metric, results, graded, summary, wall)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from eval import math500
+from eval import command, math500
 from eval.grading import as_number, last_boxed, normalize, select_grader, strings_match
 from eval.problems import INSTRUCTION, HUB, PACKAGED_DATA, DataUnavailable, Problem, load_problems, prompt_ids, select
 from eval.runner import run_problems
@@ -287,7 +287,7 @@ def refuse_model_loading(monkeypatch):
     def no_model(*args, **kwargs):
         raise AssertionError("the model must not be loaded before the inputs are checked")
 
-    monkeypatch.setattr(math500, "make_llm", no_model)
+    monkeypatch.setattr(command, "make_llm", no_model)
 
 
 def cli_error(monkeypatch, capsys, argv) -> str:
@@ -342,7 +342,7 @@ def test_cli_rejects_output_that_is_a_file(tmp_path, monkeypatch, capsys):
 
 def test_read_only_output_is_detected_even_as_root(tmp_path, monkeypatch):
     """The writability probe writes a file (an access() check passes for root on a read-only mount)."""
-    from eval.math500 import check_output_dir
+    from eval.command import check_output_dir
 
     calls = []
 
@@ -358,8 +358,8 @@ def test_read_only_output_is_detected_even_as_root(tmp_path, monkeypatch):
 
 def test_default_output_is_outside_the_repository(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    out = math500.output_dir(math500.parse_args([]))
+    out = command.output_dir(command.parse_args(math500.MATH500, []), math500.MATH500)
     assert out.parent.resolve() == tmp_path.resolve() and out.name.startswith("math500-")
     repo_results = Path(math500.__file__).resolve().parents[1] / "results"
     assert repo_results not in out.resolve().parents
-    assert math500.output_dir(math500.parse_args(["--output", "x/y"])) == Path("x/y")
+    assert command.output_dir(command.parse_args(math500.MATH500, ["--output", "x/y"]), math500.MATH500) == Path("x/y")

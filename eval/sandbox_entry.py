@@ -1,0 +1,163 @@
+"""The code a sandboxed program's interpreter runs first, then the program.
+
+`eval.code_execution` starts this file as a script under `python -I`, in the program's fresh work
+directory, so it uses the standard library only. In order:
+
+1. With `--read-only` (it was started inside new user, mount, network and pid namespaces), every
+   mount becomes read-only, nosuid and nodev except a bind mount of the work directory, and the
+   mounts are then locked by entering one more user namespace, so the program cannot make them
+   writable again.
+2. Resource limits, soft and hard: CPU time, address space, file size, open files, processes (the
+   kernel does not apply this one to root; the hook below covers that case), no core files.
+3. An audit hook (PEP 578) refuses starting processes, sockets and name lookups, loading native code
+   through ctypes, changing resource limits, and writing or removing files outside the work
+   directory. Where the kernel could not isolate the program this hook is what stands between it and
+   the machine: it holds for programs that do not set out to defeat it (model-written solutions and
+   their tests), not for deliberately hostile code.
+4. The program runs under the module name `__sandboxed__`, not `__main__` (HumanEval's reference
+   harness does not run it as `__main__` either), so a solution's own `if __name__ == "__main__":`
+   demo does not run. Its stdout goes to a file in the work directory; the original stdout receives
+   PASSED only when the program ran to its end, so an early `exit()` cannot pass.
+"""
+
+import argparse
+import ctypes
+import os
+import resource
+import runpy
+import sys
+import traceback
+
+PASSED = "passed"
+# <linux/mount.h>, <fcntl.h>, <sched.h>; mount_setattr has one number on every architecture (it is newer
+# than the unified syscall table)
+SYS_MOUNT_SETATTR = 442
+MS_BIND, MS_REC = 0x1000, 0x4000
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 0x1, 0x2, 0x4
+AT_FDCWD, AT_RECURSIVE = -100, 0x8000
+CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
+
+REFUSED_EVENTS = frozenset({
+    # processes (RLIMIT_NPROC does not bind root; a fork bomb must not get started at all)
+    "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen", "pty.spawn",
+    "os.kill", "os.killpg", "signal.pthread_kill",
+    # the network, name lookups included
+    "socket.__new__", "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
+    "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo", "urllib.Request",
+    # native code, which the hook could not see into
+    "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function",
+    # the limits set above
+    "resource.setrlimit", "resource.prlimit",
+})
+# events whose leading path arguments must lie inside the work directory
+PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.rename": 2, "os.link": 2, "os.symlink": 2,
+               "os.chmod": 1, "os.chown": 1, "os.truncate": 1, "os.utime": 1, "os.mkfifo": 1, "os.mknod": 1,
+               "os.setxattr": 1, "os.removexattr": 1, "os.chflags": 1, "shutil.rmtree": 1}
+OPEN_FOR_WRITING = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+class MountAttr(ctypes.Structure):  # struct mount_attr
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                ("userns_fd", ctypes.c_uint64)]
+
+
+def _checked(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"sandbox: cannot {what}: {os.strerror(errno)}")
+
+
+def _set_mount_attributes(libc, path: bytes, flags: int, attributes: MountAttr) -> None:
+    _checked(libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), path, ctypes.c_uint(flags),
+                          ctypes.byref(attributes), ctypes.c_size_t(ctypes.sizeof(attributes))),
+             f"set the attributes of mount {path.decode()}")
+
+
+def make_filesystem_read_only(work_dir: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    work = os.fsencode(work_dir)
+    # the work directory as a mount of its own, so that it can stay writable under a read-only root
+    _checked(libc.mount(work, work, None, MS_BIND | MS_REC, None), "bind-mount the work directory")
+    _set_mount_attributes(libc, b"/", AT_RECURSIVE,
+                          MountAttr(attr_set=MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV))
+    _set_mount_attributes(libc, work, 0, MountAttr(attr_clr=MOUNT_ATTR_RDONLY))
+    # mounts copied into a mount namespace that a new user namespace owns are locked there
+    _checked(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "lock the mounts")
+    os.chdir(work_dir)  # the working directory still pointed into the (now read-only) mount below the bind
+
+
+def limit_resources(args) -> None:
+    limits = [(resource.RLIMIT_CPU, args.cpu_seconds), (resource.RLIMIT_AS, args.memory_bytes),
+              (resource.RLIMIT_FSIZE, args.file_bytes), (resource.RLIMIT_NOFILE, 64),
+              (resource.RLIMIT_NPROC, args.processes), (resource.RLIMIT_CORE, 0)]
+    for limit, value in limits:
+        hard = resource.getrlimit(limit)[1]
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(limit, (value, value))
+
+
+def _inside(path, work_dir: str) -> bool:
+    if isinstance(path, int):  # an open file descriptor: opening it was checked
+        return True
+    resolved = os.path.realpath(os.fsdecode(path))
+    return os.path.commonpath([resolved, work_dir]) == work_dir
+
+
+def install_guard(work_dir: str) -> None:
+    work_dir = os.path.realpath(work_dir)
+
+    def guard(event: str, args: tuple) -> None:
+        if event in REFUSED_EVENTS:
+            raise PermissionError(f"{event} is refused in the sandbox")
+        if event == "open" and args[2] & OPEN_FOR_WRITING and not _inside(args[0], work_dir):
+            raise PermissionError(f"writing {args[0]!r} is refused in the sandbox (outside its directory)")
+        paths = PATH_EVENTS.get(event, 0)
+        if any(not _inside(path, work_dir) for path in args[:paths] if path is not None):
+            raise PermissionError(f"{event} {args[:paths]!r} is refused in the sandbox (outside its directory)")
+
+    sys.addaudithook(guard)
+
+
+def run(program: str) -> int:
+    verdict = os.fdopen(os.dup(1), "w")
+    own_stdout = os.open("stdout.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(own_stdout, 1)
+    os.close(own_stdout)
+    try:
+        runpy.run_path(program, run_name="__sandboxed__")
+    except SystemExit as exit_:
+        print(f"SystemExit({exit_.code!r}): the program exited before its end", file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    sys.stdout.flush()
+    verdict.write(PASSED)
+    verdict.flush()
+    return 0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="run a program in the sandbox (started by eval.code_execution)")
+    p.add_argument("program", help="the program file, inside the work directory")
+    p.add_argument("--work-dir", required=True)
+    p.add_argument("--read-only", action="store_true", help="make every mount but the work directory read-only "
+                                                            "(inside user and mount namespaces)")
+    p.add_argument("--cpu-seconds", type=int, required=True)
+    p.add_argument("--memory-bytes", type=int, required=True)
+    p.add_argument("--file-bytes", type=int, required=True)
+    p.add_argument("--processes", type=int, required=True)
+    return p.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
+    if args.read_only:
+        make_filesystem_read_only(args.work_dir)
+    limit_resources(args)
+    install_guard(args.work_dir)
+    return run(args.program)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
