@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Drafter pipeline on one GPU machine, as a background job that outlives single device calls:
-# reassemble + verify the target GGUF, generate training data, train, export, evaluate on math500.
+# reassemble + verify the target GGUF, generate training data (math, code, general prompts), train, export,
+# evaluate on math500 and HumanEval.
 #   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_pipeline.sh > /tmp/run/pipeline.log 2>&1 &
 #   watch:  tail /tmp/run/pipeline.log /tmp/run/stage
 # Stages write /tmp/run/stage; every stage is resumable (re-running the script continues).
 # Env: DATA_BUDGET_S, TRAIN_BUDGET_S, TRAIN_STEPS, MATH500 (path of math500.jsonl), PROBLEMS (the MATH
-# training problems; ../shared does not travel to the device, so carry it, e.g. in .xfer/), INIT_FROM (an
-# exported drafter to start training from), LR. Shards already in /tmp/run/data (e.g. carried from an
-# earlier run) are kept: the data stage only generates the missing ones.
+# training problems; ../shared does not travel to the device, so carry it, e.g. in .xfer/), SOURCES (the
+# prompt mix, default "math:7500 code:6000 general:2000"), SAMPLES (sampled answers per prompt, default 1)
+# and TEMPERATURES (default 0.7,1.0), INIT_FROM (an exported drafter to start training from), LR. Shards
+# already in /tmp/run/data (e.g. carried from an earlier run) are kept: the data stage only generates the
+# missing ones.
 set -uo pipefail
 run=/tmp/run
 mkdir -p "$run"
@@ -27,8 +30,11 @@ fi
 python3 -c "from specdec.models.demo_models import resolve_model; print(resolve_model('$target'))" || exit 1
 
 stage data
+sources=()
+for s in ${SOURCES:-math:7500 code:6000 general:2000}; do sources+=(--source "$s"); done
 python3 scripts/generate_training_data.py --out "$run/data" --target "$target" --max-new-tokens 1024 \
-  --problems "${PROBLEMS:-.xfer/math_train.jsonl}" \
+  --problems "${PROBLEMS:-.xfer/math_train.jsonl}" "${sources[@]}" \
+  --samples-per-problem "${SAMPLES:-1}" --temperature "${TEMPERATURES:-0.7,1.0}" \
   --shard-size 512 --batch-size 256 --time-budget-s "${DATA_BUDGET_S:-420}" || { stage "failed: data"; exit 1; }
 
 stage train
@@ -44,4 +50,6 @@ python3 scripts/export_drafter.py "$run/train" "$run/drafter-fp8" --storage fp8 
 stage eval
 python3 -m eval.math500 --target "$target" --drafter "$run/drafter-fp8" --data "${MATH500:-.xfer/math500.jsonl}" \
   --concurrency 64 --baseline --output "$run/eval" --no-progress || { stage "failed: eval"; exit 1; }
+python3 -m eval.humaneval --target "$target" --drafter "$run/drafter-fp8" \
+  --concurrency 64 --baseline --output "$run/eval-humaneval" --no-progress || { stage "failed: eval humaneval"; exit 1; }
 stage done

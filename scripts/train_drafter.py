@@ -9,8 +9,10 @@ Drafter shape: --draft-layers, --heads, --kv-heads, --head-dim, --intermediate-s
 checkpoint's shape and state win and training continues where it stopped (same batches, same
 anchors as an uninterrupted run). --init-from DRAFTER starts a new run from an exported drafter's
 weights and shape (bf16 or fp8 storage), e.g. to train a shipped drafter further with a fresh
-schedule. Progress: a tqdm bar (loss, lr, batch tau, held-out tau) and <out>/log.jsonl (one line
-per evaluation). Export with scripts/export_drafter.py.
+schedule. Held-out data: --eval-problems problems of every domain of the data (math, code, ...),
+scored separately. Progress: a tqdm bar (loss, lr, batch tau, held-out tau), a line of held-out tau
+per domain at each evaluation, and <out>/log.jsonl (one line per evaluation, per-domain numbers under
+"domains"). Export with scripts/export_drafter.py.
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--eval-problems", type=int, default=64, help="problems held out for the tau estimate")
-    p.add_argument("--eval-sequences", type=int, default=64)
+    p.add_argument("--eval-problems", type=int, default=64,
+                   help="problems of each domain held out for the tau estimate")
+    p.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences of each domain per evaluation")
     p.add_argument("--eval-anchors-per-seq", type=int, default=64)
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="wall-clock budget of this call, model loading included; checkpoints and stops before it")
@@ -108,7 +111,10 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = FrozenTarget.load(target_dir, spec.target_layer_ids, device, dtype)
     train_data, eval_data = load_samples(args.data).split_by_problem(args.eval_problems, seed=args.seed)
-    print(f"data: {len(train_data)} training sequences, {len(eval_data)} held out")
+    trained, held = train_data.domain_indices(), eval_data.domain_indices()
+    per_domain = ", ".join(f"{d} {len(trained.get(d, ()))}+{len(held.get(d, ()))}" for d in sorted(trained.keys() | held.keys()))
+    print(f"data: {len(train_data)} training sequences, {len(eval_data)} held out (per domain, training+held out: "
+          f"{per_domain})")
     train_config = TrainConfig(
         out_dir=args.out, max_steps=args.max_steps, batch_size=args.batch_size, anchors_per_seq=args.anchors_per_seq,
         max_length=args.max_length, gamma=args.gamma or default_gamma(spec.block_size), lr=args.lr,

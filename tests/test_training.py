@@ -199,6 +199,14 @@ def test_training_lowers_the_loss(setup, tmp_path):
     assert load_checkpoint(tmp_path)["step"] == 20
 
 
+def flat(record: dict, prefix: str = "") -> dict:
+    """A log record with its nested per-domain numbers as dotted keys."""
+    out = {}
+    for key, value in record.items():
+        out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return out
+
+
 def test_resume_continues_exactly(setup, tmp_path):
     root, _, drafter = setup
     state = drafter.state_dict()
@@ -216,7 +224,7 @@ def test_resume_continues_exactly(setup, tmp_path):
     late = make_trainer(root, tmp_path / "late", state, max_steps=8, time_budget_s=1.0)
     late.start_time -= 2.0
     assert late.train(progress=False) == [] and load_checkpoint(tmp_path / "late")["step"] == 0
-    logs = [[{k: v for k, v in json.loads(line).items() if k != "elapsed_s"}
+    logs = [[{k: v for k, v in flat(json.loads(line)).items() if k != "elapsed_s"}
              for line in (tmp_path / run / "log.jsonl").read_text().splitlines()] for run in ("straight", "split")]
     assert [r["step"] for r in logs[0]] == [4, 8]
     for a, b in zip(*logs):
@@ -344,7 +352,7 @@ def test_data_shards_generate_load_and_resume(setup, tmp_path, monkeypatch):
     from scripts.generate_training_data import main
 
     args = ["--out", str(tmp_path / "data"), "--target", str(root / "target"), "--problems", str(problems),
-            "--shard-size", "2", "--max-new-tokens", "6", "--samples-per-problem", "1", "--temperature", "1.0",
+            "--source", "math:all", "--shard-size", "2", "--max-new-tokens", "6", "--samples-per-problem", "1", "--temperature", "1.0",
             "--device", "cpu", "--num-kv-pages", "64", "--batch-size", "8"]
     main(args)
     files = sorted((tmp_path / "data").glob("shard-*.safetensors"))

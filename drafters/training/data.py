@@ -6,9 +6,11 @@ A shard is one safetensors file:
     offsets      int64 [n + 1]    sample i is tokens[offsets[i]:offsets[i + 1]]
     prompt_lens  int32 [n]        the first prompt_lens[i] ids are the prompt (no loss)
     problem_ids  int32 [n]        which source problem the sample answers (held-out splits go by problem)
+    domain_ids   int32 [n]        the sample's domain: an index into the metadata's "domains" names
 
-plus string metadata (target name, sampling settings). The loss mask is derived: the response
-positions, prompt_len .. len - 1.
+plus string metadata (target name, sampling settings, domain names). The loss mask is derived: the
+response positions, prompt_len .. len - 1. Shards written before domains were stored have no
+`domain_ids`: their samples are all answers to MATH problems (DEFAULT_DOMAIN).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 SHARD_GLOB = "shard-*.safetensors"
+DEFAULT_DOMAIN = "math"  # of samples stored without a domain
 
 
 def shard_path(root: str | os.PathLike, index: int) -> Path:
@@ -35,17 +38,24 @@ class TokenSamples:
     offsets: torch.Tensor  # int64 [n + 1]
     prompt_lens: torch.Tensor  # int32 [n]
     problem_ids: torch.Tensor  # int32 [n]
+    domain_ids: torch.Tensor  # int32 [n], indices into `domains`
+    domains: tuple[str, ...] = (DEFAULT_DOMAIN,)
 
     @classmethod
-    def from_lists(cls, samples: list[tuple[list[int], list[int], int]]) -> "TokenSamples":
-        """samples: (prompt ids, response ids, problem id) each."""
+    def from_lists(cls, samples: list[tuple[list[int], list[int], int]],
+                   domains: list[str] | None = None) -> "TokenSamples":
+        """samples: (prompt ids, response ids, problem id) each; domains: each sample's (default: DEFAULT_DOMAIN)."""
         flat = [t for prompt, response, _ in samples for t in (*prompt, *response)]
         lens = torch.tensor([len(p) + len(r) for p, r, _ in samples], dtype=torch.long)
         offsets = torch.zeros(len(samples) + 1, dtype=torch.long)
         offsets[1:] = lens.cumsum(0)
+        domains = [DEFAULT_DOMAIN] * len(samples) if domains is None else domains
+        names = tuple(dict.fromkeys(domains)) or (DEFAULT_DOMAIN,)
+        index = {name: i for i, name in enumerate(names)}
         return cls(torch.tensor(flat, dtype=torch.int32), offsets,
                    torch.tensor([len(p) for p, _, _ in samples], dtype=torch.int32),
-                   torch.tensor([pid for _, _, pid in samples], dtype=torch.int32))
+                   torch.tensor([pid for _, _, pid in samples], dtype=torch.int32),
+                   torch.tensor([index[d] for d in domains], dtype=torch.int32), names)
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -65,13 +75,28 @@ class TokenSamples:
         offsets[1:] = lengths.cumsum(0)
         tokens = torch.cat([self.tokens[self.offsets[i]:self.offsets[i + 1]] for i in idx.tolist()]) if len(idx) \
             else self.tokens[:0]
-        return TokenSamples(tokens, offsets, self.prompt_lens[idx], self.problem_ids[idx])
+        return TokenSamples(tokens, offsets, self.prompt_lens[idx], self.problem_ids[idx], self.domain_ids[idx],
+                            self.domains)
+
+    def domain_indices(self) -> dict[str, list[int]]:
+        """Sample indices of each domain present, domains in name order."""
+        return {name: torch.nonzero(self.domain_ids == i).flatten().tolist()
+                for i, name in sorted(enumerate(self.domains), key=lambda item: item[1])
+                if bool((self.domain_ids == i).any())}
+
+    def by_domain(self) -> dict[str, "TokenSamples"]:
+        return {name: self.subset(indices) for name, indices in self.domain_indices().items()}
 
     def split_by_problem(self, num_heldout_problems: int, seed: int = 0) -> tuple["TokenSamples", "TokenSamples"]:
-        """(train, held-out): every sample of a held-out problem goes to held-out."""
-        problems = self.problem_ids.unique()
-        order = torch.randperm(len(problems), generator=torch.Generator().manual_seed(seed))
-        is_heldout = torch.isin(self.problem_ids, problems[order[:num_heldout_problems]])
+        """(train, held-out): `num_heldout_problems` problems of every domain are held out, with all
+        their samples. Each domain's choice depends only on its own problems and the seed, so adding
+        a domain to the data leaves the others' held-out problems as they were."""
+        is_heldout = torch.zeros(len(self), dtype=torch.bool)
+        for indices in self.domain_indices().values():
+            members = torch.tensor(indices, dtype=torch.long)
+            problems = self.problem_ids[members].unique()
+            order = torch.randperm(len(problems), generator=torch.Generator().manual_seed(seed))
+            is_heldout[members] = torch.isin(self.problem_ids[members], problems[order[:num_heldout_problems]])
         return (self.subset(torch.nonzero(~is_heldout).flatten().tolist()),
                 self.subset(torch.nonzero(is_heldout).flatten().tolist()))
 
@@ -80,15 +105,19 @@ class TokenSamples:
         path = Path(path)
         tmp = path.with_name(f".tmp-{path.name}")
         tensors = {"tokens": self.tokens, "offsets": self.offsets, "prompt_lens": self.prompt_lens,
-                   "problem_ids": self.problem_ids}
+                   "problem_ids": self.problem_ids, "domain_ids": self.domain_ids}
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"specdec": json.dumps(metadata or {})})
+                  metadata={"specdec": json.dumps({**(metadata or {}), "domains": list(self.domains)})})
         os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TokenSamples":
         with safe_open(str(path), framework="pt") as f:
-            return cls(*(f.get_tensor(k) for k in ("tokens", "offsets", "prompt_lens", "problem_ids")))
+            tensors = [f.get_tensor(k) for k in ("tokens", "offsets", "prompt_lens", "problem_ids")]
+            if "domain_ids" not in f.keys():  # written before domains were stored
+                return cls(*tensors, torch.zeros_like(tensors[3]), (DEFAULT_DOMAIN,))
+            domains = json.loads(f.metadata()["specdec"])["domains"]
+            return cls(*tensors, f.get_tensor("domain_ids"), tuple(domains))
 
 
 def shard_metadata(path: str | os.PathLike) -> dict:
@@ -104,8 +133,11 @@ def load_samples(root: str | os.PathLike) -> TokenSamples:
     parts = [TokenSamples.load(f) for f in files]
     starts = torch.tensor([0] + [len(p.tokens) for p in parts[:-1]]).cumsum(0)
     offsets = torch.cat([parts[0].offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, starts)])
+    domains = tuple(dict.fromkeys(name for p in parts for name in p.domains))  # shards may list them in any order
+    domain_ids = torch.cat([torch.tensor([domains.index(name) for name in p.domains], dtype=torch.int32)[
+        p.domain_ids.long()] for p in parts])
     return TokenSamples(torch.cat([p.tokens for p in parts]), offsets, torch.cat([p.prompt_lens for p in parts]),
-                        torch.cat([p.problem_ids for p in parts]))
+                        torch.cat([p.problem_ids for p in parts]), domain_ids, domains)
 
 
 @dataclass

@@ -1,14 +1,16 @@
-"""Training data from the target itself: its answers to MATH training problems, in resumable shards.
+"""Training data from the target itself: its answers to a list of prompts, in resumable shards.
 
-Shard i holds the answers to problems [i * shard_size, (i + 1) * shard_size) (indices into the
-problem file): per problem one greedy answer (unless turned off) and `samples_per_problem`
-sampled ones, each with its own seed so that a shard's content does not depend on the batch it
-ran in. A shard is written once, atomically, when every request in it has finished; a finished
-shard is skipped by a later run.
+Shard i holds the answers to prompts [i * shard_size, (i + 1) * shard_size) (indices into the
+prompt list, called problem ids): per prompt one greedy answer (unless turned off) and
+`samples_per_problem` sampled ones, each with its own seed so that a shard's content does not
+depend on the batch it ran in, and the domain of each. A shard is written once, atomically, when
+every request in it has finished; a later run skips a finished shard whose prompts are still the
+same (a digest of the range's token ids and domains is stored with it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -18,26 +20,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from drafters.training.data import TokenSamples, shard_metadata, shard_path
+from drafters.training.data import DEFAULT_DOMAIN, TokenSamples, shard_metadata, shard_path
 from specdec.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-# the math500 user turn (z-lab's benchmark prompt), applied to the training problems
-MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-
-
-def read_problems(path: str | os.PathLike) -> list[str]:
-    """The `problem` field of every line of a JSONL file."""
-    with open(path) as f:
-        return [json.loads(line)["problem"] for line in f if line.strip()]
-
-
-def math_prompt_ids(tokenizer, problem: str) -> list[int]:
-    """Chat-formatted prompt ids: one user turn, generation prompt added (as `LLM.encode(chat=True)`)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": problem + MATH_INSTRUCTION}], tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 @dataclass(frozen=True)
@@ -45,16 +31,17 @@ class GenerationSettings:
     max_new_tokens: int = 1024
     greedy: bool = True  # one temperature-0 answer per problem
     samples_per_problem: int = 0  # extra sampled answers per problem
-    temperature: float = 0.8
+    temperatures: tuple[float, ...] = (0.8,)  # sampled answer k uses temperatures[k % len]
     top_p: float = 1.0
     seed: int = 0
     shard_size: int = 256  # problems per shard
 
     def __post_init__(self):
+        object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
         if not self.greedy and self.samples_per_problem < 1:
             raise ValueError("nothing to generate: greedy is off and samples_per_problem is 0")
-        if self.samples_per_problem and self.temperature <= 0:
-            raise ValueError("sampled answers need temperature > 0")
+        if self.samples_per_problem and (not self.temperatures or min(self.temperatures) <= 0):
+            raise ValueError("sampled answers need temperatures > 0")
         if self.shard_size < 1:
             raise ValueError("shard_size must be positive")
         if not 0 <= self.samples_per_problem < 1000:
@@ -64,23 +51,42 @@ class GenerationSettings:
         """The requests for one problem: greedy first, then samples with per-(problem, sample) seeds."""
         out = [SamplingParams(max_new_tokens=self.max_new_tokens)] if self.greedy else []
         for k in range(self.samples_per_problem):
-            out.append(SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+            out.append(SamplingParams(max_new_tokens=self.max_new_tokens,
+                                      temperature=self.temperatures[k % len(self.temperatures)],
                                       top_p=self.top_p, seed=(self.seed * 1_000_003 + problem_id) * 1000 + k))
         return out
 
 
-def shard_is_complete(path: Path, num_problems: int) -> bool:
-    return path.is_file() and shard_metadata(path).get("num_problems") == num_problems
+def prompt_digest(prompts: list[list[int]], domains: list[str]) -> str:
+    """What a shard answered: its prompts' token ids and domains."""
+    return hashlib.sha256(json.dumps([prompts, domains]).encode()).hexdigest()
+
+
+def shard_is_complete(path: Path, num_problems: int, digest: str) -> bool:
+    if not path.is_file():
+        return False
+    metadata = shard_metadata(path)
+    if metadata.get("num_problems") != num_problems:
+        return False
+    if metadata.get("prompt_digest") != digest:
+        log.warning("%s answers other prompts than the current list; generating it again", path)
+        return False
+    return True
 
 
 def generate_shards(engine, prompts: list[list[int]], out_dir: str | os.PathLike, settings: GenerationSettings,
                     start: int = 0, limit: int | None = None, metadata: dict | None = None,
-                    deadline: float | None = None, progress: bool = True) -> list[Path]:
-    """Answer prompts[start : start + limit] (prompt i is problem i) shard by shard with `engine`
-    (a `specdec.engine.Engine`); returns the finished shard files of that range, old and new.
+                    deadline: float | None = None, progress: bool = True,
+                    domains: list[str] | None = None) -> list[Path]:
+    """Answer prompts[start : start + limit] (prompt i is problem i, of domain domains[i]) shard by
+    shard with `engine` (a `specdec.engine.Engine`); returns the finished shard files of that range,
+    old and new.
 
     deadline: a `time.monotonic()` value; no shard is started that would likely end after it
     (judged by the longest shard so far)."""
+    domains = [DEFAULT_DOMAIN] * len(prompts) if domains is None else domains
+    if len(domains) != len(prompts):
+        raise ValueError(f"{len(domains)} domains for {len(prompts)} prompts")
     n = settings.shard_size
     if start % n:
         raise ValueError(f"start {start} must be a multiple of the shard size {n} (shards cover fixed problem ranges)")
@@ -94,24 +100,25 @@ def generate_shards(engine, prompts: list[list[int]], out_dir: str | os.PathLike
     for index in bar:
         first, last = index * n, min(end, (index + 1) * n)
         path = shard_path(out_dir, index)
-        if shard_is_complete(path, last - first):
+        digest = prompt_digest(prompts[first:last], domains[first:last])
+        if shard_is_complete(path, last - first, digest):
             files.append(path)
             continue
         if deadline is not None and time.monotonic() + 1.2 * longest > deadline:
             log.warning("time budget: stopping before shard %d (problems %d..); run again to continue", index, first)
             break
         started = time.monotonic()
-        samples, tokens = _answer(engine, prompts, range(first, last), settings, bar)
+        samples, tokens = _answer(engine, prompts, domains, range(first, last), settings, bar)
         longest = max(longest, time.monotonic() - started)
         meta = {**(metadata or {}), "first_problem": first, "num_problems": last - first,
-                "num_samples": len(samples), **vars(settings)}
+                "num_samples": len(samples), "prompt_digest": digest, **vars(settings)}
         samples.save(path, meta)
         files.append(path)
         bar.set_postfix(shard=index, samples=len(samples), tokens=tokens)
     return files
 
 
-def _answer(engine, prompts, problem_ids, settings: GenerationSettings, bar) -> tuple[TokenSamples, int]:
+def _answer(engine, prompts, domains, problem_ids, settings: GenerationSettings, bar) -> tuple[TokenSamples, int]:
     requests, owners = [], []
     for pid in problem_ids:
         for params in settings.params(pid):
@@ -126,10 +133,11 @@ def _answer(engine, prompts, problem_ids, settings: GenerationSettings, bar) -> 
             bar.set_postfix(generated=generated, refresh=True)
 
     engine.run(requests, on_commit)
-    rows = []
+    rows, row_domains = [], []
     for request, pid in zip(requests, owners):
         if request.finish_reason == "error":
             log.warning("problem %d: request failed (%s); left out", pid, request.error)
             continue
         rows.append((list(request.prompt_ids), list(request.output_ids), pid))
-    return TokenSamples.from_lists(rows), generated
+        row_domains.append(domains[pid])
+    return TokenSamples.from_lists(rows, row_domains), generated

@@ -6,8 +6,9 @@ from a generator seeded with s, the batch order of an epoch from one seeded with
 resumed from its checkpoint therefore takes exactly the steps an uninterrupted run would.
 
 Log: `<out_dir>/log.jsonl`, one line per evaluation: step, loss (mean training loss since the
-last line), train_tau, eval_loss, tau_estimate (held-out greedy acceptance length), lr, epoch,
-elapsed_s.
+last line), train_tau, eval_loss and tau_estimate (held-out loss and greedy acceptance length over
+every domain's held-out blocks together), domains ({domain: {eval_loss, tau_estimate, sequences}},
+each domain's own), lr, epoch, elapsed_s.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 
 import torch
@@ -53,7 +54,7 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 200
     eval_every: int = 200
-    eval_sequences: int = 64  # held-out sequences per evaluation
+    eval_sequences: int = 64  # held-out sequences of each domain per evaluation
     eval_anchors_per_seq: int = 64
     time_budget_s: float | None = None  # stop (and checkpoint) before this much wall time has passed
 
@@ -73,6 +74,23 @@ def lr_factor(step: int, max_steps: int, warmup_frac: float, min_ratio: float) -
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+@dataclass(frozen=True)
+class HeldOutScore:
+    """Sums over held-out blocks; `summary` gives the logged means."""
+    weighted_ce: float = 0.0
+    weight: float = 0.0
+    tau_sum: float = 0.0
+    blocks: int = 0  # full blocks, the ones whose acceptance length is counted
+    sequences: int = 0
+
+    def __add__(self, other: "HeldOutScore") -> "HeldOutScore":
+        return HeldOutScore(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def summary(self) -> dict:
+        return {"eval_loss": self.weighted_ce / max(self.weight, 1e-6),
+                "tau_estimate": self.tau_sum / self.blocks if self.blocks else None}
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, drafter: DFlashDraftModel, target: FrozenTarget,
                  train_data: TokenSamples, eval_data: TokenSamples | None = None, start_time: float | None = None):
@@ -83,7 +101,8 @@ class Trainer:
         self.model = drafter.to(self.device).float().train()
         if len(train_data) == 0:
             raise ValueError("no training sequences")
-        self.train_data, self.eval_data = train_data, eval_data
+        self.train_data = train_data
+        self.eval_sets = eval_data.by_domain() if eval_data is not None else {}  # held-out samples of each domain
         self.block_size = drafter.spec.block_size
         self.out_dir = Path(config.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -181,24 +200,27 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out weighted loss and greedy acceptance length (1 + accepted drafts) over random
-        full-block anchors; the same anchors at every evaluation."""
-        if self.eval_data is None or len(self.eval_data) == 0:
+        full-block anchors, per domain and over all domains together; the same anchors at every
+        evaluation, and a domain's do not depend on the other domains."""
+        if not self.eval_sets:
             return {}
         self.model.eval()
-        generator = torch.Generator().manual_seed(EVAL_SEED)
-        n = min(self.config.eval_sequences, len(self.eval_data))
-        ce = weight = tau_sum = 0.0
-        tau_count = 0
-        for s in range(0, n, self.config.batch_size):
-            result = self.batch_loss(self.eval_data, range(s, min(n, s + self.config.batch_size)),
-                                     self.config.eval_anchors_per_seq, generator)
-            ce += result.weighted_ce.item()
-            weight += result.weight_sum.item()
-            tau = acceptance_lengths(result.correct)[result.full_blocks]
-            tau_sum += tau.sum().item()
-            tau_count += tau.numel()
+        scores = {name: self.held_out_score(samples) for name, samples in self.eval_sets.items()}
         self.model.train()
-        return {"eval_loss": ce / max(weight, 1e-6), "tau_estimate": tau_sum / tau_count if tau_count else None}
+        total = sum(scores.values(), HeldOutScore())
+        return {**total.summary(),
+                "domains": {name: {**score.summary(), "sequences": score.sequences} for name, score in scores.items()}}
+
+    def held_out_score(self, samples: TokenSamples) -> HeldOutScore:
+        generator = torch.Generator().manual_seed(EVAL_SEED)
+        n = min(self.config.eval_sequences, len(samples))
+        score = HeldOutScore(sequences=n)
+        for s in range(0, n, self.config.batch_size):
+            result = self.batch_loss(samples, range(s, min(n, s + self.config.batch_size)),
+                                     self.config.eval_anchors_per_seq, generator)
+            tau = acceptance_lengths(result.correct)[result.full_blocks]
+            score += HeldOutScore(result.weighted_ce.item(), result.weight_sum.item(), tau.sum().item(), tau.numel())
+        return score
 
     def log(self, record: dict) -> None:
         with open(self.out_dir / LOG_FILE, "a") as f:
@@ -213,6 +235,10 @@ class Trainer:
                   "elapsed_s": round(time.monotonic() - self.start_time, 1)}
         self.log(record)
         self._since_log = []
+        if len(record.get("domains", {})) > 1:
+            taus = ", ".join(f"{name} {d['tau_estimate']:.2f}" for name, d in record["domains"].items()
+                             if d["tau_estimate"] is not None)
+            tqdm.write(f"step {self.step}: held-out tau estimate {taus}")
         return record
 
     # ---- the loop ----------------------------------------------------------------------------

