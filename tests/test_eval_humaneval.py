@@ -18,7 +18,7 @@ from eval.problem_set import select
 from tests.conftest import build_tiny_model
 from tests.drafter_helpers import build_random_drafter
 from tests.test_detokenizer import as_transformers, bytelevel_tokenizer
-from tests.test_eval_math500 import CHAT_TEMPLATE, importable
+from tests.test_eval_math500 import CHAT_TEMPLATE, importable, refuse_model_loading
 
 HUMANEVAL_SIZE = 164
 SHORT = Limits(timeout_s=2.0)
@@ -300,13 +300,6 @@ def test_cli_defaults():
     args = command.parse_args(humaneval.HUMANEVAL, [])
     assert args.max_new_tokens == 1024 and args.limit is None and args.concurrency == 1 and not args.baseline
     assert command.output_dir(args, humaneval.HUMANEVAL).name.startswith("humaneval-")
-
-
-def refuse_model_loading(monkeypatch):
-    def no_model(*args, **kwargs):
-        raise AssertionError("the model must not be loaded before the inputs are checked")
-
-    monkeypatch.setattr(command, "make_llm", no_model)
 
 
 def cli_error(monkeypatch, capsys, argv) -> str:
