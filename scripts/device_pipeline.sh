@@ -7,10 +7,12 @@
 # Stages write /tmp/run/stage; every stage is resumable (re-running the script continues).
 # Env: DATA_BUDGET_S, TRAIN_BUDGET_S, TRAIN_STEPS, MATH500 (path of math500.jsonl), PROBLEMS (the MATH
 # training problems; ../shared does not travel to the device, so carry it, e.g. in .xfer/), SOURCES (the
-# prompt mix, default "math:7500 code:6000 general:2000"), SAMPLES (sampled answers per prompt, default 1)
-# and TEMPERATURES (default 0.7,1.0), INIT_FROM (an exported drafter to start training from), LR. Shards
-# already in /tmp/run/data (e.g. carried from an earlier run) are kept: the data stage only generates the
-# missing ones.
+# prompt mix, default "math:7500 code:6000 general:2000"), SAMPLES (sampled answers per prompt, default 1;
+# 0 = greedy answers only) and TEMPERATURES (default 0.7,1.0), INIT_FROM (an exported drafter to start
+# training from), LR, HUMANEVAL_CONCURRENCY (default 1: HumanEval at batch 1 gives the TPOT speedup and
+# the identical-outputs check). Shards already in /tmp/run/data (e.g. carried from an earlier run) are
+# kept: the data stage only generates the missing ones. STOP_AFTER=data|train|export ends the job after
+# that stage (e.g. to carry the data and the drafter to another machine and train on there).
 set -uo pipefail
 run=/tmp/run
 mkdir -p "$run"
@@ -18,16 +20,20 @@ export SPECDEC_CACHE=${SPECDEC_CACHE:-/tmp/specdec-cache} PYTHONUNBUFFERED=1
 target=qwen2.5-coder-1.5b-instruct
 gguf=qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 sha=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
-stage() { echo "$1" > "$run/stage"; echo "=== $(date +%T) $1"; }
+stage() {
+  [ -n "${STOP_AFTER:-}" ] && [ "$STOP_AFTER" = "${current:-}" ] && { echo "stopped after ${current}" > "$run/stage"; exit 0; }
+  current=$1; echo "$1" > "$run/stage"; echo "=== $(date +%T) $1"
+}
+fail() { echo "failed: $1" > "$run/stage"; echo "=== $(date +%T) failed: $1"; exit 1; }
 
 stage assemble
 mkdir -p "$SPECDEC_CACHE/gguf"
 if [ ! -s "$SPECDEC_CACHE/gguf/$gguf" ]; then
-  cat /tmp/xfer/"$gguf".part.* > "$run/$gguf" || exit 1
-  echo "$sha  $run/$gguf" | sha256sum -c - || { stage "failed: sha256"; exit 1; }
+  cat /tmp/xfer/"$gguf".part.* > "$run/$gguf" || fail "reassemble"
+  echo "$sha  $run/$gguf" | sha256sum -c - || fail sha256
   mv "$run/$gguf" "$SPECDEC_CACHE/gguf/$gguf"
 fi
-python3 -c "from specdec.models.demo_models import resolve_model; print(resolve_model('$target'))" || exit 1
+python3 -c "from specdec.models.demo_models import resolve_model; print(resolve_model('$target'))" || fail "convert"
 
 stage data
 sources=()
@@ -35,21 +41,21 @@ for s in ${SOURCES:-math:7500 code:6000 general:2000}; do sources+=(--source "$s
 python3 scripts/generate_training_data.py --out "$run/data" --target "$target" --max-new-tokens 1024 \
   --problems "${PROBLEMS:-.xfer/math_train.jsonl}" "${sources[@]}" \
   --samples-per-problem "${SAMPLES:-1}" --temperature "${TEMPERATURES:-0.7,1.0}" \
-  --shard-size 512 --batch-size 256 --time-budget-s "${DATA_BUDGET_S:-420}" || { stage "failed: data"; exit 1; }
+  --shard-size 512 --batch-size 256 --time-budget-s "${DATA_BUDGET_S:-420}" || fail "data"
 
 stage train
 python3 scripts/train_drafter.py --data "$run/data" --out "$run/train" --target "$target" \
   --max-steps "${TRAIN_STEPS:-4000}" --batch-size 8 --anchors-per-seq 256 --eval-every 500 --save-every 500 \
   --lr "${LR:-6e-4}" ${INIT_FROM:+--init-from "$INIT_FROM"} \
-  --time-budget-s "${TRAIN_BUDGET_S:-720}" --resume || { stage "failed: train"; exit 1; }
+  --time-budget-s "${TRAIN_BUDGET_S:-720}" --resume || fail "train"
 
 stage export
-python3 scripts/export_drafter.py "$run/train" "$run/drafter-bf16" --storage bf16 || exit 1
-python3 scripts/export_drafter.py "$run/train" "$run/drafter-fp8" --storage fp8 || exit 1
+python3 scripts/export_drafter.py "$run/train" "$run/drafter-bf16" --storage bf16 || fail "export"
+python3 scripts/export_drafter.py "$run/train" "$run/drafter-fp8" --storage fp8 || fail "export"
 
 stage eval
 python3 -m eval.math500 --target "$target" --drafter "$run/drafter-fp8" --data "${MATH500:-.xfer/math500.jsonl}" \
-  --concurrency 64 --baseline --output "$run/eval" --no-progress || { stage "failed: eval"; exit 1; }
+  --concurrency 64 --baseline --output "$run/eval" --no-progress || fail "eval"
 python3 -m eval.humaneval --target "$target" --drafter "$run/drafter-fp8" \
-  --concurrency 64 --baseline --output "$run/eval-humaneval" --no-progress || { stage "failed: eval humaneval"; exit 1; }
+  --concurrency "${HUMANEVAL_CONCURRENCY:-1}" --baseline --output "$run/eval-humaneval" --no-progress || fail "eval humaneval"
 stage done
