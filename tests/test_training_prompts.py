@@ -113,3 +113,21 @@ def test_domains_travel_with_samples_and_held_out_tau_is_per_domain(setup, tmp_p
     assert min(d["tau_estimate"] for d in record["domains"].values()) <= record["tau_estimate"] <= max(
         d["tau_estimate"] for d in record["domains"].values())
     assert torch.isfinite(torch.tensor(record["eval_loss"]))
+
+
+def test_more_data_never_holds_out_a_problem_the_smaller_data_trained_on():
+    def samples_for(num_problems):  # two samples per problem, domains alternating
+        rows = [([1, 2], [3, 4 + p % 5], p) for p in range(num_problems) for _ in range(2)]
+        return TokenSamples.from_lists(rows, ["code" if p % 2 else "math" for p in range(num_problems) for _ in range(2)])
+
+    def split(num_problems, seed=0):
+        train, held = samples_for(num_problems).split_by_problem(8, seed=seed)
+        return set(train.problem_ids.tolist()), set(held.problem_ids.tolist())
+
+    small_train, small_held = split(100)
+    assert len(small_held) == 16 and not small_train & small_held  # 8 per domain, all samples of a problem together
+    for grown in (101, 150, 400):
+        _, held = split(grown)
+        assert not held & small_train, f"{grown} problems: held out {sorted(held & small_train)}, trained on before"
+        assert held - small_held <= set(range(100, grown))  # only new problems join the held-out set
+    assert split(100, seed=1)[1] != small_held  # the seed picks the set

@@ -15,6 +15,7 @@ response positions, prompt_len .. len - 1. Shards written before domains were st
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ from safetensors.torch import save_file
 
 SHARD_GLOB = "shard-*.safetensors"
 DEFAULT_DOMAIN = "math"  # of samples stored without a domain
+
+
+def heldout_rank(problem_id: int, seed: int) -> int:
+    """A problem's place in the held-out order: a hash of (seed, id), the same in every run."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{problem_id}".encode(), digest_size=8).digest(), "little")
 
 
 def shard_path(root: str | os.PathLike, index: int) -> Path:
@@ -89,14 +95,17 @@ class TokenSamples:
 
     def split_by_problem(self, num_heldout_problems: int, seed: int = 0) -> tuple["TokenSamples", "TokenSamples"]:
         """(train, held-out): `num_heldout_problems` problems of every domain are held out, with all
-        their samples. Each domain's choice depends only on its own problems and the seed, so adding
-        a domain to the data leaves the others' held-out problems as they were."""
+        their samples: those that come first in a seeded hash order of problem ids. Each domain's choice
+        depends only on its own problems and the seed, so adding a domain leaves the others' held-out
+        problems as they were; and adding problems (more shards) can only swap a held-out problem for
+        a new one, never hold out a problem that the smaller data trained on, so a run continued on
+        more data is still scored on problems it has not seen."""
         is_heldout = torch.zeros(len(self), dtype=torch.bool)
         for indices in self.domain_indices().values():
             members = torch.tensor(indices, dtype=torch.long)
-            problems = self.problem_ids[members].unique()
-            order = torch.randperm(len(problems), generator=torch.Generator().manual_seed(seed))
-            is_heldout[members] = torch.isin(self.problem_ids[members], problems[order[:num_heldout_problems]])
+            problems = sorted(set(self.problem_ids[members].tolist()), key=lambda p: heldout_rank(p, seed))
+            chosen = torch.tensor(problems[:num_heldout_problems], dtype=self.problem_ids.dtype)
+            is_heldout[members] = torch.isin(self.problem_ids[members], chosen)
         return (self.subset(torch.nonzero(~is_heldout).flatten().tolist()),
                 self.subset(torch.nonzero(is_heldout).flatten().tolist()))
 
