@@ -328,6 +328,12 @@ def metric(text: str, name: str) -> float:
     return value
 
 
+def finished_by_reason(text: str) -> dict[str, float]:
+    """specdec_requests_total by finish_reason, from /metrics."""
+    return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("specdec_requests_total{")}
+
+
 def test_load_with_cancellations_invalid_requests_and_preemption(served, reference):
     """Against `specdec-serve` itself (the engine in its own process): outputs equal the library's run alone,
     and afterwards every page of target and drafter is back, read from /metrics."""
@@ -351,7 +357,10 @@ def test_load_with_cancellations_invalid_requests_and_preemption(served, referen
     assert used == [0, 0]
     assert metric(metrics, "specdec_requests_running") == metric(metrics, "specdec_requests_waiting") == 0
     assert metric(metrics, "specdec_preemptions_total") > 0  # the pool was too small for the load
-    assert metric(metrics, 'specdec_requests_total{finish_reason="abort"}') >= kinds.count("cancel")
+    finished = finished_by_reason(metrics)
+    assert sum(finished.values()) == kinds.count("valid") + kinds.count("cancel")  # every request ended once
+    # a hang-up aborts its request unless the request's own end (24 tokens at most) reaches the engine first
+    assert kinds.count("cancel") // 2 <= finished.get("abort", 0) <= kinds.count("cancel")
     assert httpx.get(f"{served.base_url}/health").json() == {"status": "ok"}
 
 
