@@ -12,7 +12,7 @@ from drafters.dflash_model import WEIGHTS_FILE, load_dflash, read_dflash_config,
 from drafters.training.anchors import (IGNORE, Anchors, acceptance_lengths, anchor_candidates, block_input_ids,
                                        block_labels, sample_anchors)
 from drafters.training.checkpoint import drafter_from_checkpoint, load_checkpoint
-from drafters.training.data import TokenSamples, collate, load_samples
+from drafters.training.data import TokenSamples, collate, load_samples, shard_metadata
 from drafters.training.drafter_config import DrafterShape, drafter_config, new_drafter
 from drafters.training.forward import LinearCrossEntropy, block_hidden
 from drafters.training.generation import GenerationSettings, generate_shards
@@ -359,6 +359,9 @@ def test_data_shards_generate_load_and_resume(setup, tmp_path, monkeypatch):
     assert [f.name for f in files] == ["shard-00000.safetensors", "shard-00001.safetensors"]
     samples = load_samples(tmp_path / "data")
     assert len(samples) == 6 and samples.problem_ids.tolist() == [0, 0, 1, 1, 2, 2]
+    first_shard = shard_metadata(files[0])  # its throughput is on record: response tokens and seconds
+    assert first_shard["generated_tokens"] == int((samples.lengths - samples.prompt_lens.long())[:4].sum())
+    assert first_shard["seconds"] >= 0
     assert samples.tokens.dtype == torch.int32
     ids, prompt_len = samples[0]
     assert ids[prompt_len - 1].item() == 6  # the prompt ends with the generation prompt <assistant>

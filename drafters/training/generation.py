@@ -109,12 +109,14 @@ def generate_shards(engine, prompts: list[list[int]], out_dir: str | os.PathLike
             break
         started = time.monotonic()
         samples, tokens = _answer(engine, prompts, domains, range(first, last), settings, bar)
-        longest = max(longest, time.monotonic() - started)
+        seconds = time.monotonic() - started
+        longest = max(longest, seconds)
         meta = {**(metadata or {}), "first_problem": first, "num_problems": last - first,
-                "num_samples": len(samples), "prompt_digest": digest, **vars(settings)}
+                "num_samples": len(samples), "prompt_digest": digest, "generated_tokens": tokens,
+                "seconds": round(seconds, 2), **vars(settings)}
         samples.save(path, meta)
         files.append(path)
-        bar.set_postfix(shard=index, samples=len(samples), tokens=tokens)
+        bar.set_postfix(shard=index, samples=len(samples), tokens=tokens, tok_s=round(tokens / max(seconds, 1e-9)))
     return files
 
 
