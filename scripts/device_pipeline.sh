@@ -8,7 +8,8 @@
 # Env: DATA_BUDGET_S, TRAIN_BUDGET_S, TRAIN_STEPS, MATH500 (path of math500.jsonl), PROBLEMS (the MATH
 # training problems; ../shared does not travel to the device, so carry it, e.g. in .xfer/), SOURCES (the
 # prompt mix, default "math:7500 code:6000 general:2000"), SAMPLES (sampled answers per prompt, default 1;
-# 0 = greedy answers only) and TEMPERATURES (default 0.7,1.0), INIT_FROM (an exported drafter to start
+# 0 = greedy answers only) and TEMPERATURES (default 0.7,1.0), SEED (prompt selection and order, sampled
+# answers; default 0), BATCH (requests decoded together while generating, default 256), INIT_FROM (an exported drafter to start
 # training from), LR, HUMANEVAL_CONCURRENCY (default 1: HumanEval at batch 1 gives the TPOT speedup and
 # the identical-outputs check). Shards already in /tmp/run/data (e.g. carried from an earlier run) are
 # kept: the data stage only generates the missing ones. STOP_AFTER=data|train|export ends the job after
@@ -40,8 +41,8 @@ sources=()
 for s in ${SOURCES:-math:7500 code:6000 general:2000}; do sources+=(--source "$s"); done
 python3 scripts/generate_training_data.py --out "$run/data" --target "$target" --max-new-tokens 1024 \
   --problems "${PROBLEMS:-.xfer/math_train.jsonl}" "${sources[@]}" \
-  --samples-per-problem "${SAMPLES:-1}" --temperature "${TEMPERATURES:-0.7,1.0}" \
-  --shard-size 512 --batch-size 256 --time-budget-s "${DATA_BUDGET_S:-420}" || fail "data"
+  --samples-per-problem "${SAMPLES:-1}" --temperature "${TEMPERATURES:-0.7,1.0}" --seed "${SEED:-0}" \
+  --shard-size 512 --batch-size "${BATCH:-256}" --time-budget-s "${DATA_BUDGET_S:-420}" || fail "data"
 
 stage train
 python3 scripts/train_drafter.py --data "$run/data" --out "$run/train" --target "$target" \

@@ -181,6 +181,11 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.idle
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued but not yet running (the scheduler admits them as pages allow)."""
+        return len(self.scheduler.waiting)
+
     def step(self, on_commit: OnCommit | None = None) -> StepOutput:
         """One step: prefill chunks for admitted requests, then one decode (or speculative) step for the
         requests that have finished their prefill. Requests join and leave between steps."""
@@ -249,7 +254,7 @@ class Engine:
     def _prepare(self, request: Request) -> None:
         request.target_pages = PageTable(self.pool)
         if not request.params.greedy:
-            request.generator = make_generator(request.params.seed, self.device)
+            request.generator = make_generator(request.params.seed)
         if request.params.stop:
             request.use_detokenizer(self.tokenizer)
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import enum
+import random
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from attention.page_pool import PageTable
 from specdec.detokenizer import IncrementalDetokenizer
@@ -38,7 +37,7 @@ class Request:
     error: str | None = None
     stop_text_end: int | None = None  # where the text ends (a character index) when a stop string matched
     target_pages: PageTable | None = None
-    generator: torch.Generator | None = None
+    generator: random.Random | None = None  # the random stream of a sampling request (specdec.sampler)
     stats: RequestStats = field(default_factory=RequestStats)
     # committed tokens -> text, only when something needs text as it is produced (stop strings,
     # streaming): `use_detokenizer`. Requests without either never touch a tokenizer.

@@ -1,10 +1,16 @@
 """Turning target logits into tokens: greedy, or temperature / top-k / top-p sampling.
 
 The same functions serve autoregressive decoding and speculative verification, so both draw
-from exactly the same distribution. Seeded requests own a torch.Generator: same seed, same tokens.
+from exactly the same distribution. A whole batch is sampled in one set of tensor operations
+(inverse CDF): each sampling request owns a host random stream (`random.Random`, seeded when the
+request has a seed) that gives one uniform number per row, so the same seed gives the same tokens
+whatever else is in the batch, and no step launches kernels per request.
 """
 
 from __future__ import annotations
+
+import os
+import random
 
 import torch
 
@@ -12,7 +18,8 @@ from specdec.sampling_params import SamplingParams
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [n, vocab] -> probabilities after temperature, top-k, then top-p (the HF order)."""
+    """logits [n, vocab] -> probabilities after temperature, top-k, then top-p (the HF order), for one
+    request's params; the reference that `sample_batch` draws from."""
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
@@ -28,27 +35,53 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
-def sample_rows(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of logits [n, vocab] for one request -> [n] int64."""
-    if params.greedy:
-        return logits.argmax(dim=-1)
-    probs = filtered_probs(logits, params)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def _row_values(values: list, rows_per_request: list[int], device, dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).repeat_interleave(torch.tensor(rows_per_request)).to(device)
+
+
+def _filtered_batch_probs(logits: torch.Tensor, rows_per_request: list[int],
+                          params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(probs [n, vocab], order): each row's filtered distribution over the vocabulary in `order`
+    (None: the vocabulary's own order). Rows of greedy requests get temperature 1 (their samples
+    are not used). Sorting happens only when some request filters (top-k or top-p)."""
+    vocab = logits.shape[-1]
+    temperature = _row_values([p.temperature if not p.greedy else 1.0 for p in params], rows_per_request,
+                              logits.device, torch.float32)
+    scaled = logits.float() / temperature[:, None]
+    if all(p.greedy or (p.top_p >= 1.0 and not 0 < p.top_k < vocab) for p in params):
+        return scaled.softmax(dim=-1), None
+    top_k = _row_values([p.top_k if 0 < p.top_k < vocab else vocab for p in params], rows_per_request,
+                        logits.device, torch.int64)
+    # top_p 1 keeps everything: infinity, so that rounding in the cumulative sum drops no tail token
+    top_p = _row_values([p.top_p if p.top_p < 1.0 else float("inf") for p in params], rows_per_request,
+                        logits.device, torch.float32)
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    kth = ordered.gather(-1, (top_k - 1)[:, None])  # ties with the k-th logit stay, as in filtered_probs
+    probs = ordered.masked_fill(ordered < kth, float("-inf")).softmax(dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]  # the top token always stays
+    return probs.masked_fill(drop, 0.0), order
 
 
 def sample_batch(logits: torch.Tensor, rows_per_request: list[int], params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Logits of a whole batch, request by request ([sum(rows), vocab]) -> tokens [sum(rows)]."""
+                 generators: list[random.Random | None]) -> torch.Tensor:
+    """Logits of a whole batch, request by request ([sum(rows), vocab]) -> tokens [sum(rows)]: the argmax
+    for greedy requests, a draw from `filtered_probs` for the others (one uniform of the request's
+    stream per row, mapped through the row's cumulative distribution)."""
+    greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
-        return logits.argmax(dim=-1)
-    chunks = logits.split(rows_per_request)
-    return torch.cat([sample_rows(c, p, g) for c, p, g in zip(chunks, params, generators)])
+        return greedy
+    probs, order = _filtered_batch_probs(logits, rows_per_request, params)
+    uniforms = [g.random() if not p.greedy else 0.0
+                for p, g, rows in zip(params, generators, rows_per_request) for _ in range(rows)]
+    cdf = probs.cumsum(dim=-1)
+    targets = torch.tensor(uniforms, dtype=cdf.dtype).to(cdf.device)[:, None] * cdf[:, -1:]
+    # right=True skips zero-probability entries (flat stretches of the CDF); the clamp guards rounding
+    index = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[-1] - 1)
+    sampled = (index if order is None else order.gather(-1, index)).squeeze(-1)
+    is_greedy = _row_values([p.greedy for p in params], rows_per_request, logits.device, torch.bool)
+    return torch.where(is_greedy, greedy, sampled)
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
+def make_generator(seed: int | None) -> random.Random:
+    """A request's random stream: from its seed, else from the OS."""
+    return random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))

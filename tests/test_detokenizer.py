@@ -316,26 +316,33 @@ def test_streamed_pieces_add_up_to_final_text(tiny_llm):
         assert "".join(pieces.get(i, [])) == result.text
 
 
-def test_streaming_decodes_a_bounded_number_of_tokens_per_commit(tiny_llm):
-    """Decoding the whole output at each commit would be quadratic: each commit decodes a bounded
-    window, and the only full decodes are the final text's."""
+def test_streaming_decodes_a_bounded_number_of_tokens_per_commit(tiny_llm, monkeypatch):
+    """Decoding the whole output at each commit would be quadratic: each committed token decodes a
+    bounded window (the previous emission's tokens as context, twice, and the held-back ones), and
+    the only full decodes are the final text's."""
+    from specdec.detokenizer import IncrementalDetokenizer
+
     counting = DecodeOnly(tiny_llm.tokenizer)
-    per_commit, last = [], [0]
+    per_push = []
+    push = IncrementalDetokenizer.push
 
-    def on_text(i, text):
-        per_commit.append(counting.tokens_decoded - last[0])
-        last[0] = counting.tokens_decoded
+    def counted_push(self, token_id):
+        before = counting.tokens_decoded
+        text = push(self, token_id)
+        per_push.append(counting.tokens_decoded - before)
+        return text
 
+    monkeypatch.setattr(IncrementalDetokenizer, "push", counted_push)
     original = tiny_llm.tokenizer
     tiny_llm.tokenizer = counting
     try:
         n = 300
         result = tiny_llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=n, temperature=1.0, seed=5,
-                                                               ignore_eos=True), on_text=on_text)[0]
+                                                               ignore_eos=True), on_text=lambda i, text: None)[0]
     finally:
         tiny_llm.tokenizer = original
-    assert len(result.token_ids) == n
-    assert max(per_commit[:-1]) <= 4 * (MAX_PENDING + 1)
+    assert len(result.token_ids) == n and len(per_push) == n
+    assert max(per_push) <= 3 * MAX_PENDING
     assert counting.tokens_decoded <= 8 * n + 2 * n  # the windows, plus the final text decoded twice
 
 

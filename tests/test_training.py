@@ -373,7 +373,7 @@ def test_data_shards_generate_load_and_resume(setup, tmp_path, monkeypatch):
 
     # a second run skips the finished shards; a partly covered range is redone when extended
     stamps = [f.stat().st_mtime_ns for f in files]
-    monkeypatch.setattr(Engine, "run", lambda *a, **k: pytest.fail("finished shards must be skipped"))
+    monkeypatch.setattr(Engine, "add_request", lambda *a, **k: pytest.fail("finished shards must be skipped"))
     main(args)
     assert [f.stat().st_mtime_ns for f in files] == stamps
     monkeypatch.undo()
@@ -386,3 +386,42 @@ def test_data_shards_generate_load_and_resume(setup, tmp_path, monkeypatch):
     assert len(load_samples(part)) == 1
     generate_shards(engine, prompts, part, settings, progress=False)
     assert load_samples(part).problem_ids.tolist() == [0, 1, 2]
+
+
+def test_shards_are_pipelined_and_a_failure_gives_every_page_back(setup, tmp_path, monkeypatch):
+    """The next shard's requests join while the current one's decode (the batch never drains between
+    shards), each shard holds the answers its prompts get alone, and a failure mid-run aborts every
+    request in flight with all pages back."""
+    root, _, _ = setup
+    target = tiny_target(root / "target")
+    engine = Engine(target, EngineConfig(device="cpu", num_kv_pages=64, page_size=4, max_num_seqs=3))
+    prompts = [[5 + i, 6 + 2 * i, 7] for i in range(6)]
+    settings = GenerationSettings(max_new_tokens=5, shard_size=2)
+    shards_per_step, step = [], Engine.step
+
+    def recording_step(self, on_commit=None):
+        out = step(self, on_commit)
+        shards_per_step.append(len({prompts.index(r.prompt_ids) // 2 for r in self.scheduler.running}))
+        return out
+
+    monkeypatch.setattr(Engine, "step", recording_step)
+    files = generate_shards(engine, prompts, tmp_path / "data", settings, progress=False)
+    monkeypatch.undo()
+    assert len(files) == 3 and max(shards_per_step) >= 2
+    samples = load_samples(tmp_path / "data")
+    alone = engine.generate_ids(prompts, SamplingParams(max_new_tokens=5))
+    assert [samples[i][0][samples[i][1]:].tolist() for i in range(6)] == [r.output_ids for r in alone]
+
+    calls = []
+
+    def failing_step(self, on_commit=None):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("boom")
+        return step(self, on_commit)
+
+    monkeypatch.setattr(Engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="boom"):
+        generate_shards(engine, prompts, tmp_path / "failing", settings, progress=False)
+    assert engine.pool.num_free == engine.pool.num_pages and not engine.has_unfinished_requests
+    assert not list((tmp_path / "failing").glob("shard-*"))  # no shard had finished

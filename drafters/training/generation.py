@@ -15,7 +15,8 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -82,8 +83,12 @@ def generate_shards(engine, prompts: list[list[int]], out_dir: str | os.PathLike
     shard with `engine` (a `specdec.engine.Engine`); returns the finished shard files of that range,
     old and new.
 
-    deadline: a `time.monotonic()` value; no shard is started that would likely end after it
-    (judged by the longest shard so far)."""
+    Shards are pipelined: the next shard's requests join the engine while the current one's are still
+    decoding (whenever fewer than a batch of requests wait), so the batch stays full to the last shard
+    instead of draining at the end of each. A shard is written as soon as its last request finishes.
+
+    deadline: a `time.monotonic()` value; no shard is started that would likely end after it (judged
+    by the seconds per shard so far, all outstanding shards counted)."""
     domains = [DEFAULT_DOMAIN] * len(prompts) if domains is None else domains
     if len(domains) != len(prompts):
         raise ValueError(f"{len(domains)} domains for {len(prompts)} prompts")
@@ -93,53 +98,110 @@ def generate_shards(engine, prompts: list[list[int]], out_dir: str | os.PathLike
     end = len(prompts) if limit is None else min(len(prompts), start + limit)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = []
-    shards = range(start // n, -(-end // n))
-    longest = 0.0
-    bar = tqdm(shards, desc="shards", disable=not progress, dynamic_ncols=True)
-    for index in bar:
+    files, todo = [], deque()
+    for index in range(start // n, -(-end // n)):
         first, last = index * n, min(end, (index + 1) * n)
-        path = shard_path(out_dir, index)
-        digest = prompt_digest(prompts[first:last], domains[first:last])
-        if shard_is_complete(path, last - first, digest):
-            files.append(path)
-            continue
-        if deadline is not None and time.monotonic() + 1.2 * longest > deadline:
-            log.warning("time budget: stopping before shard %d (problems %d..); run again to continue", index, first)
-            break
-        started = time.monotonic()
-        samples, tokens = _answer(engine, prompts, domains, range(first, last), settings, bar)
-        seconds = time.monotonic() - started
-        longest = max(longest, seconds)
-        meta = {**(metadata or {}), "first_problem": first, "num_problems": last - first,
-                "num_samples": len(samples), "prompt_digest": digest, "generated_tokens": tokens,
-                "seconds": round(seconds, 2), **vars(settings)}
-        samples.save(path, meta)
-        files.append(path)
-        bar.set_postfix(shard=index, samples=len(samples), tokens=tokens, tok_s=round(tokens / max(seconds, 1e-9)))
+        job = ShardJob(index, range(first, last), shard_path(out_dir, index),
+                       prompt_digest(prompts[first:last], domains[first:last]))
+        if shard_is_complete(job.path, len(job.problem_ids), job.digest):
+            files.append(job.path)
+        else:
+            todo.append(job)
+    bar = tqdm(total=len(files) + len(todo), initial=len(files), desc="shards", disable=not progress,
+               dynamic_ncols=True)
+    files += _answer_shards(engine, prompts, domains, todo, settings, metadata or {}, deadline, bar)
+    bar.close()
     return files
 
 
-def _answer(engine, prompts, domains, problem_ids, settings: GenerationSettings, bar) -> tuple[TokenSamples, int]:
-    requests, owners = [], []
-    for pid in problem_ids:
-        for params in settings.params(pid):
-            requests.append(engine.make_request(prompts[pid], params))
-            owners.append(pid)
+@dataclass
+class ShardJob:
+    """One shard's problems and, once submitted, its requests."""
+    index: int
+    problem_ids: range
+    path: Path
+    digest: str
+    requests: list = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)  # the problem of each request
+    started: float = 0.0
+    generated: int = 0  # tokens committed so far
+
+    def submit(self, engine, prompts, settings: GenerationSettings) -> None:
+        self.started = time.monotonic()
+        for pid in self.problem_ids:
+            for params in settings.params(pid):
+                self.requests.append(engine.add_request(prompts[pid], params))
+                self.owners.append(pid)
+
+    @property
+    def done(self) -> bool:
+        return all(r.finished for r in self.requests)
+
+    def samples(self, domains) -> TokenSamples:
+        rows, row_domains = [], []
+        for request, pid in zip(self.requests, self.owners):
+            if request.finish_reason == "error":
+                log.warning("problem %d: request failed (%s); left out", pid, request.error)
+                continue
+            rows.append((list(request.prompt_ids), list(request.output_ids), pid))
+            row_domains.append(domains[pid])
+        return TokenSamples.from_lists(rows, row_domains)
+
+
+def _answer_shards(engine, prompts, domains, todo: deque, settings: GenerationSettings, metadata: dict,
+                   deadline: float | None, bar) -> list[Path]:
+    files: list[Path] = []
+    active: list[ShardJob] = []
+    began, finished_shards = time.monotonic(), 0
     generated = 0
+    job_of: dict[int, ShardJob] = {}  # request id -> its shard
 
     def on_commit(request, tokens):
         nonlocal generated
+        job_of[request.request_id].generated += len(tokens)
         generated += len(tokens)
         if generated % 4096 < len(tokens):
-            bar.set_postfix(generated=generated, refresh=True)
+            bar.set_postfix(generated=generated, tok_s=round(generated / max(time.monotonic() - began, 1e-9)),
+                            refresh=True)
 
-    engine.run(requests, on_commit)
-    rows, row_domains = [], []
-    for request, pid in zip(requests, owners):
-        if request.finish_reason == "error":
-            log.warning("problem %d: request failed (%s); left out", pid, request.error)
-            continue
-        rows.append((list(request.prompt_ids), list(request.output_ids), pid))
-        row_domains.append(domains[pid])
-    return TokenSamples.from_lists(rows, row_domains), generated
+    def fits_before_deadline() -> bool:
+        if deadline is None or not finished_shards:
+            return True
+        per_shard = (time.monotonic() - began) / finished_shards
+        return time.monotonic() + 1.2 * per_shard * (len(active) + 1) <= deadline
+
+    try:
+        while todo or active:
+            while todo and engine.num_waiting < engine.config.max_num_seqs:
+                if not fits_before_deadline():
+                    log.warning("time budget: stopping before shard %d (problems %d..); run again to continue",
+                                todo[0].index, todo[0].problem_ids.start)
+                    todo.clear()
+                    break
+                job = todo.popleft()
+                job.submit(engine, prompts, settings)
+                job_of.update((r.request_id, job) for r in job.requests)
+                active.append(job)
+            if engine.has_unfinished_requests:
+                engine.step(on_commit)
+            for job in [j for j in active if j.done]:
+                active.remove(job)
+                for request in job.requests:
+                    job_of.pop(request.request_id)
+                files.append(_save_shard(job, domains, settings, metadata))
+                finished_shards += 1
+                bar.update(1)
+    except BaseException:
+        engine.abort_all([r for job in active for r in job.requests])
+        raise
+    return files
+
+
+def _save_shard(job: ShardJob, domains, settings: GenerationSettings, metadata: dict) -> Path:
+    seconds = time.monotonic() - job.started
+    samples = job.samples(domains)
+    meta = {**metadata, "first_problem": job.problem_ids.start, "num_problems": len(job.problem_ids),
+            "num_samples": len(samples), "prompt_digest": job.digest, "generated_tokens": job.generated,
+            "seconds": round(seconds, 2), **vars(settings)}
+    samples.save(job.path, meta)
+    return job.path
