@@ -9,7 +9,8 @@
 # training problems; ../shared does not travel to the device, so carry it, e.g. in .xfer/), SOURCES (the
 # prompt mix, default "math:7500 code:6000 general:2000"), SAMPLES (sampled answers per prompt, default 1;
 # 0 = greedy answers only) and TEMPERATURES (default 0.7,1.0), SEED (prompt selection and order, sampled
-# answers; default 0), BATCH (requests decoded together while generating, default 256), INIT_FROM (an exported drafter to start
+# answers; default 0), BATCH (requests decoded together while generating, default 256), GEN_PROCS (engines
+# generating at once on the GPU, default 1) and GEN_KV_PAGES (each one's KV pages when several), INIT_FROM (an exported drafter to start
 # training from), LR, HUMANEVAL_CONCURRENCY (default 1: HumanEval at batch 1 gives the TPOT speedup and
 # the identical-outputs check). Shards already in /tmp/run/data (e.g. carried from an earlier run) are
 # kept: the data stage only generates the missing ones. STOP_AFTER=data|train|export ends the job after
@@ -39,10 +40,27 @@ python3 -c "from specdec.models.demo_models import resolve_model; print(resolve_
 stage data
 sources=()
 for s in ${SOURCES:-math:7500 code:6000 general:2000}; do sources+=(--source "$s"); done
-python3 scripts/generate_training_data.py --out "$run/data" --target "$target" --max-new-tokens 1024 \
-  --problems "${PROBLEMS:-.xfer/math_train.jsonl}" "${sources[@]}" \
-  --samples-per-problem "${SAMPLES:-1}" --temperature "${TEMPERATURES:-0.7,1.0}" --seed "${SEED:-0}" \
-  --shard-size 512 --batch-size "${BATCH:-256}" --time-budget-s "${DATA_BUDGET_S:-420}" || fail "data"
+generate=(python3 scripts/generate_training_data.py --out "$run/data" --target "$target" --max-new-tokens 1024
+  --problems "${PROBLEMS:-.xfer/math_train.jsonl}" "${sources[@]}"
+  --samples-per-problem "${SAMPLES:-1}" --temperature "${TEMPERATURES:-0.7,1.0}" --seed "${SEED:-0}"
+  --shard-size 512 --batch-size "${BATCH:-256}" --time-budget-s "${DATA_BUDGET_S:-420}")
+procs=${GEN_PROCS:-1}
+if [ "$procs" -le 1 ]; then
+  "${generate[@]}" || fail "data"
+else
+  # decoding is host-bound (the GPU idles ~40% of a step): several engines on one GPU, each answering its
+  # own range of shards with its own KV pool, keep it busier
+  "${generate[@]}" --prompts-only || fail "prompts"
+  total=$(wc -l < "$run/data/prompts.jsonl")
+  per=$(( (total + procs * 512 - 1) / (procs * 512) * 512 ))
+  pids=()
+  for ((i = 0; i < procs; i++)); do
+    "${generate[@]}" --start $((i * per)) --limit "$per" --num-kv-pages "${GEN_KV_PAGES:-32768}" \
+      > "$run/data-$i.log" 2>&1 & pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || fail "data (see $run/data-*.log)"; done
+  tail -n 5 "$run"/data-*.log
+fi
 
 stage train
 python3 scripts/train_drafter.py --data "$run/data" --out "$run/train" --target "$target" \
