@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import random
 
+import numpy as np
 import torch
 
+from attention.transfer import upload
 from specdec.sampling_params import SamplingParams
 
 
@@ -35,8 +37,9 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
-def _row_values(values: list, rows_per_request: list[int], device, dtype) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).repeat_interleave(torch.tensor(rows_per_request)).to(device)
+def _row_values(values: list, rows_per_request: list[int], device, dtype: np.dtype) -> torch.Tensor:
+    """Each request's value repeated over its rows, on the device (an asynchronous copy: no host wait)."""
+    return upload(np.repeat(np.asarray(values, dtype=dtype), rows_per_request), device)
 
 
 def _filtered_batch_probs(logits: torch.Tensor, rows_per_request: list[int],
@@ -46,15 +49,15 @@ def _filtered_batch_probs(logits: torch.Tensor, rows_per_request: list[int],
     are not used). Sorting happens only when some request filters (top-k or top-p)."""
     vocab = logits.shape[-1]
     temperature = _row_values([p.temperature if not p.greedy else 1.0 for p in params], rows_per_request,
-                              logits.device, torch.float32)
+                              logits.device, np.float32)
     scaled = logits.float() / temperature[:, None]
     if all(p.greedy or (p.top_p >= 1.0 and not 0 < p.top_k < vocab) for p in params):
         return scaled.softmax(dim=-1), None
     top_k = _row_values([p.top_k if 0 < p.top_k < vocab else vocab for p in params], rows_per_request,
-                        logits.device, torch.int64)
+                        logits.device, np.int64)
     # top_p 1 keeps everything: infinity, so that rounding in the cumulative sum drops no tail token
     top_p = _row_values([p.top_p if p.top_p < 1.0 else float("inf") for p in params], rows_per_request,
-                        logits.device, torch.float32)
+                        logits.device, np.float32)
     ordered, order = scaled.sort(dim=-1, descending=True)
     kth = ordered.gather(-1, (top_k - 1)[:, None])  # ties with the k-th logit stay, as in filtered_probs
     probs = ordered.masked_fill(ordered < kth, float("-inf")).softmax(dim=-1)
@@ -74,11 +77,11 @@ def sample_batch(logits: torch.Tensor, rows_per_request: list[int], params: list
     uniforms = [g.random() if not p.greedy else 0.0
                 for p, g, rows in zip(params, generators, rows_per_request) for _ in range(rows)]
     cdf = probs.cumsum(dim=-1)
-    targets = torch.tensor(uniforms, dtype=cdf.dtype).to(cdf.device)[:, None] * cdf[:, -1:]
+    targets = upload(np.asarray(uniforms, dtype=np.float32), cdf.device)[:, None] * cdf[:, -1:]
     # right=True skips zero-probability entries (flat stretches of the CDF); the clamp guards rounding
     index = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[-1] - 1)
     sampled = (index if order is None else order.gather(-1, index)).squeeze(-1)
-    is_greedy = _row_values([p.greedy for p in params], rows_per_request, logits.device, torch.bool)
+    is_greedy = _row_values([p.greedy for p in params], rows_per_request, logits.device, np.bool_)
     return torch.where(is_greedy, greedy, sampled)
 
 

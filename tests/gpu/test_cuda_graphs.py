@@ -93,10 +93,13 @@ def test_graphs_equal_eager(model_dirs, drafter, kv):
             json.dump(report, f, indent=1)
 
 
-def synchronizations_in_one_step(engine: Engine, batch: int) -> list[str]:
+SAMPLING = {"greedy": {}, "sampled": dict(temperature=0.8, top_p=0.9, top_k=50)}
+
+
+def synchronizations_in_one_step(engine: Engine, batch: int, sampling: dict) -> list[str]:
     """Admit and prefill a batch, run one warm-up step, then count the syncs of the next step."""
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    admitted = [engine.add_request(p, params) for p in prompts(batch)]
+    admitted = [engine.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=i, **sampling))
+                for i, p in enumerate(prompts(batch))]
     engine.step()  # prefill
     engine.step()  # warm-up decode step
     assert all(r.decoding for r in admitted)
@@ -117,9 +120,10 @@ def synchronizations_in_one_step(engine: Engine, batch: int) -> list[str]:
 
 @pytest.mark.parametrize("drafter", [False, True], ids=["ar", "dflash"])
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_one_synchronization_per_step(model_dirs, drafter, eager):
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_one_synchronization_per_step(model_dirs, drafter, eager, sampling):
     engine = make_engine(model_dirs, drafter, "auto", eager)
     for batch in (1, 5):
-        syncs = synchronizations_in_one_step(engine, batch)
+        syncs = synchronizations_in_one_step(engine, batch, SAMPLING[sampling])
         assert len(syncs) == 1, syncs
     assert engine.pool.num_free == engine.pool.num_pages
