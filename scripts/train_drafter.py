@@ -9,8 +9,8 @@ Drafter shape: --draft-layers, --heads, --kv-heads, --head-dim, --intermediate-s
 checkpoint's shape and state win and training continues where it stopped (same batches, same
 anchors as an uninterrupted run). --init-from DRAFTER starts a new run from an exported drafter's
 weights and shape (bf16 or fp8 storage), e.g. to train a shipped drafter further with a fresh
-schedule. Held-out data: --eval-problems problems of every domain of the data (math, code, ...),
-scored separately. Progress: a tqdm bar (loss, lr, batch tau, held-out tau), a line of held-out tau
+schedule. Held-out data: the prompts whose hash falls in the lowest --eval-fraction (the same
+prompts in every run, whatever the data's order or recipe), scored per domain (math, code, ...). Progress: a tqdm bar (loss, lr, batch tau, held-out tau), a line of held-out tau
 per domain at each evaluation, and <out>/log.jsonl (one line per evaluation, per-domain numbers under
 "domains"). Export with scripts/export_drafter.py.
 """
@@ -56,8 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--eval-problems", type=int, default=64,
-                   help="problems of each domain held out for the tau estimate")
+    p.add_argument("--eval-fraction", type=float, default=0.01,
+                   help="share of prompts held out for the tau estimate, chosen by a hash of the prompt")
     p.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences of each domain per evaluation")
     p.add_argument("--eval-anchors-per-seq", type=int, default=64)
     p.add_argument("--time-budget-s", type=float, default=None,
@@ -110,7 +110,7 @@ def main(argv=None) -> None:
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = FrozenTarget.load(target_dir, spec.target_layer_ids, device, dtype)
-    train_data, eval_data = load_samples(args.data).split_by_problem(args.eval_problems, seed=args.seed)
+    train_data, eval_data = load_samples(args.data).split_held_out(args.eval_fraction, seed=args.seed)
     trained, held = train_data.domain_indices(), eval_data.domain_indices()
     per_domain = ", ".join(f"{d} {len(trained.get(d, ()))}+{len(held.get(d, ()))}" for d in sorted(trained.keys() | held.keys()))
     print(f"data: {len(train_data)} training sequences, {len(eval_data)} held out (per domain, training+held out: "

@@ -12,7 +12,7 @@ from drafters.dflash_model import WEIGHTS_FILE, load_dflash, read_dflash_config,
 from drafters.training.anchors import (IGNORE, Anchors, acceptance_lengths, anchor_candidates, block_input_ids,
                                        block_labels, sample_anchors)
 from drafters.training.checkpoint import drafter_from_checkpoint, load_checkpoint
-from drafters.training.data import TokenSamples, collate, load_samples, shard_metadata
+from drafters.training.data import TokenSamples, collate, heldout_key, load_samples, shard_metadata
 from drafters.training.drafter_config import DrafterShape, drafter_config, new_drafter
 from drafters.training.forward import LinearCrossEntropy, block_hidden
 from drafters.training.generation import GenerationSettings, generate_shards
@@ -307,7 +307,7 @@ def test_train_script_starts_from_an_exported_drafter(setup, tmp_path):
 
     main(["--data", str(data), "--out", str(tmp_path / "run"), "--target", str(root / "target"),
           "--init-from", str(tmp_path / "shipped"), "--device", "cpu", "--mask-token-id", str(MASK),
-          "--max-steps", "5", "--eval-problems", "1", "--time-budget-s", "0"])  # spent: saves step 0, no step
+          "--max-steps", "5", "--eval-fraction", "0.2", "--time-budget-s", "0"])  # spent: saves step 0, no step
     assert load_checkpoint(tmp_path / "run")["step"] == 0
     started = drafter_from_checkpoint(tmp_path / "run").state_dict()
     shipped = load_dflash(tmp_path / "shipped", torch.device("cpu"), torch.float32).state_dict()
@@ -321,7 +321,7 @@ def test_train_script_starts_from_an_exported_drafter(setup, tmp_path):
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "num_target_layers": 28}))
     with pytest.raises(ValueError, match=f"num_target_layers 28 != the target's {hf.config.num_hidden_layers} layers"):
         main(["--data", str(data), "--out", str(tmp_path / "other"), "--target", str(root / "target"),
-              "--init-from", str(tmp_path / "shipped"), "--device", "cpu", "--eval-problems", "1",
+              "--init-from", str(tmp_path / "shipped"), "--device", "cpu", "--eval-fraction", "0.2",
               "--time-budget-s", "0"])
 
 
@@ -368,7 +368,8 @@ def test_data_shards_generate_load_and_resume(setup, tmp_path, monkeypatch):
     want = hf.generate(ids[None, :prompt_len], do_sample=False, max_new_tokens=6, eos_token_id=2, pad_token_id=0)
     assert ids.tolist() == want[0].tolist()  # sample 0 is the greedy answer
     assert 1 <= len(ids) - prompt_len <= 6
-    train, held = samples.split_by_problem(1)
+    keys = sorted(heldout_key(samples.prompt_ids(i), 0) for i in (0, 2, 4))  # one per problem
+    train, held = samples.split_held_out((keys[0] + keys[1]) / 2)  # the first problem's answers, both
     assert len(held) == 2 and len(set(held.problem_ids.tolist())) == 1 and len(train) == 4
 
     # a second run skips the finished shards; a partly covered range is redone when extended

@@ -102,8 +102,8 @@ def test_domains_travel_with_samples_and_held_out_tau_is_per_domain(setup, tmp_p
     samples.save(tmp_path / "shard.safetensors")
     back = TokenSamples.load(tmp_path / "shard.safetensors")
     assert set(back.by_domain()) == {"math", "code"} and [len(v) for v in back.by_domain().values()] == [2, 2]
-    train, held = back.split_by_problem(1)
-    assert sorted(held.by_domain()) == ["code", "math"] and len(train) == 2  # one held-out problem per domain
+    train, held = back.split_held_out(0.5)
+    assert len(train) + len(held) == 4 and set(held.by_domain()) <= {"code", "math"}
     trainer = make_trainer(root, tmp_path / "run", drafter.state_dict(), max_steps=1)
     trainer.eval_sets = back.by_domain()
     record = trainer.evaluate()
@@ -115,19 +115,24 @@ def test_domains_travel_with_samples_and_held_out_tau_is_per_domain(setup, tmp_p
     assert torch.isfinite(torch.tensor(record["eval_loss"]))
 
 
-def test_more_data_never_holds_out_a_problem_the_smaller_data_trained_on():
-    def samples_for(num_problems):  # two samples per problem, domains alternating
-        rows = [([1, 2], [3, 4 + p % 5], p) for p in range(num_problems) for _ in range(2)]
-        return TokenSamples.from_lists(rows, ["code" if p % 2 else "math" for p in range(num_problems) for _ in range(2)])
+def test_a_prompt_is_held_out_in_every_data_set_that_holds_it():
+    """Held-out status follows the prompt, not its place in a list: two runs over other recipes, orders
+    or amounts of data from the same sources never train on a prompt the other holds out."""
+    def samples_for(prompts):  # two answers per prompt
+        rows = [([1, 2, p], [3, 4 + p % 5], i) for i, p in enumerate(prompts) for _ in range(2)]
+        return TokenSamples.from_lists(rows, ["code" if p % 2 else "math" for p in prompts for _ in range(2)])
 
-    def split(num_problems, seed=0):
-        train, held = samples_for(num_problems).split_by_problem(8, seed=seed)
-        return set(train.problem_ids.tolist()), set(held.problem_ids.tolist())
+    def split(prompts, fraction=0.1, seed=0):
+        train, held = samples_for(prompts).split_held_out(fraction, seed=seed)
+        prompt = lambda s, i: s.prompt_ids(i)[2]  # noqa: E731
+        return ({prompt(train, i) for i in range(len(train))}, {prompt(held, i) for i in range(len(held))})
 
-    small_train, small_held = split(100)
-    assert len(small_held) == 16 and not small_train & small_held  # 8 per domain, all samples of a problem together
-    for grown in (101, 150, 400):
-        _, held = split(grown)
-        assert not held & small_train, f"{grown} problems: held out {sorted(held & small_train)}, trained on before"
-        assert held - small_held <= set(range(100, grown))  # only new problems join the held-out set
-    assert split(100, seed=1)[1] != small_held  # the seed picks the set
+    first_train, first_held = split(list(range(1000)))
+    assert 60 <= len(first_held) <= 140 and not first_train & first_held  # ~10%, both answers of a prompt together
+    other_train, other_held = split(list(range(3000, 500, -3)))  # another list: other prompts, other order
+    assert not other_train & first_held and not first_train & other_held
+    assert other_held & first_held == set(range(3000, 500, -3)) & first_held  # shared prompts: the same side
+    assert split(list(range(1000)), seed=1)[1] != first_held  # the seed picks the set
+    assert split(list(range(1000)), fraction=0.0)[1] == set()
+    with pytest.raises(ValueError, match="fraction"):
+        split([1], fraction=1.0)

@@ -29,9 +29,11 @@ SHARD_GLOB = "shard-*.safetensors"
 DEFAULT_DOMAIN = "math"  # of samples stored without a domain
 
 
-def heldout_rank(problem_id: int, seed: int) -> int:
-    """A problem's place in the held-out order: a hash of (seed, id), the same in every run."""
-    return int.from_bytes(hashlib.blake2b(f"{seed}:{problem_id}".encode(), digest_size=8).digest(), "little")
+def heldout_key(prompt_ids: list[int], seed: int) -> float:
+    """Where a prompt falls in [0, 1) for the held-out choice: a hash of (seed, its token ids), so the
+    same prompt gets the same key in every run, whatever list, order or recipe it came in."""
+    digest = hashlib.blake2b(f"{seed}:{','.join(map(str, prompt_ids))}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0 ** 64
 
 
 def shard_path(root: str | os.PathLike, index: int) -> Path:
@@ -93,21 +95,20 @@ class TokenSamples:
     def by_domain(self) -> dict[str, "TokenSamples"]:
         return {name: self.subset(indices) for name, indices in self.domain_indices().items()}
 
-    def split_by_problem(self, num_heldout_problems: int, seed: int = 0) -> tuple["TokenSamples", "TokenSamples"]:
-        """(train, held-out): `num_heldout_problems` problems of every domain are held out, with all
-        their samples: those that come first in a seeded hash order of problem ids. Each domain's choice
-        depends only on its own problems and the seed, so adding a domain leaves the others' held-out
-        problems as they were; and adding problems (more shards) can only swap a held-out problem for
-        a new one, never hold out a problem that the smaller data trained on, so a run continued on
-        more data is still scored on problems it has not seen."""
-        is_heldout = torch.zeros(len(self), dtype=torch.bool)
-        for indices in self.domain_indices().values():
-            members = torch.tensor(indices, dtype=torch.long)
-            problems = sorted(set(self.problem_ids[members].tolist()), key=lambda p: heldout_rank(p, seed))
-            chosen = torch.tensor(problems[:num_heldout_problems], dtype=self.problem_ids.dtype)
-            is_heldout[members] = torch.isin(self.problem_ids[members], chosen)
-        return (self.subset(torch.nonzero(~is_heldout).flatten().tolist()),
-                self.subset(torch.nonzero(is_heldout).flatten().tolist()))
+    def prompt_ids(self, i: int) -> list[int]:
+        return self.tokens[self.offsets[i]:self.offsets[i] + self.prompt_lens[i]].tolist()
+
+    def split_held_out(self, fraction: float, seed: int = 0) -> tuple["TokenSamples", "TokenSamples"]:
+        """(train, held-out): a sample is held out when its prompt's key (`heldout_key`) is below
+        `fraction`, so every answer to a prompt lands on the same side, and a prompt is held out in
+        every data set that contains it: a run that starts from a drafter trained on other data (a
+        shipped one, another recipe or seed over the same sources) is never scored on prompts that
+        drafter was trained on, as long as both runs used the same fraction and seed."""
+        if not 0 <= fraction < 1:
+            raise ValueError(f"the held-out fraction must be in [0, 1), got {fraction}")
+        held = [i for i in range(len(self)) if heldout_key(self.prompt_ids(i), seed) < fraction]
+        held_set = set(held)
+        return self.subset([i for i in range(len(self)) if i not in held_set]), self.subset(held)
 
     def save(self, path: str | os.PathLike, metadata: dict | None = None) -> None:
         """Atomic: a reader never sees a partly written shard."""
