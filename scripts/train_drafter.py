@@ -59,7 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-fraction", type=float, default=0.01,
                    help="share of prompts held out for the tau estimate, chosen by a hash of the prompt")
     p.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences of each domain per evaluation")
-    p.add_argument("--eval-anchors-per-seq", type=int, default=64)
+    p.add_argument("--eval-anchors-per-seq", type=int, default=256,
+                   help="every anchor among the first this many response positions of a held-out sequence")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="wall-clock budget of this call, model loading included; checkpoints and stops before it")
     return p.parse_args(argv)

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from drafters import load_drafter
 from drafters.dflash_model import WEIGHTS_FILE, load_dflash, read_dflash_config, save_dflash
 from drafters.training.anchors import (IGNORE, Anchors, acceptance_lengths, anchor_candidates, block_input_ids,
+                                       decoding_walk, first_anchors,
                                        block_labels, sample_anchors)
 from drafters.training.checkpoint import drafter_from_checkpoint, load_checkpoint
 from drafters.training.data import TokenSamples, collate, heldout_key, load_samples, shard_metadata
@@ -23,7 +24,7 @@ from specdec.config import EngineConfig
 from specdec.engine import Engine
 from specdec.sampling_params import SamplingParams
 from tests.conftest import VOCAB, build_tiny_model
-from tests.engine_helpers import tiny_target
+from tests.engine_helpers import tiny_engine, tiny_target
 
 BLOCK = 5
 MASK = VOCAB - 1
@@ -426,3 +427,41 @@ def test_shards_are_pipelined_and_a_failure_gives_every_page_back(setup, tmp_pat
         generate_shards(engine, prompts, tmp_path / "failing", settings, progress=False)
     assert engine.pool.num_free == engine.pool.num_pages and not engine.has_unfinished_requests
     assert not list((tmp_path / "failing").glob("shard-*"))  # no shard had finished
+
+
+def test_decoding_walk_and_first_anchors_on_a_hand_example():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    anchors = first_anchors(mask, 3)  # the first 3 candidates of each row, in order (row 1 has 2)
+    assert anchors.positions.tolist() == [[2, 3, 4], [1, 2, 0]] and anchors.valid.tolist() == [[1, 1, 1], [1, 1, 0]]
+    # block i starts where block i-1's accepted drafts and bonus end
+    assert decoding_walk(torch.tensor([2, 1, 3, 1, 1, 4]), torch.tensor([1, 1, 1, 1, 1, 0]).bool()) == [2, 3]
+
+
+def test_held_out_decoding_estimate_is_what_decoding_measures(setup, tmp_path):
+    """The trainer's decode_tau_estimate replays greedy decoding over teacher-forced acceptances: on the
+    engine's own outputs it gives, step for step, the acceptance lengths the engine measured."""
+    root, hf, drafter = setup
+    target = tiny_target(root / "target", eos=())
+    prompts = [[5, 17, 33, 9], [7, 8, 9, 10, 11], [60, 61, 62]]
+    answers = tiny_engine(root / "target", eos=()).generate_ids(prompts, SamplingParams(max_new_tokens=40))
+    trainer = make_trainer(root, tmp_path / "fit", drafter.state_dict(), max_steps=10, eval_every=1000,
+                           anchors_per_seq=32)  # a drafter that gets some blocks right on these answers
+    trainer.train_data = TokenSamples.from_lists([(p, a.output_ids, i) for i, (p, a) in enumerate(zip(prompts, answers))])
+    trainer.train(progress=False)
+    save_dflash(trainer.model, tmp_path / "fitted", dtype=torch.float32)
+    engine = Engine(target, EngineConfig(device="cpu", num_kv_pages=256, page_size=4),
+                    load_drafter(tmp_path / "fitted", target.model))
+    spec = engine.generate_ids(prompts, SamplingParams(max_new_tokens=40))
+    assert [r.output_ids for r in spec] == [a.output_ids for a in answers]
+    measured = [r.stats.acceptance_lengths for r in spec]
+    assert max(max(m) for m in measured) >= 3  # the test means something only if blocks get accepted
+
+    trainer.model.eval()
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        one = TokenSamples.from_lists([(prompt, answer.output_ids, 0)])
+        with torch.no_grad():
+            result, anchors = trainer.batch_loss(one, [0], lambda mask: first_anchors(mask, 64))
+        walk = decoding_walk(acceptance_lengths(result.correct)[0], anchors.valid[0])
+        # the engine's first token comes from the prefill and its last step is cut at max_new_tokens
+        assert walk[:-1] == measured[i][:len(walk) - 1], (walk, measured[i])
+    assert 1.0 <= trainer.held_out_score(trainer.train_data).summary()["decode_tau_estimate"] <= BLOCK

@@ -27,7 +27,9 @@ series of short calls (e.g. 10-minute GPU jobs): run the same command again and 
    exported drafter's weights and shape with a fresh schedule. `runs/qc15/checkpoint.pt` holds everything
    needed to resume (written atomically every --save-every steps and at the end);
    `runs/qc15/log.jsonl` has one line per evaluation: step, loss, train_tau, eval_loss,
-   tau_estimate (greedy acceptance length on held-out problems), lr.
+   tau_estimate (greedy acceptance length averaged over every anchor of the held-out prompts' first
+   --eval-anchors-per-seq response positions), decode_tau_estimate (greedy decoding replayed over the
+   same anchors: what eval.humaneval / eval.math500 measure as tau, ~10-15% lower), per domain, lr.
 
 3. Export to the z-lab format (config.json + model.safetensors):
 

@@ -51,6 +51,33 @@ def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.G
     return Anchors(positions.to(loss_mask.device), valid.to(loss_mask.device))
 
 
+def first_anchors(loss_mask: torch.Tensor, count: int) -> Anchors:
+    """Every candidate among the first `count` of each sequence, in order: with a response's
+    candidates contiguous, anchor i is response position i, as in decoding from the first token."""
+    cand = anchor_candidates(loss_mask)
+    rank = cand.long().cumsum(1) - 1  # the candidate's index within its row
+    keep = cand & (rank < count)
+    a = max(1, int(keep.sum(1).max()))
+    order = torch.where(keep, rank, torch.full_like(rank, a + count))  # kept ones first, in position order
+    picked_order, picked = order.topk(a, dim=1, largest=False)
+    picked_order, sort = picked_order.sort(dim=1)
+    picked = picked.gather(1, sort)
+    valid = picked_order < count
+    return Anchors(torch.where(valid, picked, torch.zeros_like(picked)), valid)
+
+
+def decoding_walk(acceptance: torch.Tensor, valid: torch.Tensor) -> list[int]:
+    """The acceptance lengths greedy decoding would see over one sequence's consecutive anchors
+    (`acceptance[i]` at the i-th response position, from `first_anchors`): each block starts where the
+    previous one's accepted drafts and bonus token end, i.e. right after a rejected draft."""
+    steps, i, n = [], 0, int(valid.sum())
+    lengths = acceptance.tolist()
+    while i < n:
+        steps.append(lengths[i])
+        i += lengths[i]
+    return steps
+
+
 def block_positions(anchors: Anchors, block_size: int) -> torch.Tensor:
     """int64 [B, A, bs]: absolute positions anchor + k."""
     return anchors.positions[..., None] + torch.arange(block_size, device=anchors.positions.device)

@@ -7,8 +7,11 @@ resumed from its checkpoint therefore takes exactly the steps an uninterrupted r
 
 Log: `<out_dir>/log.jsonl`, one line per evaluation: step, loss (mean training loss since the
 last line), train_tau, eval_loss and tau_estimate (held-out loss and greedy acceptance length over
-every domain's held-out blocks together), domains ({domain: {eval_loss, tau_estimate, sequences}},
-each domain's own), lr, epoch, elapsed_s.
+the anchors at the first `eval_anchors_per_seq` response positions of every held-out sequence),
+decode_tau_estimate (the per-sequence mean acceptance length greedy decoding would see there, each
+block starting where the last one's accepted tokens end: what `eval.*` measure as tau), domains
+({domain: {eval_loss, tau_estimate, decode_tau_estimate, sequences}}, each domain's own), lr, epoch,
+elapsed_s.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
 from drafters.dflash_model import DFlashDraftModel
-from drafters.training.anchors import acceptance_lengths, block_input_ids, block_labels, sample_anchors
+from drafters.training.anchors import (Anchors, acceptance_lengths, block_input_ids, block_labels, decoding_walk,
+                                       first_anchors, sample_anchors)
 from drafters.training.checkpoint import (config_to_json, load_checkpoint, restore_rng, rng_state,
                                           save_checkpoint)
 from drafters.training.data import TokenSamples, collate, epoch_batches
@@ -32,7 +37,6 @@ from drafters.training.forward import BlockLoss, block_hidden, block_loss
 from drafters.training.target import FrozenTarget
 
 LOG_FILE = "log.jsonl"
-EVAL_SEED = 987_654_321
 PAD_MULTIPLE = 64  # batch widths are rounded up to this: few distinct shapes, cached kernel plans
 
 
@@ -55,7 +59,7 @@ class TrainConfig:
     save_every: int = 200
     eval_every: int = 200
     eval_sequences: int = 64  # held-out sequences of each domain per evaluation
-    eval_anchors_per_seq: int = 64
+    eval_anchors_per_seq: int = 256  # every anchor among the first this many response positions
     time_budget_s: float | None = None  # stop (and checkpoint) before this much wall time has passed
 
     def __post_init__(self):
@@ -81,6 +85,8 @@ class HeldOutScore:
     weight: float = 0.0
     tau_sum: float = 0.0
     blocks: int = 0  # full blocks, the ones whose acceptance length is counted
+    decode_tau_sum: float = 0.0  # per-sequence mean acceptance length of the decoding walk, summed
+    decoded: int = 0  # sequences with at least one anchor, the ones walked
     sequences: int = 0
 
     def __add__(self, other: "HeldOutScore") -> "HeldOutScore":
@@ -88,7 +94,8 @@ class HeldOutScore:
 
     def summary(self) -> dict:
         return {"eval_loss": self.weighted_ce / max(self.weight, 1e-6),
-                "tau_estimate": self.tau_sum / self.blocks if self.blocks else None}
+                "tau_estimate": self.tau_sum / self.blocks if self.blocks else None,
+                "decode_tau_estimate": self.decode_tau_sum / self.decoded if self.decoded else None}
 
 
 class Trainer:
@@ -156,13 +163,14 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return nullcontext()
 
-    def batch_loss(self, samples: TokenSamples, indices, anchors_per_seq: int,
-                   generator: torch.Generator) -> BlockLoss:
-        """Loss over random anchors of the given sequences (graph kept when grad is enabled)."""
+    def batch_loss(self, samples: TokenSamples, indices,
+                   choose_anchors: Callable[[torch.Tensor], Anchors]) -> tuple[BlockLoss, Anchors]:
+        """Loss over the anchors `choose_anchors(loss_mask)` picks in the given sequences (graph kept
+        when grad is enabled)."""
         c, bs = self.config, self.block_size
         batch = collate(samples, indices, c.max_length, pad_multiple=PAD_MULTIPLE)
         input_ids, loss_mask = batch.input_ids.to(self.device), batch.loss_mask.to(self.device)
-        anchors = sample_anchors(loss_mask, anchors_per_seq, generator)
+        anchors = choose_anchors(loss_mask)
         labels, weights = block_labels(input_ids, loss_mask, anchors, bs, c.gamma)
         features = self.target.features(input_ids)
         with torch.no_grad():
@@ -170,12 +178,13 @@ class Trainer:
         with self._autocast():
             hidden = block_hidden(self.model, features, embeds, anchors.positions)
             result = block_loss(self.model, hidden, self.target.lm_head, labels, weights, c.loss_chunk)
-        return result
+        return result, anchors
 
     def train_step(self, indices) -> tuple[float, float]:
         """One optimizer step; returns (loss, greedy acceptance length on this batch's full blocks)."""
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.step)
-        result = self.batch_loss(self.train_data, indices, self.config.anchors_per_seq, generator)
+        result, _ = self.batch_loss(self.train_data, indices,
+                                    lambda mask: sample_anchors(mask, self.config.anchors_per_seq, generator))
         result.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
@@ -212,14 +221,16 @@ class Trainer:
                 "domains": {name: {**score.summary(), "sequences": score.sequences} for name, score in scores.items()}}
 
     def held_out_score(self, samples: TokenSamples) -> HeldOutScore:
-        generator = torch.Generator().manual_seed(EVAL_SEED)
         n = min(self.config.eval_sequences, len(samples))
         score = HeldOutScore(sequences=n)
         for s in range(0, n, self.config.batch_size):
-            result = self.batch_loss(samples, range(s, min(n, s + self.config.batch_size)),
-                                     self.config.eval_anchors_per_seq, generator)
-            tau = acceptance_lengths(result.correct)[result.full_blocks]
-            score += HeldOutScore(result.weighted_ce.item(), result.weight_sum.item(), tau.sum().item(), tau.numel())
+            result, anchors = self.batch_loss(samples, range(s, min(n, s + self.config.batch_size)),
+                                              lambda mask: first_anchors(mask, self.config.eval_anchors_per_seq))
+            lengths = acceptance_lengths(result.correct)
+            tau = lengths[result.full_blocks]
+            walks = [w for w in (decoding_walk(lengths[i], anchors.valid[i]) for i in range(len(lengths))) if w]
+            score += HeldOutScore(result.weighted_ce.item(), result.weight_sum.item(), tau.sum().item(), tau.numel(),
+                                  sum(sum(w) / len(w) for w in walks), len(walks))
         return score
 
     def log(self, record: dict) -> None:
@@ -236,9 +247,9 @@ class Trainer:
         self.log(record)
         self._since_log = []
         if len(record.get("domains", {})) > 1:
-            taus = ", ".join(f"{name} {d['tau_estimate']:.2f}" for name, d in record["domains"].items()
-                             if d["tau_estimate"] is not None)
-            tqdm.write(f"step {self.step}: held-out tau estimate {taus}")
+            taus = ", ".join(f"{name} {d['decode_tau_estimate']:.2f} ({d['tau_estimate']:.2f})"
+                             for name, d in record["domains"].items() if d["tau_estimate"] is not None)
+            tqdm.write(f"step {self.step}: held-out tau estimate, decoding (all anchors): {taus}")
         return record
 
     # ---- the loop ----------------------------------------------------------------------------
