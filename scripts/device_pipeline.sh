@@ -13,8 +13,10 @@
 # generating at once on the GPU, default 1) and GEN_KV_PAGES (each one's KV pages when several), INIT_FROM (an exported drafter to start
 # training from), LR, HUMANEVAL_CONCURRENCY (default 1: HumanEval at batch 1 gives the TPOT speedup and
 # the identical-outputs check). Shards already in /tmp/run/data (e.g. carried from an earlier run) are
-# kept: the data stage only generates the missing ones. STOP_AFTER=data|train|export ends the job after
-# that stage (e.g. to carry the data and the drafter to another machine and train on there).
+# kept: the data stage only generates the missing ones. STOP_AFTER=data|train|export|pack ends the job after
+# that stage. The pack stage writes $run/back/run-back.tar.xz.part.* (shards, drafter, logs; 15 MiB pieces):
+# carried to another machine's /tmp/xfer, the assemble stage unpacks them into $run, so training goes on
+# there (INIT_FROM=/tmp/run/drafter-bf16) with the data already generated.
 set -uo pipefail
 run=/tmp/run
 mkdir -p "$run"
@@ -29,6 +31,11 @@ stage() {
 fail() { echo "failed: $1" > "$run/stage"; echo "=== $(date +%T) failed: $1"; exit 1; }
 
 stage assemble
+if ls /tmp/xfer/run-back.tar.xz.part.* > /dev/null 2>&1 && [ ! -e "$run/.unpacked" ]; then
+  # an earlier machine's `pack` (carried here in pieces): its shards, drafter and logs continue here
+  cat /tmp/xfer/run-back.tar.xz.part.* | tar xJf - -C "$run" || fail "unpack"
+  touch "$run/.unpacked"
+fi
 mkdir -p "$SPECDEC_CACHE/gguf"
 if [ ! -s "$SPECDEC_CACHE/gguf/$gguf" ]; then
   cat /tmp/xfer/"$gguf".part.* > "$run/$gguf" || fail "reassemble"
@@ -72,8 +79,18 @@ stage export
 python3 scripts/export_drafter.py "$run/train" "$run/drafter-bf16" --storage bf16 || fail "export"
 python3 scripts/export_drafter.py "$run/train" "$run/drafter-fp8" --storage fp8 || fail "export"
 
+stage pack
+# what a later machine needs to go on without generating the data again, in pieces that fit one device
+# call's returned files (16 MiB each): the shards, the prompt list, the drafter (bf16, for --init-from)
+# and the logs. Bring $run/back/* home, carry them to the next machine as /tmp/xfer/run-back.tar.xz.part.*
+rm -rf "$run/back" && mkdir -p "$run/back"
+(cd "$run" && tar cf - --transform 's|^train/log.jsonl|previous-train-log.jsonl|' data drafter-bf16 drafter-fp8 \
+  train/log.jsonl $(ls data-*.log 2>/dev/null) | xz -T0 -3 \
+  | split -b 15M -d -a 3 - back/run-back.tar.xz.part.) || fail "pack"
+ls -l "$run/back"
+
 stage eval
-python3 -m eval.math500 --target "$target" --drafter "$run/drafter-fp8" --data "${MATH500:-.xfer/math500.jsonl}" \
+python3 -m eval.math500 --target "$target" --drafter "$run/drafter-fp8" --data "${MATH500:-eval/data/math500.jsonl}" \
   --concurrency 64 --baseline --output "$run/eval" --no-progress || fail "eval"
 python3 -m eval.humaneval --target "$target" --drafter "$run/drafter-fp8" \
   --concurrency "${HUMANEVAL_CONCURRENCY:-1}" --baseline --output "$run/eval-humaneval" --no-progress || fail "eval humaneval"
