@@ -20,17 +20,19 @@ def read_log(path: str | Path) -> list[dict]:
     return [r for r in records if "tau_estimate" in r]
 
 
-def curves(logs: list[list[dict]]) -> tuple[dict[str, list[tuple[int, float, float]]], list[int]]:
-    """{domain: [(global step, tau estimate, held-out loss)]} over all logs, and each later log's first step."""
-    points: dict[str, list[tuple[int, float, float]]] = {}
+def curves(logs: list[list[dict]]) -> tuple[dict[str, list[tuple]], list[int]]:
+    """{domain: [(global step, tau estimate, held-out loss, decoding tau estimate or None)]} over all logs
+    (logs written before the decoding estimate existed have None), and each later log's first step."""
+    points: dict[str, list[tuple]] = {}
     offset, starts = 0, []
     for records in logs:
         if offset:
             starts.append(offset)
         for r in records:
-            domains = r.get("domains") or {"all": {"tau_estimate": r["tau_estimate"], "eval_loss": r["eval_loss"]}}
+            domains = r.get("domains") or {"all": r}
             for name, d in domains.items():
-                points.setdefault(name, []).append((offset + r["step"], d["tau_estimate"], d["eval_loss"]))
+                points.setdefault(name, []).append((offset + r["step"], d["tau_estimate"], d["eval_loss"],
+                                                    d.get("decode_tau_estimate")))
         offset += max((r["step"] for r in records), default=0)
     return points, starts
 
@@ -41,9 +43,12 @@ def plot(points, starts, out: Path, title: str) -> None:
     fig = Figure(figsize=(10, 4))
     tau_ax, loss_ax = fig.subplots(1, 2)
     for name, series in sorted(points.items()):
-        steps = [s for s, _, _ in series]
-        tau_ax.plot(steps, [t for _, t, _ in series], marker="o", label=name)
-        loss_ax.plot(steps, [l for _, _, l in series], marker="o", label=name)
+        steps = [p[0] for p in series]
+        line, = tau_ax.plot(steps, [p[1] for p in series], marker="o", label=f"{name} (all anchors)")
+        decoding = [(p[0], p[3]) for p in series if p[3] is not None]
+        if decoding:  # what decoding would see: the figure eval.* measure
+            tau_ax.plot(*zip(*decoding), marker="s", linestyle="--", color=line.get_color(), label=f"{name} (decoding)")
+        loss_ax.plot(steps, [p[2] for p in series], marker="o", label=name)
     for ax, label in ((tau_ax, "held-out tau estimate"), (loss_ax, "held-out loss")):
         for s in starts:
             ax.axvline(s, color="grey", linestyle="--", linewidth=1)
