@@ -47,10 +47,11 @@ python3 -c "from specdec.models.demo_models import resolve_model; print(resolve_
 stage data
 sources=()
 for s in ${SOURCES:-math:7500 code:6000 general:2000}; do sources+=(--source "$s"); done
+shard=512  # prompts per shard; several engines split the list on shard boundaries
 generate=(python3 scripts/generate_training_data.py --out "$run/data" --target "$target" --max-new-tokens 1024
   --problems "${PROBLEMS:-.xfer/math_train.jsonl}" "${sources[@]}"
   --samples-per-problem "${SAMPLES:-1}" --temperature "${TEMPERATURES:-0.7,1.0}" --seed "${SEED:-0}"
-  --shard-size 512 --batch-size "${BATCH:-256}" --time-budget-s "${DATA_BUDGET_S:-420}")
+  --shard-size "$shard" --batch-size "${BATCH:-256}" --time-budget-s "${DATA_BUDGET_S:-420}")
 procs=${GEN_PROCS:-1}
 if [ "$procs" -le 1 ]; then
   "${generate[@]}" || fail "data"
@@ -59,7 +60,7 @@ else
   # own range of shards with its own KV pool, keep it busier
   "${generate[@]}" --prompts-only || fail "prompts"
   total=$(wc -l < "$run/data/prompts.jsonl")
-  per=$(( (total + procs * 512 - 1) / (procs * 512) * 512 ))
+  per=$(( (total + procs * shard - 1) / (procs * shard) * shard ))
   pids=()
   for ((i = 0; i < procs; i++)); do
     "${generate[@]}" --start $((i * per)) --limit "$per" --num-kv-pages "${GEN_KV_PAGES:-32768}" \

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
@@ -55,7 +56,7 @@ def main(argv=None) -> None:
     target = FrozenTarget.load(args.target, drafter.spec.target_layer_ids, device, dtype)
     definition = problem_set(args.set)
     problems = definition.load(args.data)
-    records = json.load(open(args.results))["problems"][:args.limit]
+    records = json.loads(Path(args.results).read_text())["problems"][:args.limit]
     rows = [(chat_prompt_ids(tokenizer, definition.user_turn(problems[int(r["index"])]), args.set),
              tokenizer.encode(r["output"], add_special_tokens=False) + [tokenizer.eos_token_id], i)
             for i, r in enumerate(records)]

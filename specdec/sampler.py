@@ -19,24 +19,6 @@ from attention.transfer import upload
 from specdec.sampling_params import SamplingParams
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [n, vocab] -> probabilities after temperature, top-k, then top-p (the HF order), for one
-    request's params; the reference that `sample_batch` draws from."""
-    logits = logits.float() / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # drop a token when the mass before it already reaches top_p (the top token always stays)
-        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
-
-
 def _row_values(values: list, rows_per_request: list[int], device, dtype: np.dtype) -> torch.Tensor:
     """Each request's value repeated over its rows, on the device (an asynchronous copy: no host wait)."""
     return upload(np.repeat(np.asarray(values, dtype=dtype), rows_per_request), device)
@@ -59,7 +41,7 @@ def _filtered_batch_probs(logits: torch.Tensor, rows_per_request: list[int],
     top_p = _row_values([p.top_p if p.top_p < 1.0 else float("inf") for p in params], rows_per_request,
                         logits.device, np.float32)
     ordered, order = scaled.sort(dim=-1, descending=True)
-    kth = ordered.gather(-1, (top_k - 1)[:, None])  # ties with the k-th logit stay, as in filtered_probs
+    kth = ordered.gather(-1, (top_k - 1)[:, None])  # ties with the k-th logit stay
     probs = ordered.masked_fill(ordered < kth, float("-inf")).softmax(dim=-1)
     drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]  # the top token always stays
     return probs.masked_fill(drop, 0.0), order
@@ -68,8 +50,9 @@ def _filtered_batch_probs(logits: torch.Tensor, rows_per_request: list[int],
 def sample_batch(logits: torch.Tensor, rows_per_request: list[int], params: list[SamplingParams],
                  generators: list[random.Random | None]) -> torch.Tensor:
     """Logits of a whole batch, request by request ([sum(rows), vocab]) -> tokens [sum(rows)]: the argmax
-    for greedy requests, a draw from `filtered_probs` for the others (one uniform of the request's
-    stream per row, mapped through the row's cumulative distribution)."""
+    for greedy requests, for the others a draw from the logits after temperature, top-k, then top-p (the
+    HF order; one uniform of the request's stream per row, mapped through the row's cumulative
+    distribution)."""
     greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy

@@ -7,8 +7,27 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec.sampler import filtered_probs, make_generator, sample_batch
+from specdec.sampler import make_generator, sample_batch
 from specdec.sampling_params import SamplingParams
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The oracle: logits [n, vocab] -> probabilities after temperature, top-k, then top-p (the HF order)
+    for one request's params, written plainly, one request at a time."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
 
 VOCAB, DRAWS = 12, 20000
 FILTERS = [dict(temperature=1.0), dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.8),

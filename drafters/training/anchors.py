@@ -59,9 +59,7 @@ def first_anchors(loss_mask: torch.Tensor, count: int) -> Anchors:
     keep = cand & (rank < count)
     a = max(1, int(keep.sum(1).max()))
     order = torch.where(keep, rank, torch.full_like(rank, a + count))  # kept ones first, in position order
-    picked_order, picked = order.topk(a, dim=1, largest=False)
-    picked_order, sort = picked_order.sort(dim=1)
-    picked = picked.gather(1, sort)
+    picked_order, picked = order.topk(a, dim=1, largest=False)  # ascending: the kept ones in position order
     valid = picked_order < count
     return Anchors(torch.where(valid, picked, torch.zeros_like(picked)), valid)
 

@@ -106,9 +106,9 @@ class TokenSamples:
         drafter was trained on, as long as both runs used the same fraction and seed."""
         if not 0 <= fraction < 1:
             raise ValueError(f"the held-out fraction must be in [0, 1), got {fraction}")
-        held = [i for i in range(len(self)) if heldout_key(self.prompt_ids(i), seed) < fraction]
-        held_set = set(held)
-        return self.subset([i for i in range(len(self)) if i not in held_set]), self.subset(held)
+        held = [heldout_key(self.prompt_ids(i), seed) < fraction for i in range(len(self))]
+        return (self.subset([i for i, h in enumerate(held) if not h]),
+                self.subset([i for i, h in enumerate(held) if h]))
 
     def save(self, path: str | os.PathLike, metadata: dict | None = None) -> None:
         """Atomic: a reader never sees a partly written shard."""

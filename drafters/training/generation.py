@@ -124,7 +124,6 @@ class ShardJob:
     requests: list = field(default_factory=list)
     owners: list[int] = field(default_factory=list)  # the problem of each request
     started: float = 0.0
-    generated: int = 0  # tokens committed so far
 
     def submit(self, engine, prompts, settings: GenerationSettings) -> None:
         self.started = time.monotonic()
@@ -154,11 +153,9 @@ def _answer_shards(engine, prompts, domains, todo: deque, settings: GenerationSe
     active: list[ShardJob] = []
     began, finished_shards = time.monotonic(), 0
     generated = 0
-    job_of: dict[int, ShardJob] = {}  # request id -> its shard
 
     def on_commit(request, tokens):
         nonlocal generated
-        job_of[request.request_id].generated += len(tokens)
         generated += len(tokens)
         if generated % 4096 < len(tokens):
             bar.set_postfix(generated=generated, tok_s=round(generated / max(time.monotonic() - began, 1e-9)),
@@ -180,14 +177,11 @@ def _answer_shards(engine, prompts, domains, todo: deque, settings: GenerationSe
                     break
                 job = todo.popleft()
                 job.submit(engine, prompts, settings)
-                job_of.update((r.request_id, job) for r in job.requests)
                 active.append(job)
             if engine.has_unfinished_requests:
                 engine.step(on_commit)
             for job in [j for j in active if j.done]:
                 active.remove(job)
-                for request in job.requests:
-                    job_of.pop(request.request_id)
                 files.append(_save_shard(job, domains, settings, metadata))
                 finished_shards += 1
                 bar.update(1)
@@ -201,7 +195,8 @@ def _save_shard(job: ShardJob, domains, settings: GenerationSettings, metadata: 
     seconds = time.monotonic() - job.started
     samples = job.samples(domains)
     meta = {**metadata, "first_problem": job.problem_ids.start, "num_problems": len(job.problem_ids),
-            "num_samples": len(samples), "prompt_digest": job.digest, "generated_tokens": job.generated,
+            "num_samples": len(samples), "prompt_digest": job.digest,
+            "generated_tokens": sum(len(r.output_ids) for r in job.requests),
             "seconds": round(seconds, 2), **vars(settings)}
     samples.save(job.path, meta)
     return job.path
