@@ -23,14 +23,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config
 
+from drafters import weight_storage
 from specdec.models.decoder import ArchitectureTraits, DecoderLayer
 from specdec.models.layers import RMSNorm, RotaryEmbedding, use_fused_kernels
 
 WEIGHTS_FILE = "model.safetensors"
-# config.json key marking compact weights: 2-D Linear weights as float8 e4m3 `<name>` plus float32 `<name>_scale`
-# (one scale per output channel, weight = e4m3 * scale[:, None]); everything else stays bf16
-WEIGHT_STORAGE_KEY = "weight_storage"
-FP8_STORAGE = "fp8_e4m3_per_channel"
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -137,11 +134,7 @@ def load_dflash(path: str | os.PathLike, device: torch.device, dtype: torch.dtyp
         except Exception as err:  # safetensors raises its own error type for truncated or corrupt files
             raise ValueError(f"cannot read the drafter weights {f}: {err}; the file may be truncated or corrupt: "
                              f"copy or export it again") from err
-    storage = getattr(config, WEIGHT_STORAGE_KEY, None)
-    if storage == FP8_STORAGE:
-        state = _dequantize_fp8(state)
-    elif storage is not None:
-        raise ValueError(f"{path}: unknown weight_storage {storage!r} (known: {FP8_STORAGE})")
+    state = weight_storage.dequantize(state, getattr(config, weight_storage.STORAGE_KEY, None), str(path))
     with torch.device("meta"):
         model = DFlashDraftModel(config)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -156,13 +149,13 @@ def save_dflash(model: DFlashDraftModel, path: str | os.PathLike, dtype: torch.d
                 storage: str = "bf16") -> None:
     """Write the z-lab checkpoint format: config.json + model.safetensors.
 
-    storage="fp8" writes the compact variant instead (see FP8_STORAGE); only `load_dflash` reads it."""
-    if storage not in ("bf16", "fp8"):
-        raise ValueError(f"storage must be 'bf16' or 'fp8', got {storage!r}")
+    Another `storage` than bf16 (`drafters.weight_storage.STORAGES`) writes a compact variant instead;
+    only `load_dflash` reads those."""
+    marker = weight_storage.config_value(storage)  # refuses an unknown storage before anything is written
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = model.config.to_dict()
-    config.pop(WEIGHT_STORAGE_KEY, None)
+    config.pop(weight_storage.STORAGE_KEY, None)
     config["architectures"] = ["DFlashDraftModel"]
     config["model_type"] = "qwen3"
     spec = model.spec
@@ -171,32 +164,11 @@ def save_dflash(model: DFlashDraftModel, path: str | os.PathLike, dtype: torch.d
     config["dflash_config"] = {**(config.get("dflash_config") or {}), "target_layer_ids": list(spec.target_layer_ids),
                                "mask_token_id": spec.mask_token_id, "block_size": spec.block_size}
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    if storage == "fp8":
-        config[WEIGHT_STORAGE_KEY] = FP8_STORAGE
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    if storage == "fp8":
-        state = _quantize_fp8(model)
-    else:
+    if marker is None:
         state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    else:
+        config[weight_storage.STORAGE_KEY] = marker
+        linear = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        state = weight_storage.quantize(model.state_dict(), linear, storage)
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-
-
-def _quantize_fp8(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
-    linear = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    state = {}
-    for name, w in model.state_dict().items():
-        w = w.detach().float().cpu()
-        if name not in linear:
-            state[name] = w.to(torch.bfloat16).contiguous()
-            continue
-        amax = w.abs().amax(dim=1)
-        scale = torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max, torch.ones_like(amax))
-        state[name] = (w / scale[:, None]).to(torch.float8_e4m3fn).contiguous()
-        state[f"{name}_scale"] = scale.contiguous()
-    return state
-
-
-def _dequantize_fp8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    scales = {k.removesuffix("_scale"): v for k, v in state.items() if k.endswith("_scale")}
-    return {k: v.float() * scales[k].float()[:, None] if k in scales else v
-            for k, v in state.items() if not k.endswith("_scale")}

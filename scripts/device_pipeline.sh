@@ -3,30 +3,48 @@
 # reassemble + verify the target GGUF, generate training data (math, code, general prompts), train, export,
 # evaluate on math500 and HumanEval.
 #   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_pipeline.sh > /tmp/run/pipeline.log 2>&1 &
-#   watch:  tail /tmp/run/pipeline.log /tmp/run/stage
+#   watch:  tail /tmp/run/pipeline.log /tmp/run/stage /tmp/run/train-*.log
 # Stages write /tmp/run/stage; every stage is resumable (re-running the script continues).
-# Env: DATA_BUDGET_S, TRAIN_BUDGET_S, TRAIN_STEPS, MATH500 (path of math500.jsonl), PROBLEMS (the MATH
-# training problems; ../shared does not travel to the device, so carry it, e.g. in .xfer/), SOURCES (the
-# prompt mix, default "math:7500 code:6000 general:2000"), SAMPLES (sampled answers per prompt, default 1;
-# 0 = greedy answers only) and TEMPERATURES (default 0.7,1.0), SEED (prompt selection and order, sampled
-# answers; default 0), BATCH (requests decoded together while generating, default 256), GEN_PROCS (engines
-# generating at once on the GPU, default 1) and GEN_KV_PAGES (each one's KV pages when several), INIT_FROM (an exported drafter to start
-# training from), LR, HUMANEVAL_CONCURRENCY (default 1: HumanEval at batch 1 gives the TPOT speedup and
-# the identical-outputs check). Shards already in /tmp/run/data (e.g. carried from an earlier run) are
-# kept: the data stage only generates the missing ones. STOP_AFTER=data|train|export|pack ends the job after
-# that stage. The pack stage writes $run/back/run-back.tar.xz.part.* (shards, drafter, logs; 15 MiB pieces):
-# carried to another machine's /tmp/xfer, the assemble stage unpacks them into $run, so training goes on
-# there (INIT_FROM=/tmp/run/drafter-bf16) with the data already generated.
+# Env: RUN_DIR (default /tmp/run), TARGET (default the demo target), DATA_BUDGET_S, TRAIN_BUDGET_S, TRAIN_STEPS, EVAL_EVERY, MATH500 (path of math500.jsonl), PROBLEMS (the
+# MATH training problems; ../shared does not travel to the device, so carry it, e.g. in .xfer/), SOURCES (the
+# prompt mix, default "math:7500 code:6000 general:2000"), EXCLUDE (prompts.recipe.json files of earlier data
+# whose prompts the new list leaves out), SAMPLES (sampled answers per prompt, default 1; 0 = greedy answers
+# only) and TEMPERATURES (default 0.7,1.0), SEED (prompt selection and order, sampled answers; default 0),
+# BATCH (requests decoded together while generating, default 256), GEN_PROCS (engines generating at once on
+# the GPU, default 1) and GEN_KV_PAGES (each one's KV pages when several), INIT_FROM (an exported drafter to
+# start training from), LR, VARIANTS (drafters trained side by side on the one GPU from the same data,
+# "NAME:STORAGE:TRAIN ARGS;..." e.g. "base:fp8:;deep:q5_0:--draft-layers 3 --target-layer-ids 1,13,25"; the
+# train args given with INIT_FROM grow it; default "main:fp8:"; the first is the one evaluated), TRAIN_ARGS
+# (more train_drafter.py flags for every variant's training and scoring, e.g. --eval-fraction 0.02),
+# HUMANEVAL_CONCURRENCY (default 1: HumanEval at batch 1 gives the TPOT speedup and the identical-outputs
+# check). Shards already in /tmp/run/data (e.g. carried from an earlier run) are kept: the data stage only
+# generates the missing ones. STOP_AFTER=data|train|export|pack ends the job after that stage; START_AT=train
+# skips the data stage (the shards came along) — the assemble stage runs on every machine. The export
+# stage writes each variant as $run/drafter-NAME (its STORAGE), -bf16 and -q8_0, and scores the first two on
+# the held-out data ($run/score-NAME*/log.jsonl: what the storage costs). The pack stage writes
+# $run/back/run-back.tar.xz.part.* (shards, the q8_0 drafters, logs; 15 MiB pieces): carried to another
+# machine's /tmp/xfer, the assemble stage unpacks them into $run, so training goes on there
+# (INIT_FROM=/tmp/run/drafter-NAME-q8_0) with the data already generated.
 set -uo pipefail
-run=/tmp/run
+run=${RUN_DIR:-/tmp/run}
 mkdir -p "$run"
 export SPECDEC_CACHE=${SPECDEC_CACHE:-/tmp/specdec-cache} PYTHONUNBUFFERED=1
-target=qwen2.5-coder-1.5b-instruct
+demo=qwen2.5-coder-1.5b-instruct
+target=${TARGET:-$demo}  # another target (an HF directory) skips the GGUF steps
 gguf=qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 sha=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
+stages=(assemble data train export pack eval)
 stage() {
   [ -n "${STOP_AFTER:-}" ] && [ "$STOP_AFTER" = "${current:-}" ] && { echo "stopped after ${current}" > "$run/stage"; exit 0; }
   current=$1; echo "$1" > "$run/stage"; echo "=== $(date +%T) $1"
+}
+wanted() {  # is stage $1 at or after START_AT (default: every stage)?
+  local s
+  for s in "${stages[@]}"; do
+    [ "$s" = "${START_AT:-assemble}" ] && return 0
+    [ "$s" = "$1" ] && return 1
+  done
+  return 1
 }
 fail() { echo "failed: $1" > "$run/stage"; echo "=== $(date +%T) failed: $1"; exit 1; }
 
@@ -37,7 +55,7 @@ if ls /tmp/xfer/run-back.tar.xz.part.* > /dev/null 2>&1 && [ ! -e "$run/.unpacke
   touch "$run/.unpacked"
 fi
 mkdir -p "$SPECDEC_CACHE/gguf"
-if [ ! -s "$SPECDEC_CACHE/gguf/$gguf" ]; then
+if [ "$target" = "$demo" ] && [ ! -s "$SPECDEC_CACHE/gguf/$gguf" ]; then
   cat /tmp/xfer/"$gguf".part.* > "$run/$gguf" || fail "reassemble"
   echo "$sha  $run/$gguf" | sha256sum -c - || fail sha256
   mv "$run/$gguf" "$SPECDEC_CACHE/gguf/$gguf"
@@ -45,12 +63,14 @@ fi
 python3 -c "from specdec.models.demo_models import resolve_model; print(resolve_model('$target'))" || fail "convert"
 
 stage data
+if wanted data; then
 sources=()
 for s in ${SOURCES:-math:7500 code:6000 general:2000}; do sources+=(--source "$s"); done
 shard=512  # prompts per shard; several engines split the list on shard boundaries
 generate=(python3 scripts/generate_training_data.py --out "$run/data" --target "$target" --max-new-tokens 1024
   --problems "${PROBLEMS:-.xfer/math_train.jsonl}" "${sources[@]}"
   --samples-per-problem "${SAMPLES:-1}" --temperature "${TEMPERATURES:-0.7,1.0}" --seed "${SEED:-0}"
+  $(for r in ${EXCLUDE:-}; do printf -- '--exclude-recipe %s ' "$r"; done)
   --shard-size "$shard" --batch-size "${BATCH:-256}" --time-budget-s "${DATA_BUDGET_S:-420}")
 procs=${GEN_PROCS:-1}
 if [ "$procs" -le 1 ]; then
@@ -69,30 +89,56 @@ else
   for pid in "${pids[@]}"; do wait "$pid" || fail "data (see $run/data-*.log)"; done
   tail -n 5 "$run"/data-*.log
 fi
+fi
+
+IFS=';' read -ra variants <<< "${VARIANTS:-main:fp8:}"
+name_of() { echo "${1%%:*}"; }
+storage_of() { local rest=${1#*:}; echo "${rest%%:*}"; }
+args_of() { local rest=${1#*:}; echo "${rest#*:}"; }
+side_by_side() {  # run "$@ NAME STORAGE ARGS" for every variant at once; fail if any fails
+  local pids=() v
+  for v in "${variants[@]}"; do "$@" "$(name_of "$v")" "$(storage_of "$v")" "$(args_of "$v")" & pids+=($!); done
+  for pid in "${pids[@]}"; do wait "$pid" || return 1; done
+}
 
 stage train
-python3 scripts/train_drafter.py --data "$run/data" --out "$run/train" --target "$target" \
-  --max-steps "${TRAIN_STEPS:-4000}" --batch-size 8 --anchors-per-seq 256 --eval-every 500 --save-every 500 \
-  --lr "${LR:-6e-4}" ${INIT_FROM:+--init-from "$INIT_FROM"} \
-  --time-budget-s "${TRAIN_BUDGET_S:-720}" --resume || fail "train"
+wanted train || fail "START_AT=${START_AT} is not one of: ${stages[*]:1:2}"
+train() {  # NAME STORAGE ARGS
+  python3 scripts/train_drafter.py --data "$run/data" --out "$run/train-$1" --target "$target" \
+    --max-steps "${TRAIN_STEPS:-4000}" --batch-size 8 --anchors-per-seq 256 --eval-every "${EVAL_EVERY:-500}" \
+    --save-every 500 --lr "${LR:-6e-4}" ${INIT_FROM:+--init-from "$INIT_FROM"} $3 \
+    --time-budget-s "${TRAIN_BUDGET_S:-720}" --resume ${TRAIN_ARGS:-} > "$run/train-$1.log" 2>&1
+}
+side_by_side train || fail "train (see $run/train-*.log)"
+tail -n 4 "$run"/train-*.log
 
 stage export
-python3 scripts/export_drafter.py "$run/train" "$run/drafter-bf16" --storage bf16 || fail "export"
-python3 scripts/export_drafter.py "$run/train" "$run/drafter-fp8" --storage fp8 || fail "export"
+export_one() {  # NAME STORAGE ARGS: the shipped storage, bf16 (peers) and q8_0 (to carry); score the first two
+  for s in "$2" bf16 q8_0; do
+    python3 scripts/export_drafter.py "$run/train-$1" "$run/drafter-$1-$s" --storage "$s" || return 1
+  done
+  ln -sfn "drafter-$1-$2" "$run/drafter-$1"
+  for s in "$2" bf16; do
+    python3 scripts/train_drafter.py --data "$run/data" --out "$run/score-$1-$s" --target "$target" \
+      --init-from "$run/drafter-$1-$s" --eval-only ${TRAIN_ARGS:-} > "$run/score-$1-$s.log" 2>&1 || return 1
+  done
+}
+side_by_side export_one || fail "export (see $run/score-*.log)"
+for f in "$run"/score-*/log.jsonl; do echo "$f: $(cut -c1-400 "$f")"; done
 
 stage pack
 # what a later machine needs to go on without generating the data again, in pieces that fit one device
-# call's returned files (16 MiB each): the shards, the prompt list, the drafter (bf16, for --init-from)
+# call's returned files (16 MiB each): the shards, the prompt list, the drafters (q8_0, for --init-from)
 # and the logs. Bring $run/back/* home, carry them to the next machine as /tmp/xfer/run-back.tar.xz.part.*
 rm -rf "$run/back" && mkdir -p "$run/back"
-(cd "$run" && tar cf - --transform 's|^train/log.jsonl|previous-train-log.jsonl|' data drafter-bf16 drafter-fp8 \
-  train/log.jsonl $(ls data-*.log 2>/dev/null) | xz -T0 -3 \
-  | split -b 15M -d -a 3 - back/run-back.tar.xz.part.) || fail "pack"
+(cd "$run" && tar cf - data drafter-*-q8_0 train-*/log.jsonl score-*/log.jsonl train-*.log \
+  $(ls data-*.log 2>/dev/null) | xz -T0 -3 | split -b 15M -d -a 3 - back/run-back.tar.xz.part.) || fail "pack"
 ls -l "$run/back"
 
 stage eval
-python3 -m eval.math500 --target "$target" --drafter "$run/drafter-fp8" --data "${MATH500:-eval/data/math500.jsonl}" \
+evaluated=$run/drafter-$(name_of "${variants[0]}")
+python3 -m eval.math500 --target "$target" --drafter "$evaluated" --data "${MATH500:-eval/data/math500.jsonl}" \
   --concurrency 64 --baseline --output "$run/eval" --no-progress || fail "eval"
-python3 -m eval.humaneval --target "$target" --drafter "$run/drafter-fp8" \
+python3 -m eval.humaneval --target "$target" --drafter "$evaluated" \
   --concurrency "${HUMANEVAL_CONCURRENCY:-1}" --baseline --output "$run/eval-humaneval" --no-progress || fail "eval humaneval"
 stage done

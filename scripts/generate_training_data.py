@@ -3,7 +3,8 @@ self-instruct), in resumable shards, each sample tagged with its domain.
 
     python scripts/generate_training_data.py --out data/mix-qc15 \
         [--source math:7500 --source code:6000 --source general:2000 --source selfinstruct:3000 | --prompts FILE.jsonl] \
-        [--problems ../shared/data/math_train.jsonl] [--seed 0] [--prompts-only] \
+        [--problems ../shared/data/math_train.jsonl] [--seed 0] [--exclude-recipe OLD/prompts.recipe.json] \
+        [--prompts-only] \
         [--target qwen2.5-coder-1.5b-instruct] [--max-new-tokens 1024] \
         [--samples-per-problem K --temperature 0.7,1.0] [--shard-size 256] [--batch-size 128] \
         [--start S] [--limit N] [--time-budget-s 540]
@@ -28,7 +29,8 @@ from pathlib import Path
 from drafters.training.data import load_samples
 from drafters.training.generation import GenerationSettings, generate_shards
 from drafters.training.prompt_set import (DEFAULT_SOURCES, PROMPTS_FILE, SourceInputs, SourceSpec, build_prompts,
-                                          prompt_set, read_prompt_file, recipe_of_file, recipe_of_sources,
+                                          prompt_set, read_prompt_file, read_recipe, recipe_of_file,
+                                          recipe_of_sources, recipe_texts,
                                           refuse_benchmark_file)
 from drafters.training.self_instruct import engine_completions
 
@@ -49,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help="ready prompts (`prompt` and `domain` per line) instead of --source")
     p.add_argument("--problems", default=str(DEFAULT_PROBLEMS), help="the math source: JSONL with a `problem` field")
+    p.add_argument("--exclude-recipe", action="append", default=[], metavar="prompts.recipe.json",
+                   help="leave out every prompt of the list this recipe builds (e.g. earlier training data's), "
+                        "repeatable; each --source then takes its first COUNT other prompts")
     p.add_argument("--prompts-only", action="store_true", help="build and store the prompt list, answer nothing")
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy answer (sampled answers only)")
@@ -66,8 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="auto")
     p.add_argument("--time-budget-s", type=float, default=None, help="stop before a shard that would end past this")
     args = p.parse_args(argv)
-    if args.prompts and args.source:
-        p.error("give --source or --prompts, not both")
+    if args.prompts and (args.source or args.exclude_recipe):
+        p.error("give --source (and --exclude-recipe) or --prompts, not both")
     return args
 
 
@@ -79,9 +84,15 @@ def load_or_build_prompts(args, target, deadline):
         recipe = recipe_of_file(args.prompts)
         return prompt_set(args.out, recipe, lambda: read_prompt_file(args.prompts))
     specs = args.source or [SourceSpec.parse(s) for s in DEFAULT_SOURCES]
-    recipe = recipe_of_sources(specs, args.seed, args.problems)
+    excluded_recipes = [read_recipe(path) for path in args.exclude_recipe]
+    recipe = recipe_of_sources(specs, args.seed, args.problems, excluded_recipes)
     inputs = SourceInputs(args.problems, lambda: engine_completions(target()), Path(args.out), deadline)
-    return prompt_set(args.out, recipe, lambda: build_prompts(specs, args.seed, inputs))
+
+    def build():
+        exclude = frozenset().union(*(recipe_texts(r, args.problems) for r in excluded_recipes))
+        return build_prompts(specs, args.seed, inputs, exclude)
+
+    return prompt_set(args.out, recipe, build)
 
 
 def main(argv=None) -> None:

@@ -8,8 +8,10 @@ Drafter shape: --draft-layers, --heads, --kv-heads, --head-dim, --intermediate-s
 --target-layer-ids, --block-size, --mask-token-id. With --resume and a checkpoint in --out, the
 checkpoint's shape and state win and training continues where it stopped (same batches, same
 anchors as an uninterrupted run). --init-from DRAFTER starts a new run from an exported drafter's
-weights and shape (bf16 or fp8 storage), e.g. to train a shipped drafter further with a fresh
-schedule. Held-out data: the prompts whose hash falls in the lowest --eval-fraction (the same
+weights and shape (any storage), e.g. to train a shipped drafter further with a fresh schedule; shape
+flags given with it grow that drafter (more draft layers, a wider MLP, more target layers) without
+changing what it computes (`drafters.training.grow`). --eval-only scores the starting weights and
+stops: with --init-from a stored drafter, what its storage costs on held-out acceptance. Held-out data: the prompts whose hash falls in the lowest --eval-fraction (the same
 prompts in every run, whatever the data's order or recipe), scored per domain (math, code, ...). Progress: a tqdm bar (loss, lr, batch tau, held-out tau), a line of held-out tau
 per domain at each evaluation, and <out>/log.jsonl (one line per evaluation, per-domain numbers under
 "domains"). Export with scripts/export_drafter.py.
@@ -18,7 +20,9 @@ per domain at each evaluation, and <out>/log.jsonl (one line per evaluation, per
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from dataclasses import replace
 
 import torch
 
@@ -30,17 +34,20 @@ def parse_args(argv=None):
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="demo name or HF model directory")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt when present")
     p.add_argument("--device", default="auto")
+    p.add_argument("--eval-only", action="store_true",
+                   help="score the starting weights on the held-out data (one log line), train nothing; e.g. "
+                        "--init-from a stored drafter to measure what its weight storage costs")
     p.add_argument("--init-from", default=None, metavar="DRAFTER",
                    help="exported drafter directory whose weights (and shape) a new run starts from")
-    # drafter shape
-    p.add_argument("--draft-layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--intermediate-size", type=int, default=768)
+    # drafter shape (defaults: DrafterShape's); with --init-from, the ones given grow the drafter to them
+    p.add_argument("--draft-layers", type=int, default=None, help="default 2")
+    p.add_argument("--heads", type=int, default=None, help="default 8")
+    p.add_argument("--kv-heads", type=int, default=None, help="default 2")
+    p.add_argument("--head-dim", type=int, default=None, help="default 128")
+    p.add_argument("--intermediate-size", type=int, default=None, help="default 768")
     p.add_argument("--target-layer-ids", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    help="comma-separated, e.g. 1,13,25 (default: spread over the target like z-lab's)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="default 16")
     p.add_argument("--mask-token-id", type=int, default=151669)
     # optimisation
     p.add_argument("--max-steps", type=int, default=3000)
@@ -66,6 +73,16 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+SHAPE_ARGUMENTS = {"draft_layers": "num_layers", "heads": "heads", "kv_heads": "kv_heads", "head_dim": "head_dim",
+                   "intermediate_size": "intermediate_size", "block_size": "block_size",
+                   "target_layer_ids": "target_layer_ids"}  # flag -> DrafterShape field
+
+
+def shape_arguments(args) -> dict:
+    """The DrafterShape fields the command line gives."""
+    return {field: getattr(args, flag) for flag, field in SHAPE_ARGUMENTS.items() if getattr(args, flag) is not None}
+
+
 def main(argv=None) -> None:
     started = time.monotonic()
     args = parse_args(argv)
@@ -73,8 +90,9 @@ def main(argv=None) -> None:
 
     from drafters.training.checkpoint import config_from_json, load_checkpoint
     from drafters.training.data import load_samples
-    from drafters.training.drafter_config import (DrafterShape, default_gamma, drafter_config, fp8_storage_bytes,
+    from drafters.training.drafter_config import (DrafterShape, default_gamma, drafter_config, storage_bytes,
                                                   new_drafter, parameter_counts)
+    from drafters.training.grow import grow, shape_of
     from drafters.training.target import FrozenTarget, check_mask_token
     from drafters.training.trainer import TrainConfig, Trainer
     from drafters.compatibility import check_compatible
@@ -91,14 +109,18 @@ def main(argv=None) -> None:
         drafter = DFlashDraftModel(config)
         print(f"resuming {args.out} at step {checkpoint['step']} (shape from the checkpoint)")
     elif args.init_from:
-        drafter = load_dflash(args.init_from, torch.device("cpu"), torch.float32).train().requires_grad_(True)
+        drafter = load_dflash(args.init_from, torch.device("cpu"), torch.float32)
+        check_compatible(drafter.config, target_config, args.init_from)  # before the target loads
+        given = shape_arguments(args)
+        if given:
+            drafter = grow(drafter, target_config, replace(shape_of(drafter), **given), args.seed)
+            print(f"starting from the weights of {args.init_from}, grown to {given} (computing the same)")
+        else:
+            print(f"starting from the weights of {args.init_from} (shape from the drafter)")
+        drafter = drafter.float().train().requires_grad_(True)
         config = drafter.config
-        check_compatible(config, target_config, args.init_from)  # before the target loads
-        print(f"starting from the weights of {args.init_from} (shape from the drafter)")
     else:
-        shape = DrafterShape(args.draft_layers, args.heads, args.kv_heads, args.head_dim, args.intermediate_size,
-                             args.block_size, args.target_layer_ids)
-        config = drafter_config(target_config, shape, args.mask_token_id)
+        config = drafter_config(target_config, DrafterShape(**shape_arguments(args)), args.mask_token_id)
         drafter = new_drafter(config, args.seed)
     spec = drafter.spec
     tokenizer = AutoTokenizer.from_pretrained(target_dir) if (target_dir / "tokenizer_config.json").is_file() else None
@@ -107,11 +129,15 @@ def main(argv=None) -> None:
     print(f"drafter: {config.num_hidden_layers} layers, {config.num_attention_heads}/{config.num_key_value_heads} "
           f"heads x {config.head_dim}, intermediate {config.intermediate_size}, target layers "
           f"{list(spec.target_layer_ids)}, block {spec.block_size}: {counts['total'] / 1e6:.2f}M parameters, "
-          f"fp8 storage ~{fp8_storage_bytes(config) / 2**20:.2f} MiB, bf16 ~{2 * counts['total'] / 2**20:.2f} MiB")
+          "stored " + ", ".join(f"{s} {storage_bytes(config, s) / 2**20:.2f}" for s in ("bf16", "fp8", "q5_0", "q4_0"))
+          + " MiB")
 
+    train_data, eval_data = load_samples(args.data).split_held_out(args.eval_fraction, seed=args.seed)
+    if args.eval_only and len(eval_data) == 0:
+        raise SystemExit(f"--eval-only: no held-out sequences in {args.data} at --eval-fraction {args.eval_fraction}; "
+                         f"raise it")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = FrozenTarget.load(target_dir, spec.target_layer_ids, device, dtype)
-    train_data, eval_data = load_samples(args.data).split_held_out(args.eval_fraction, seed=args.seed)
     trained, held = train_data.domain_indices(), eval_data.domain_indices()
     per_domain = ", ".join(f"{d} {len(trained.get(d, ()))}+{len(held.get(d, ()))}" for d in sorted(trained.keys() | held.keys()))
     print(f"data: {len(train_data)} training sequences, {len(eval_data)} held out (per domain, training+held out: "
@@ -124,6 +150,11 @@ def main(argv=None) -> None:
         eval_sequences=args.eval_sequences, eval_anchors_per_seq=args.eval_anchors_per_seq,
         time_budget_s=args.time_budget_s)
     trainer = Trainer(train_config, drafter, target, train_data, eval_data, start_time=started)
+    if args.eval_only:
+        record = {"drafter": args.init_from, **trainer.evaluate()}
+        trainer.log(record)
+        print(json.dumps(record))
+        return
     if checkpoint is not None:
         trainer.resume()
     trainer.train()

@@ -33,10 +33,10 @@ def spec_engine(path, drafter, eos=(), **config):
     return Engine(tiny_target(path, eos), EngineConfig(device="cpu", **config), drafter)
 
 
-def dflash_drafter(path, tmp_path, block_size, seed=0):
+def dflash_drafter(path, tmp_path, block_size, seed=0, **shape):
     target = tiny_target(path)
     build_random_drafter(tmp_path / f"drafter-{block_size}-{seed}", target.model.config, seed=seed,
-                         block_size=block_size)
+                         block_size=block_size, **shape)
     return load_drafter(tmp_path / f"drafter-{block_size}-{seed}", target.model)
 
 
@@ -57,6 +57,17 @@ def test_dflash_greedy_equals_autoregressive(target_dir, tmp_path, batch, block_
     got = engine.generate_ids(prompts, SamplingParams(max_new_tokens=max_new))
     assert [r.output_ids for r in got] == expected
     assert all(r.finish_reason == "length" and r.stats.verify_steps > 0 for r in got)
+    assert_no_leak(engine)
+
+
+def test_deeper_drafter_reading_more_target_layers_is_lossless(target_dir, tmp_path):
+    """A grown drafter's shape (3 draft layers, 3 target layers): greedy output still equals autoregressive."""
+    prompts = MANY_PROMPTS[:3]
+    expected = ar_outputs(target_dir, prompts, 23)
+    drafter = dflash_drafter(target_dir, tmp_path, 4, num_layers=3, target_layer_ids=[0, 1, 2])
+    engine = spec_engine(target_dir, drafter)
+    got = engine.generate_ids(prompts, SamplingParams(max_new_tokens=23))
+    assert [r.output_ids for r in got] == expected
     assert_no_leak(engine)
 
 

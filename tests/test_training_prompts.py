@@ -9,8 +9,9 @@ import torch
 from drafters.training.data import TokenSamples
 from drafters.training.general_tasks import general_prompts
 from drafters.training.near_duplicates import unique_texts
-from drafters.training.prompt_set import (SourceInputs, SourceSpec, build_prompts, prompt_set, read_prompt_file,
-                                          recipe_of_sources, refuse_benchmark_file)
+from drafters.training.prompt_set import (SourceInputs, SourceSpec, build_prompts, math_prompts, prompt_set,
+                                          read_prompt_file, read_recipe, recipe_of_sources, recipe_texts,
+                                          refuse_benchmark_file)
 from drafters.training.self_instruct import parse_requests, self_instruct_prompts
 from drafters.training.stdlib_tasks import coding_prompts
 from tests.test_training import make_trainer, setup, toy_samples  # noqa: F401 - setup is a fixture
@@ -136,3 +137,28 @@ def test_a_prompt_is_held_out_in_every_data_set_that_holds_it():
     assert split(list(range(1000)), fraction=0.0)[1] == set()
     with pytest.raises(ValueError, match="fraction"):
         split([1], fraction=1.0)
+
+
+def test_earlier_lists_are_excluded_so_new_data_asks_new_questions(tmp_path):
+    problems = tmp_path / "math_train.jsonl"
+    problems.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?"}) + "\n" for i in range(30)))
+    old = recipe_of_sources([SourceSpec.parse(s) for s in ("code:40", "math:10", "general:20")], 0, problems)
+    (tmp_path / "old.recipe.json").write_text(json.dumps({"recipe": old, "counts": {}}))
+    old_texts = recipe_texts(read_recipe(tmp_path / "old.recipe.json"), problems)
+    assert len(old_texts) == 70
+    specs = [SourceSpec.parse(s) for s in ("code:40", "math:all", "general:20")]
+    new = build_prompts(specs, 1, SourceInputs(problems), old_texts)
+    domains = [p.domain for p in new]
+    assert {d: domains.count(d) for d in set(domains)} == {"code": 40, "math": 20, "general": 20}
+    assert not old_texts & {p.text for p in new}
+    # the math problems after the first 10, in file order
+    assert sorted(p.text for p in new if p.domain == "math") == sorted(t for t in math_prompts(problems, None)[10:])
+    # an exclusion is part of the new list's recipe (a resumed run must exclude the same), and nests
+    recipe = recipe_of_sources(specs, 1, problems, [old])
+    assert recipe["exclude"] == [old]
+    assert recipe_texts(recipe, problems) == {p.text for p in new}
+    with pytest.raises(ValueError, match="not a prompt recipe"):
+        (tmp_path / "x.json").write_text("{}")
+        read_recipe(tmp_path / "x.json")
+    with pytest.raises(ValueError, match="built from math_train.jsonl, not"):
+        recipe_texts(old, tmp_path / "other.jsonl")

@@ -37,10 +37,11 @@ series of short calls (e.g. 10-minute GPU jobs): run the same command again and 
 
    bf16 (default) is read by z-lab's `dflash`, vLLM, SGLang and `drafters.load_drafter`; fp8
    (e4m3 weights, per-output-channel scales, `"weight_storage": "fp8_e4m3_per_channel"` at the top
-   level of config.json) is about half the size and read by `drafters.load_drafter` only.
+   level of config.json) is about half the size and read by `drafters.load_drafter` only, as are the
+   GGML block storages q8_0 ... q4_0 (`drafters.weight_storage`), which fit a larger drafter in the same bytes.
 
 Modules: `data` (samples, shards, batches), `generation` (answering problems with the engine),
 `anchors` (anchors, blocks, labels, weights, acceptance length), `mask` (the training mask),
 `forward` (dense training forward and chunked loss), `target` (the frozen target), `drafter_config`
-(shape, init, size), `checkpoint` (atomic save/load), `trainer` (the loop).
+(shape, init, size), `grow` (a trained drafter widened or deepened without changing what it computes), `checkpoint` (atomic save/load), `trainer` (the loop).
 """

@@ -92,12 +92,19 @@ def parameter_counts(config) -> dict[str, int]:
     return counts
 
 
-def fp8_storage_bytes(config) -> int:
-    """Weight bytes of the fp8 storage: 1 byte per Linear weight, fp32 scale per output row, bf16 norms."""
+def storage_bytes(config, storage: str) -> int:
+    """Weight bytes of `storage` (drafters.weight_storage): Linear weights in it, norms in bf16."""
     c = parameter_counts(config)
     linear = c["total"] - c["norms"]
-    hidden, hd = config.hidden_size, config.head_dim
-    rows = hidden + config.num_hidden_layers * (
-        hd * (config.num_attention_heads + 2 * config.num_key_value_heads) + hidden + 2 * config.intermediate_size
-        + hidden)
-    return linear + 4 * rows + 2 * c["norms"]
+    if storage == "bf16":
+        return 2 * c["total"]
+    if storage == "fp8":  # 1 byte per weight and a float32 scale per output row
+        hidden, hd = config.hidden_size, config.head_dim
+        rows = hidden + config.num_hidden_layers * (
+            hd * (config.num_attention_heads + 2 * config.num_key_value_heads) + hidden
+            + 2 * config.intermediate_size + hidden)
+        return linear + 4 * rows + 2 * c["norms"]
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[storage.upper()]]
+    return linear // block * size + 2 * c["norms"]

@@ -9,8 +9,9 @@ Sources, given as NAME:COUNT (COUNT `all`, or no COUNT, takes everything the sou
     general       general instructions over the topics of topics.json (`general_tasks`)
     selfinstruct  requests the target writes itself from seed topics (`self_instruct`; needs the target)
 
-or a JSONL file of ready prompts (`prompt` and `domain` fields). A text given by two sources is kept
-once (the first); then the whole list is shuffled with the seed, so that every range of shards holds
+or a JSONL file of ready prompts (`prompt` and `domain` fields). Texts of earlier lists can be left out
+(their recipes rebuilt offline), so that new data asks new questions: each source then takes its first
+COUNT candidates that are not among them. A text given by two sources is kept once (the first); then the whole list is shuffled with the seed, so that every range of shards holds
 the mix (a run cut short by its time budget still covers every domain). Benchmark files (HumanEval,
 MBPP, math500) are refused.
 
@@ -100,14 +101,16 @@ def math_prompts(path: str | os.PathLike, count: int | None) -> list[str]:
     return [problem + MATH_INSTRUCTION for problem in read_problems(path)[:count]]
 
 
-def source_prompts(spec: SourceSpec, seed: int, inputs: SourceInputs) -> list[str] | None:
-    """The source's prompts; None when self-instruct ran out of time (its finished rounds are kept)."""
-    if spec.name == "math":
-        return math_prompts(inputs.problems, spec.count)
-    if spec.name == "code":
-        return coding_prompts(spec.count, seed)
-    if spec.name == "general":
-        return general_prompts(spec.count, seed)
+def source_prompts(spec: SourceSpec, seed: int, inputs: SourceInputs,
+                   exclude: frozenset[str] = frozenset()) -> list[str] | None:
+    """The source's prompts, the first `count` not in `exclude`; None when self-instruct ran out of time
+    (its finished rounds are kept)."""
+    offline = {"math": lambda count: math_prompts(inputs.problems, count),
+               "code": lambda count: coding_prompts(count, seed), "general": lambda count: general_prompts(count, seed)}
+    if spec.name in offline:
+        if not exclude:
+            return offline[spec.name](spec.count)
+        return [t for t in offline[spec.name](None) if t not in exclude][:spec.count]
     if inputs.completions is None:
         raise ValueError("the selfinstruct source needs the target's completions")
     if spec.count is None:
@@ -115,13 +118,15 @@ def source_prompts(spec: SourceSpec, seed: int, inputs: SourceInputs) -> list[st
     return self_instruct_prompts(spec.count, seed, inputs.completions(), inputs.cache_dir, inputs.deadline)
 
 
-def build_prompts(specs: list[SourceSpec], seed: int, inputs: SourceInputs) -> list[Prompt] | None:
-    """The mixed, shuffled list; None when the deadline stopped self-instruct."""
+def build_prompts(specs: list[SourceSpec], seed: int, inputs: SourceInputs,
+                  exclude: frozenset[str] = frozenset()) -> list[Prompt] | None:
+    """The mixed, shuffled list, without the texts in `exclude`; None when the deadline stopped self-instruct."""
     prompts = []
     for spec in specs:
-        texts = source_prompts(spec, seed, inputs)
+        texts = source_prompts(spec, seed, inputs, exclude)
         if texts is None:
             return None
+        texts = [t for t in texts if t not in exclude]  # self-instruct's, which come without a pool to skip in
         if spec.count is not None and len(texts) < spec.count:
             log.warning("source %s yields %d prompts, fewer than the %d asked for", spec.name, len(texts), spec.count)
         prompts += [Prompt(spec.name, t) for t in texts]
@@ -129,14 +134,38 @@ def build_prompts(specs: list[SourceSpec], seed: int, inputs: SourceInputs) -> l
     return seeded_order(distinct, seed, "mix")
 
 
-def recipe_of_sources(specs: list[SourceSpec], seed: int, problems: str | os.PathLike) -> dict:
+def recipe_of_sources(specs: list[SourceSpec], seed: int, problems: str | os.PathLike,
+                      exclude: list[dict] = ()) -> dict:
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"a source is given twice: {', '.join(map(str, specs))}")
     recipe = {"sources": [str(s) for s in specs], "seed": seed}
     if "math" in names:
         recipe["problems"] = Path(problems).name
+    if exclude:
+        recipe["exclude"] = list(exclude)
     return recipe
+
+
+def read_recipe(path: str | os.PathLike) -> dict:
+    """The recipe in a `prompts.recipe.json` (or a bare recipe), to rebuild its list, e.g. to exclude it."""
+    data = json.loads(Path(path).read_text())
+    recipe = data.get("recipe", data)
+    if not isinstance(recipe.get("sources"), list) or not isinstance(recipe.get("seed"), int):
+        raise ValueError(f"{path}: not a prompt recipe (needs `sources` and `seed`, as prompts.recipe.json has)")
+    if any(SourceSpec.parse(s).name == "selfinstruct" for s in recipe["sources"]):
+        raise ValueError(f"{path}: a recipe with the selfinstruct source cannot be rebuilt offline to exclude it")
+    return recipe
+
+
+def recipe_texts(recipe: dict, problems: str | os.PathLike) -> frozenset[str]:
+    """Every prompt text the list of `recipe` holds (rebuilt offline; its own exclusions applied)."""
+    if recipe.get("problems", Path(problems).name) != Path(problems).name:
+        raise ValueError(f"the recipe {recipe} was built from {recipe['problems']}, not {problems}")
+    inputs = SourceInputs(problems)
+    excluded = frozenset().union(*(recipe_texts(r, problems) for r in recipe.get("exclude", ())))
+    specs = [SourceSpec.parse(s) for s in recipe["sources"]]
+    return frozenset(p.text for p in build_prompts(specs, recipe["seed"], inputs, excluded))
 
 
 def read_prompt_file(path: str | os.PathLike) -> list[Prompt]:
