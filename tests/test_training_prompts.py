@@ -162,3 +162,41 @@ def test_earlier_lists_are_excluded_so_new_data_asks_new_questions(tmp_path):
         read_recipe(tmp_path / "x.json")
     with pytest.raises(ValueError, match="built from math_train.jsonl, not"):
         recipe_texts(old, tmp_path / "other.jsonl")
+
+
+def test_library_code_prompts_come_from_installed_packages_source(tmp_path, monkeypatch):
+    package = tmp_path / "site" / "toylib"
+    (package / "tests").mkdir(parents=True)
+    (package / "__init__.py").write_text('"""A toy library for tests."""\n')
+    (package / "shapes.py").write_text('''"""Shapes and their areas, for the toy library."""
+
+
+def rectangle_area(width: float, height: float) -> float:
+    """Return the area of a rectangle from its width and height, both non-negative numbers."""
+    if width < 0 or height < 0:
+        raise ValueError("negative side")
+    area = width * height
+    return area
+''')
+    (package / "_private.py").write_text('def hidden_helper(x):\n    """Never shown: the module is private, so skip it."""\n')
+    (package / "tests" / "test_shapes.py").write_text('def test_area():\n    """A test module: skipped too."""\n')
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    from drafters.training.stdlib_tasks import installed_packages
+
+    assert installed_packages(("toylib", "surely_not_installed_pkg")) == {"toylib": "?"}
+    prompts = coding_prompts(None, 0, ("toylib", "surely_not_installed_pkg"))
+    text = "\n".join(prompts)
+    assert "rectangle_area(width: float, height: float) -> float" in text
+    assert "toylib.shapes" in text and "hidden_helper" not in text and "test_area" not in text
+    assert coding_prompts(None, 0, ("toylib",)) == prompts != coding_prompts(None, 1, ("toylib",))
+
+    # the source `libcode` records the libraries it read, and a rebuild elsewhere must have the same
+    import drafters.training.prompt_set as prompt_set_module
+
+    monkeypatch.setattr(prompt_set_module, "LIBRARY_PACKAGES", ("toylib",))
+    specs = [SourceSpec.parse("libcode:all")]
+    recipe = recipe_of_sources(specs, 0, tmp_path / "math_train.jsonl")
+    assert recipe["libraries"] == {"toylib": "?"}
+    assert recipe_texts(recipe, tmp_path / "math_train.jsonl") == set(prompts)
+    with pytest.raises(ValueError, match="libcode prompts were built from"):
+        recipe_texts({**recipe, "libraries": {"toylib": "0.1"}}, tmp_path / "math_train.jsonl")

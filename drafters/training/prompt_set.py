@@ -6,6 +6,8 @@ Sources, given as NAME:COUNT (COUNT `all`, or no COUNT, takes everything the sou
     math          the MATH training problems (a JSONL with `problem`), in file order, each followed by
                   the math500 instruction
     code          coding requests from the standard library's code and docs (`stdlib_tasks`)
+    libcode       the same requests about installed libraries' code (`stdlib_tasks.LIBRARY_PACKAGES`: numpy,
+                  torch, sympy, ...; the recipe records their versions)
     general       general instructions over the topics of topics.json (`general_tasks`)
     selfinstruct  requests the target writes itself from seed topics (`self_instruct`; needs the target)
 
@@ -37,13 +39,13 @@ from drafters.training.general_tasks import general_prompts
 from drafters.training.near_duplicates import unique_texts
 from drafters.training.prompt_pool import seeded_order
 from drafters.training.self_instruct import Completions, self_instruct_prompts
-from drafters.training.stdlib_tasks import coding_prompts
+from drafters.training.stdlib_tasks import LIBRARY_PACKAGES, coding_prompts, installed_packages
 
 log = logging.getLogger(__name__)
 
 # the math500 user turn (z-lab's benchmark prompt), applied to the training problems
 MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-SOURCES = ("math", "code", "general", "selfinstruct")
+SOURCES = ("math", "code", "libcode", "general", "selfinstruct")
 DEFAULT_SOURCES = ("math:7500", "code:6000", "general:2000")
 PROMPTS_FILE = "prompts.jsonl"
 RECIPE_FILE = "prompts.recipe.json"
@@ -106,7 +108,9 @@ def source_prompts(spec: SourceSpec, seed: int, inputs: SourceInputs,
     """The source's prompts, the first `count` not in `exclude`; None when self-instruct ran out of time
     (its finished rounds are kept)."""
     offline = {"math": lambda count: math_prompts(inputs.problems, count),
-               "code": lambda count: coding_prompts(count, seed), "general": lambda count: general_prompts(count, seed)}
+               "code": lambda count: coding_prompts(count, seed),
+               "libcode": lambda count: coding_prompts(count, seed, LIBRARY_PACKAGES),
+               "general": lambda count: general_prompts(count, seed)}
     if spec.name in offline:
         if not exclude:
             return offline[spec.name](spec.count)
@@ -142,6 +146,8 @@ def recipe_of_sources(specs: list[SourceSpec], seed: int, problems: str | os.Pat
     recipe = {"sources": [str(s) for s in specs], "seed": seed}
     if "math" in names:
         recipe["problems"] = Path(problems).name
+    if "libcode" in names:  # the prompts depend on the libraries' source
+        recipe["libraries"] = installed_packages(LIBRARY_PACKAGES)
     if exclude:
         recipe["exclude"] = list(exclude)
     return recipe
@@ -162,6 +168,9 @@ def recipe_texts(recipe: dict, problems: str | os.PathLike) -> frozenset[str]:
     """Every prompt text the list of `recipe` holds (rebuilt offline; its own exclusions applied)."""
     if recipe.get("problems", Path(problems).name) != Path(problems).name:
         raise ValueError(f"the recipe {recipe} was built from {recipe['problems']}, not {problems}")
+    if "libraries" in recipe and recipe["libraries"] != installed_packages(LIBRARY_PACKAGES):
+        raise ValueError(f"the recipe's libcode prompts were built from {recipe['libraries']}; this machine has "
+                         f"{installed_packages(LIBRARY_PACKAGES)}: rebuild it where those versions are installed")
     inputs = SourceInputs(problems)
     excluded = frozenset().union(*(recipe_texts(r, problems) for r in recipe.get("exclude", ())))
     specs = [SourceSpec.parse(s) for s in recipe["sources"]]

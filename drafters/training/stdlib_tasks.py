@@ -1,10 +1,12 @@
-"""Coding requests built from Python's standard library source: the signatures, docstrings and code of
-its public functions, methods, classes and modules (read with `ast`, never imported), dressed in
-request templates (implement, explain then implement, port to another language, write tests, fix a
-bug, refactor, review, explain code, write a script with a module).
+"""Coding requests built from Python source: the signatures, docstrings and code of the public
+functions, methods, classes and modules of the standard library, or of installed packages
+(`LIBRARY_PACKAGES`; read with `ast`, never imported), dressed in request templates (implement,
+explain then implement, port to another language, write tests, fix a bug, refactor, review, explain
+code, write a script with a module).
 
-The source files are those of the running interpreter, so the list is a pure function of (count,
-seed, Python version); the data script records the list it answered. Definitions whose docstring
+The source files are those of the running interpreter and its installed packages, so the list is a
+pure function of (count, seed, Python version, package versions); the data script records the list it
+answered. Definitions whose docstring
 or code nearly repeats an earlier one (a module that mirrors another, e.g. posixpath and ntpath) are
 dropped before templating."""
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import ast
 import copy
+import importlib.metadata
+import importlib.util
 import os
 import re
 import sysconfig
@@ -66,20 +70,52 @@ class Module:
     summary: str
 
 
-def stdlib_files() -> list[tuple[Path, str]]:
-    """(path, module name) of every public stdlib module file, sorted; skipped packages are not walked
-    (site-packages can be large)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+# installed packages whose source the `libcode` prompts are built from (those not installed are left out):
+# libraries people write code against, mostly pure Python, present wherever this project's training runs
+LIBRARY_PACKAGES = ("numpy", "torch", "transformers", "sympy", "networkx", "jinja2", "huggingface_hub", "fsspec",
+                    "tqdm", "yaml", "packaging", "filelock", "safetensors", "accelerate", "requests", "click")
+
+
+def source_files(root: Path, package: str | None = None) -> list[tuple[Path, str]]:
+    """(path, module name) of every public module file under `root` (the stdlib's folder, or an installed
+    package's with its name), sorted; skipped folders are not walked (site-packages can be large)."""
+    prefix = (package,) if package else ()
     found = []
     for folder, subfolders, files in os.walk(root):
-        relative = Path(folder).relative_to(root)
+        relative = Path(*prefix, Path(folder).relative_to(root))
         if relative.parts and module_name(relative / "__init__.py") is None:
             subfolders.clear()
             continue
+        subfolders.sort()
         for file in files:
             name = module_name(relative / file) if file.endswith(".py") else None
             if name is not None:
                 found.append((Path(folder) / file, name))
+    return sorted(found)
+
+
+def stdlib_files() -> list[tuple[Path, str]]:
+    return source_files(Path(sysconfig.get_paths()["stdlib"]))
+
+
+def installed_packages(packages: tuple[str, ...]) -> dict[str, str]:
+    """{name: version} of those of `packages` that are installed (found without importing them)."""
+    found = {}
+    for name in packages:
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:  # a distribution named otherwise (yaml: PyYAML)
+            found[name] = "?"
+    return found
+
+
+def package_files(packages: tuple[str, ...]) -> list[tuple[Path, str]]:
+    found = []
+    for name in installed_packages(packages):
+        for location in importlib.util.find_spec(name).submodule_search_locations or ():
+            found += source_files(Path(location), name)
     return sorted(found)
 
 
@@ -169,13 +205,14 @@ def module_definitions(path: Path, module: str) -> tuple[Module, list[Definition
 
 
 @cache
-def stdlib_definitions() -> tuple[tuple[Module, ...], tuple[Definition, ...]]:
-    """Public modules (with a docstring) and their definitions, in file order, near-duplicates dropped."""
+def definitions_in(packages: tuple[str, ...] | None = None) -> tuple[tuple[Module, ...], tuple[Definition, ...]]:
+    """Public modules (with a docstring) and their definitions, in file order, near-duplicates dropped: the
+    standard library's, or those of the installed `packages`."""
     modules, definitions = [], []
-    for path, name in stdlib_files():
+    for path, name in (stdlib_files() if packages is None else package_files(packages)):
         try:
             module, found = module_definitions(path, name)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
+        except (SyntaxError, UnicodeDecodeError, ValueError, RecursionError):
             continue  # a file this interpreter cannot parse has nothing to offer
         if module.summary:
             modules.append(module)
@@ -228,9 +265,10 @@ def definition_prompt(template: str, d: Definition, seed: int) -> str:
     return template.format(**fields)
 
 
-def coding_prompts(count: int | None, seed: int) -> list[str]:
-    """Up to `count` (None: all) distinct coding requests, a pure function of (count, seed, Python version)."""
-    modules, definitions = stdlib_definitions()
+def coding_prompts(count: int | None, seed: int, packages: tuple[str, ...] | None = None) -> list[str]:
+    """Up to `count` (None: all) distinct coding requests about the standard library (or the installed
+    `packages`), a pure function of (count, seed, Python and package versions)."""
+    modules, definitions = definitions_in(packages)
     callables = [d for d in definitions if d.kind != "class"]
     classes = [d for d in definitions if d.kind == "class" and d.doc and d.methods]
     groups = []
