@@ -177,6 +177,11 @@ def rectangle_area(width: float, height: float) -> float:
         raise ValueError("negative side")
     area = width * height
     return area
+
+
+def below_zero(operations: list) -> bool:
+    """Named like a HumanEval function: left out of the prompts whatever it does, being library code."""
+    return any(op < 0 for op in operations)
 ''')
     (package / "_private.py").write_text('def hidden_helper(x):\n    """Never shown: the module is private, so skip it."""\n')
     (package / "tests" / "test_shapes.py").write_text('def test_area():\n    """A test module: skipped too."""\n')
@@ -188,6 +193,7 @@ def rectangle_area(width: float, height: float) -> float:
     text = "\n".join(prompts)
     assert "rectangle_area(width: float, height: float) -> float" in text
     assert "toylib.shapes" in text and "hidden_helper" not in text and "test_area" not in text
+    assert "below_zero" not in text
     assert coding_prompts(None, 0, ("toylib",)) == prompts != coding_prompts(None, 1, ("toylib",))
 
     # the source `libcode` records the libraries it read, and a rebuild elsewhere must have the same

