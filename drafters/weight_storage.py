@@ -32,6 +32,20 @@ def config_value(storage: str) -> str | None:
     return {"bf16": None, "fp8": FP8}.get(storage, f"ggml_{storage}")
 
 
+def linear_bytes(weights: int, rows: int, storage: str) -> int:
+    """Bytes `storage` takes for Linear weights: `weights` of them in `rows` output rows (a GGML block runs
+    along one row, whose length `quantize` requires to be a multiple of the block)."""
+    value = config_value(storage)
+    if value is None:
+        return 2 * weights
+    if value == FP8:  # 1 byte per weight and a float32 scale per output row
+        return weights + 4 * rows
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[_ggml_type(value)]
+    return weights // block * size
+
+
 def _ggml_type(value: str):
     from gguf import GGMLQuantizationType
 

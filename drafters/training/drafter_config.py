@@ -10,6 +10,7 @@ from torch import nn
 from transformers import Qwen3Config
 
 from drafters.dflash_model import DFlashDraftModel, default_target_layer_ids
+from drafters.weight_storage import linear_bytes
 
 # SpecForge's loss decay per block size (gamma = 7 for bs 16, 4 for bs 8); other sizes scale linearly
 GAMMA_BY_BLOCK_SIZE = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -95,16 +96,8 @@ def parameter_counts(config) -> dict[str, int]:
 def storage_bytes(config, storage: str) -> int:
     """Weight bytes of `storage` (drafters.weight_storage): Linear weights in it, norms in bf16."""
     c = parameter_counts(config)
-    linear = c["total"] - c["norms"]
-    if storage == "bf16":
-        return 2 * c["total"]
-    if storage == "fp8":  # 1 byte per weight and a float32 scale per output row
-        hidden, hd = config.hidden_size, config.head_dim
-        rows = hidden + config.num_hidden_layers * (
-            hd * (config.num_attention_heads + 2 * config.num_key_value_heads) + hidden
-            + 2 * config.intermediate_size + hidden)
-        return linear + 4 * rows + 2 * c["norms"]
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[storage.upper()]]
-    return linear // block * size + 2 * c["norms"]
+    hidden, hd = config.hidden_size, config.head_dim
+    rows = hidden + config.num_hidden_layers * (  # output rows of the Linear weights: fc, then q k v o, gate up down
+        hd * (config.num_attention_heads + 2 * config.num_key_value_heads) + hidden
+        + 2 * config.intermediate_size + hidden)
+    return linear_bytes(c["total"] - c["norms"], rows, storage) + 2 * c["norms"]

@@ -119,7 +119,8 @@ def source_prompts(spec: SourceSpec, seed: int, inputs: SourceInputs,
         raise ValueError("the selfinstruct source needs the target's completions")
     if spec.count is None:
         raise ValueError("the selfinstruct source needs a count")
-    return self_instruct_prompts(spec.count, seed, inputs.completions(), inputs.cache_dir, inputs.deadline)
+    texts = self_instruct_prompts(spec.count, seed, inputs.completions(), inputs.cache_dir, inputs.deadline)
+    return None if texts is None else [t for t in texts if t not in exclude]  # written fresh: no pool to skip in
 
 
 def build_prompts(specs: list[SourceSpec], seed: int, inputs: SourceInputs,
@@ -130,7 +131,6 @@ def build_prompts(specs: list[SourceSpec], seed: int, inputs: SourceInputs,
         texts = source_prompts(spec, seed, inputs, exclude)
         if texts is None:
             return None
-        texts = [t for t in texts if t not in exclude]  # self-instruct's, which come without a pool to skip in
         if spec.count is not None and len(texts) < spec.count:
             log.warning("source %s yields %d prompts, fewer than the %d asked for", spec.name, len(texts), spec.count)
         prompts += [Prompt(spec.name, t) for t in texts]
