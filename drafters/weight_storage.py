@@ -61,13 +61,19 @@ def quantize(state: dict[str, torch.Tensor], linear: set[str], storage: str) -> 
         if name not in linear or value is None:
             out[name] = w.to(torch.bfloat16).contiguous()
         elif value == FP8:
-            amax = w.abs().amax(dim=1)
-            scale = torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max, torch.ones_like(amax))
-            out[name] = (w / scale[:, None]).to(torch.float8_e4m3fn).contiguous()
+            q, scale = fp8_per_channel(w)
+            out[name] = q.contiguous()
             out[f"{name}_scale"] = scale.contiguous()
         else:
             out[name] = _ggml_quantize(name, w, value)
     return out
+
+
+def fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [out, in] -> (float8 e4m3 weights, float32 scale per output row); weight = q * scale[:, None]."""
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max, torch.ones_like(amax))
+    return (w / scale[:, None]).to(torch.float8_e4m3fn), scale
 
 
 def _ggml_quantize(name: str, w: torch.Tensor, value: str) -> torch.Tensor:

@@ -10,7 +10,8 @@ checkpoint's shape and state win and training continues where it stopped (same b
 anchors as an uninterrupted run). --init-from DRAFTER starts a new run from an exported drafter's
 weights and shape (any storage), e.g. to train a shipped drafter further with a fresh schedule; shape
 flags given with it grow that drafter (more draft layers, a wider MLP, more target layers) without
-changing what it computes (`drafters.training.grow`). --eval-only scores the starting weights and
+changing what it computes (`drafters.training.grow`). --quant-aware STORAGE trains with the weights that
+export's --storage STORAGE writes (`drafters.training.quant_aware`). --eval-only scores the starting weights and
 stops: with --init-from a stored drafter, what its storage costs on held-out acceptance. Held-out data: the prompts whose hash falls in the lowest --eval-fraction (the same
 prompts in every run, whatever the data's order or recipe), scored per domain (math, code, ...). Progress: a tqdm bar (loss, lr, batch tau, held-out tau), a line of held-out tau
 per domain at each evaluation, and <out>/log.jsonl (one line per evaluation, per-domain numbers under
@@ -25,6 +26,8 @@ import time
 from dataclasses import replace
 
 import torch
+
+from drafters.training.quant_aware import QUANT_AWARE_STORAGES
 
 
 def parse_args(argv=None):
@@ -68,6 +71,10 @@ def parse_args(argv=None):
     p.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences of each domain per evaluation")
     p.add_argument("--eval-anchors-per-seq", type=int, default=256,
                    help="every anchor among the first this many response positions of a held-out sequence")
+    p.add_argument("--quant-aware", default=None, metavar="STORAGE", choices=QUANT_AWARE_STORAGES,
+                   help="train with the weights as STORAGE holds them (straight-through rounding), so that the "
+                        "drafter exported with --storage STORAGE loses nothing; e.g. q4_0 for twice the weights in "
+                        "the bytes of fp8")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="wall-clock budget of this call, model loading included; checkpoints and stops before it")
     return p.parse_args(argv)
@@ -148,7 +155,7 @@ def main(argv=None) -> None:
         weight_decay=args.weight_decay, warmup_frac=args.warmup_frac, grad_clip=args.grad_clip,
         loss_chunk=args.loss_chunk, seed=args.seed, save_every=args.save_every, eval_every=args.eval_every,
         eval_sequences=args.eval_sequences, eval_anchors_per_seq=args.eval_anchors_per_seq,
-        time_budget_s=args.time_budget_s)
+        time_budget_s=args.time_budget_s, quant_aware=args.quant_aware)
     trainer = Trainer(train_config, drafter, target, train_data, eval_data, start_time=started)
     if args.eval_only:
         record = {"drafter": args.init_from, **trainer.evaluate()}

@@ -34,6 +34,7 @@ from drafters.training.checkpoint import (config_to_json, load_checkpoint, resto
                                           save_checkpoint)
 from drafters.training.data import TokenSamples, collate, epoch_batches
 from drafters.training.forward import BlockLoss, block_hidden, block_loss
+from drafters.training.quant_aware import QUANT_AWARE_STORAGES, make_quant_aware
 from drafters.training.target import FrozenTarget
 
 LOG_FILE = "log.jsonl"
@@ -61,12 +62,15 @@ class TrainConfig:
     eval_sequences: int = 64  # held-out sequences of each domain per evaluation
     eval_anchors_per_seq: int = 256  # every anchor among the first this many response positions
     time_budget_s: float | None = None  # stop (and checkpoint) before this much wall time has passed
+    quant_aware: str | None = None  # a weight storage the drafter trains in (drafters.training.quant_aware)
 
     def __post_init__(self):
         if min(self.max_steps, self.batch_size, self.anchors_per_seq, self.max_length, self.loss_chunk) < 1:
             raise ValueError("max_steps, batch_size, anchors_per_seq, max_length and loss_chunk must be positive")
         if not 0 <= self.warmup_frac < 1 or self.lr <= 0 or self.gamma <= 0:
             raise ValueError("warmup_frac must be in [0, 1), lr and gamma positive")
+        if self.quant_aware is not None and self.quant_aware not in QUANT_AWARE_STORAGES:
+            raise ValueError(f"quant_aware must be one of {', '.join(QUANT_AWARE_STORAGES)}, not {self.quant_aware!r}")
 
 
 def lr_factor(step: int, max_steps: int, warmup_frac: float, min_ratio: float) -> float:
@@ -106,6 +110,8 @@ class Trainer:
         self.target = target
         self.device = target.device
         self.model = drafter.to(self.device).float().train()
+        if config.quant_aware:
+            make_quant_aware(self.model, config.quant_aware)
         if len(train_data) == 0:
             raise ValueError("no training sequences")
         self.train_data = train_data
