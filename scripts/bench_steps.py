@@ -84,7 +84,7 @@ def weight_bytes(model_dir: Path, drafter_dir: Path | None, itemsize: int) -> di
     lm_head = model.get_output_embeddings().weight.numel()
     body = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
     out = {"target": (body + lm_head) * itemsize, "lm_head": lm_head * itemsize}
-    if drafter_dir is not None:  # an fp8-stored drafter is dequantized to the target's dtype at load
+    if drafter_dir is not None:  # a drafter stored in fp8 or GGML blocks is dequantized to the target's dtype at load
         with torch.device("meta"):
             drafter = DFlashDraftModel(read_dflash_config(drafter_dir))
         out["drafter"] = sum(p.numel() for p in drafter.parameters()) * itemsize

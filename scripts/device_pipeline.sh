@@ -22,9 +22,10 @@
 # skips the data stage (the shards came along) — the assemble stage runs on every machine. The export
 # stage writes each variant as $run/drafter-NAME (its STORAGE), -bf16 and -q8_0, and scores the first two on
 # the held-out data ($run/score-NAME*/log.jsonl: what the storage costs). The pack stage writes
-# $run/back/run-back.tar.xz.part.* (shards, the q8_0 drafters, logs; 15 MiB pieces): carried to another
-# machine's /tmp/xfer, the assemble stage unpacks them into $run, so training goes on there
-# (INIT_FROM=/tmp/run/drafter-NAME-q8_0) with the data already generated.
+# $run/back/run-back.tar.xz.part.* (shards, each variant's drafter as q8_0 or, trained --quant-aware in its
+# storage, as stored; logs; 15 MiB pieces): carried to another machine's /tmp/xfer, the assemble stage
+# unpacks them into $run, so training goes on there (INIT_FROM=/tmp/run/drafter-NAME-q8_0 or -STORAGE) with
+# the data already generated.
 set -uo pipefail
 run=${RUN_DIR:-/tmp/run}
 mkdir -p "$run"
@@ -128,10 +129,17 @@ for f in "$run"/score-*/log.jsonl; do echo "$f: $(cut -c1-400 "$f")"; done
 
 stage pack
 # what a later machine needs to go on without generating the data again, in pieces that fit one device
-# call's returned files (16 MiB each): the shards, the prompt list, the drafters (q8_0, for --init-from)
-# and the logs. Bring $run/back/* home, carry them to the next machine as /tmp/xfer/run-back.tar.xz.part.*
+# call's returned files (16 MiB each): the shards, the prompt list, the drafters (for --init-from: q8_0, or
+# the variant's own storage when it trained --quant-aware in it) and the logs. Bring $run/back/* home, carry them to the next machine as /tmp/xfer/run-back.tar.xz.part.*
+carried=()
+for v in "${variants[@]}"; do  # a quant-aware variant's own storage is exactly what it trained; others go as q8_0
+  case " $(args_of "$v") " in
+    *" --quant-aware $(storage_of "$v") "*) carried+=("drafter-$(name_of "$v")-$(storage_of "$v")") ;;
+    *) carried+=("drafter-$(name_of "$v")-q8_0") ;;
+  esac
+done
 rm -rf "$run/back" && mkdir -p "$run/back"
-(cd "$run" && tar cf - data drafter-*-q8_0 train-*/log.jsonl score-*/log.jsonl train-*.log \
+(cd "$run" && tar cf - data "${carried[@]}" train-*/log.jsonl score-*/log.jsonl train-*.log \
   $(ls data-*.log 2>/dev/null) | xz -T0 -3 | split -b 15M -d -a 3 - back/run-back.tar.xz.part.) || fail "pack"
 ls -l "$run/back"
 

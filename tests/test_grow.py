@@ -13,7 +13,7 @@ from drafters.training.anchors import Anchors, block_input_ids, block_labels
 from drafters.training.forward import block_hidden, block_loss
 from drafters.training.grow import grow, shape_of
 from drafters.training.target import FrozenTarget
-from tests.test_training import BLOCK, MASK, SHAPE, batch_of, setup, toy_samples  # noqa: F401 (fixture)
+from tests.test_training import BLOCK, MASK, SHAPE, batch_of, setup, toy_data_dir  # noqa: F401 (fixture)
 
 BIGGER = replace(SHAPE, num_layers=3, intermediate_size=128, target_layer_ids=(0, 1, 2))
 
@@ -56,9 +56,7 @@ def test_growing_through_the_train_script(setup, tmp_path):
     """--init-from with shape flags: the run starts from the grown weights, same outputs as the original."""
     root, hf, drafter = setup
     save_dflash(drafter, tmp_path / "small", dtype=torch.float32)
-    data = tmp_path / "data"
-    data.mkdir()
-    toy_samples(n=6).save(data / "shard-00000.safetensors")
+    data = toy_data_dir(tmp_path / "data")
     from drafters.training.checkpoint import drafter_from_checkpoint
     from scripts.train_drafter import main
 

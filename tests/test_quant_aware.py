@@ -17,7 +17,7 @@ from drafters.training.forward import block_loss
 from drafters.training.quant_aware import QuantAwareLinear, fake_quantize, make_quant_aware
 from drafters.weight_storage import FP8, dequantize, quantize
 from tests.test_grow import block_logits_of
-from tests.test_training import BLOCK, setup, toy_samples  # noqa: F401 (fixture)
+from tests.test_training import BLOCK, setup, toy_data_dir  # noqa: F401 (fixture)
 
 
 def awkward_weights(seed=0) -> torch.Tensor:
@@ -94,9 +94,7 @@ def test_quant_aware_drafter_trains_straight_through_and_exports_what_it_compute
 def test_quant_aware_training_through_the_train_script(setup, tmp_path):
     root, hf, drafter = setup
     save_dflash(drafter, tmp_path / "start", dtype=torch.float32)
-    data = tmp_path / "data"
-    data.mkdir()
-    toy_samples(n=6).save(data / "shard-00000.safetensors")
+    data = toy_data_dir(tmp_path / "data")
     from scripts.train_drafter import main
 
     args = ["--data", str(data), "--out", str(tmp_path / "run"), "--target", str(root / "target"), "--device", "cpu",

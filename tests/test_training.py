@@ -58,6 +58,13 @@ def toy_samples(n=4, length=40, prompt_len=8, seed=0) -> TokenSamples:
     return TokenSamples.from_lists(rows)
 
 
+def toy_data_dir(path, n=6):
+    """A training-data directory holding one shard of `toy_samples(n)`."""
+    path.mkdir()
+    toy_samples(n=n).save(path / "shard-00000.safetensors")
+    return path
+
+
 def batch_of(sequences, prompt_lens):
     samples = TokenSamples.from_lists([(s[:p], s[p:], i) for i, (s, p) in enumerate(zip(sequences, prompt_lens))])
     return collate(samples, range(len(sequences)), max_length=4096)
@@ -301,9 +308,7 @@ def test_train_script_starts_from_an_exported_drafter(setup, tmp_path):
     """--init-from: a new run whose step-0 checkpoint holds the exported (fp8-dequantized) weights."""
     root, hf, drafter = setup
     save_dflash(drafter, tmp_path / "shipped", storage="fp8")
-    data = tmp_path / "data"
-    data.mkdir()
-    toy_samples(n=6).save(data / "shard-00000.safetensors")
+    data = toy_data_dir(tmp_path / "data")
     from scripts.train_drafter import main
 
     main(["--data", str(data), "--out", str(tmp_path / "run"), "--target", str(root / "target"),

@@ -24,7 +24,9 @@ series of short calls (e.g. 10-minute GPU jobs): run the same command again and 
 
    Shape flags: --draft-layers --heads --kv-heads --head-dim --intermediate-size
    --target-layer-ids --block-size --mask-token-id; or `--init-from DRAFTER_DIR` to start from an
-   exported drafter's weights and shape with a fresh schedule. `runs/qc15/checkpoint.pt` holds everything
+   exported drafter's weights and shape with a fresh schedule; `--quant-aware q4_0` (or fp8, q8_0,
+   q5_0) to train with exactly the weights that export's `--storage` of the same name writes.
+   `runs/qc15/checkpoint.pt` holds everything
    needed to resume (written atomically every --save-every steps and at the end);
    `runs/qc15/log.jsonl` has one line per evaluation: step, loss, train_tau, eval_loss,
    tau_estimate (greedy acceptance length averaged over every anchor of the held-out prompts' first
@@ -43,5 +45,6 @@ series of short calls (e.g. 10-minute GPU jobs): run the same command again and 
 Modules: `data` (samples, shards, batches), `generation` (answering problems with the engine),
 `anchors` (anchors, blocks, labels, weights, acceptance length), `mask` (the training mask),
 `forward` (dense training forward and chunked loss), `target` (the frozen target), `drafter_config`
-(shape, init, size), `grow` (a trained drafter widened or deepened without changing what it computes), `checkpoint` (atomic save/load), `trainer` (the loop).
+(shape, init, size), `grow` (a trained drafter widened or deepened without changing what it computes),
+`quant_aware` (training in a storage's weights), `checkpoint` (atomic save/load), `trainer` (the loop).
 """
