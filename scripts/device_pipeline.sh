@@ -2,7 +2,10 @@
 # Drafter pipeline on one GPU machine, as a background job that outlives single device calls:
 # reassemble + verify the target GGUF, generate training data (math, code, general prompts), train, export,
 # evaluate on math500 and HumanEval.
-#   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_pipeline.sh > /tmp/run/pipeline.log 2>&1 &
+#   start:  cp -r . /tmp/repo && cd /tmp/repo && source .gpu/setup.sh && \
+#           setsid nohup bash scripts/device_pipeline.sh > /tmp/run/pipeline.log 2>&1 &
+#   (from a copy, with its inputs such as PROBLEMS under /tmp: each later device call lays the working tree
+#   anew and drops the ignored paths that call does not carry, e.g. .xfer/ and .gpu/)
 #   watch:  tail /tmp/run/pipeline.log /tmp/run/stage /tmp/run/train-*.log
 # Stages write /tmp/run/stage; every stage is resumable (re-running the script continues).
 # Env: RUN_DIR (default /tmp/run), TARGET (default the demo target), DATA_BUDGET_S, TRAIN_BUDGET_S, TRAIN_STEPS, EVAL_EVERY, MATH500 (path of math500.jsonl), PROBLEMS (the

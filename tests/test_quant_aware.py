@@ -107,3 +107,7 @@ def test_quant_aware_training_through_the_train_script(setup, tmp_path):
     assert not torch.equal(trained.fc.weight, drafter.fc.weight)  # the master weights learned
     with pytest.raises(SystemExit):  # argparse: not a storage training can follow
         main(args[:-1] + ["q4_1"])
+    with pytest.raises(ValueError, match="trained with quant_aware='q4_0', not None: resume with --quant-aware q4_0"):
+        main(args[:-2] + ["--resume", "--max-steps", "4"])
+    main(args[:-2] + ["--quant-aware", "q4_0", "--resume", "--max-steps", "4"])  # the same storage goes on
+    assert load_checkpoint(tmp_path / "run")["step"] == 4

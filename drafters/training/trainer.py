@@ -146,6 +146,11 @@ class Trainer:
         state = load_checkpoint(self.out_dir)
         if state is None:
             return False
+        saved = json.loads(state["train_config"]).get("quant_aware")
+        if saved != self.config.quant_aware:  # the weights were trained for one storage: keep training for it
+            raise ValueError(f"{self.out_dir} was trained with quant_aware={saved!r}, not {self.config.quant_aware!r}: "
+                             f"resume with " + (f"--quant-aware {saved}" if saved else "no --quant-aware")
+                             + " or train into a new --out")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
