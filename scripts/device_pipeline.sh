@@ -133,7 +133,8 @@ for f in "$run"/score-*/log.jsonl; do echo "$f: $(cut -c1-400 "$f")"; done
 stage pack
 # what a later machine needs to go on without generating the data again, in pieces that fit one device
 # call's returned files (16 MiB each): the shards, the prompt list, the drafters (for --init-from: q8_0, or
-# the variant's own storage when it trained --quant-aware in it) and the logs. Bring $run/back/* home, carry them to the next machine as /tmp/xfer/run-back.tar.xz.part.*
+# the variant's own storage when it trained --quant-aware in it) and the logs. Bring $run/back/* home,
+# carry them to the next machine as /tmp/xfer/run-back.tar.xz.part.*
 carried=()
 for v in "${variants[@]}"; do  # a quant-aware variant's own storage is exactly what it trained; others go as q8_0
   case " $(args_of "$v") " in

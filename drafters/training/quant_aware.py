@@ -26,10 +26,14 @@ SIGNED_MAX_BLOCK = {"q5_0": 16, "q4_0": 8}  # d = (the block's largest-magnitude
 QUANT_AWARE_STORAGES = ("fp8", "q8_0", *SIGNED_MAX_BLOCK)
 
 
-def fake_quantize(w: torch.Tensor, storage: str) -> torch.Tensor:
-    """float32 [out, in] -> the float32 weights `storage` stores for it (no gradient)."""
+def check_storage(storage: str) -> None:
     if storage not in QUANT_AWARE_STORAGES:
         raise ValueError(f"quantization-aware training supports {', '.join(QUANT_AWARE_STORAGES)}, not {storage!r}")
+
+
+def fake_quantize(w: torch.Tensor, storage: str) -> torch.Tensor:
+    """float32 [out, in] -> the float32 weights `storage` stores for it (no gradient)."""
+    check_storage(storage)
     w = w.detach().float()
     if storage == "fp8":
         q, scale = weight_storage.fp8_per_channel(w)
@@ -71,8 +75,7 @@ class QuantAwareLinear(nn.Linear):
 
 def make_quant_aware(model: nn.Module, storage: str) -> nn.Module:
     """Every nn.Linear of `model` (in place) computes with `storage`'s weights; returns the model."""
-    if storage not in QUANT_AWARE_STORAGES:
-        raise ValueError(f"quantization-aware training supports {', '.join(QUANT_AWARE_STORAGES)}, not {storage!r}")
+    check_storage(storage)
     for module in model.modules():
         if type(module) in (nn.Linear, QuantAwareLinear):
             module.__class__ = QuantAwareLinear

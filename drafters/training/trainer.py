@@ -34,7 +34,7 @@ from drafters.training.checkpoint import (config_to_json, load_checkpoint, resto
                                           save_checkpoint)
 from drafters.training.data import TokenSamples, collate, epoch_batches
 from drafters.training.forward import BlockLoss, block_hidden, block_loss
-from drafters.training.quant_aware import QUANT_AWARE_STORAGES, make_quant_aware
+from drafters.training.quant_aware import check_storage, make_quant_aware
 from drafters.training.target import FrozenTarget
 
 LOG_FILE = "log.jsonl"
@@ -69,8 +69,8 @@ class TrainConfig:
             raise ValueError("max_steps, batch_size, anchors_per_seq, max_length and loss_chunk must be positive")
         if not 0 <= self.warmup_frac < 1 or self.lr <= 0 or self.gamma <= 0:
             raise ValueError("warmup_frac must be in [0, 1), lr and gamma positive")
-        if self.quant_aware is not None and self.quant_aware not in QUANT_AWARE_STORAGES:
-            raise ValueError(f"quant_aware must be one of {', '.join(QUANT_AWARE_STORAGES)}, not {self.quant_aware!r}")
+        if self.quant_aware is not None:
+            check_storage(self.quant_aware)
 
 
 def lr_factor(step: int, max_steps: int, warmup_frac: float, min_ratio: float) -> float:
