@@ -16,7 +16,7 @@ from drafters.training.checkpoint import drafter_from_checkpoint, load_checkpoin
 from drafters.training.data import TokenSamples, collate, heldout_key, load_samples, shard_metadata
 from drafters.training.drafter_config import DrafterShape, drafter_config, new_drafter
 from drafters.training.forward import LinearCrossEntropy, block_hidden
-from drafters.training.generation import GenerationSettings, generate_shards
+from drafters.training.generation import GenerationSettings, generate_shards, next_shard_fits
 from drafters.training.mask import training_mask
 from drafters.training.target import FrozenTarget, check_mask_token
 from drafters.training.trainer import TrainConfig, Trainer
@@ -470,3 +470,14 @@ def test_held_out_decoding_estimate_is_what_decoding_measures(setup, tmp_path):
         # the engine's first token comes from the prefill and its last step is cut at max_new_tokens
         assert walk[:-1] == measured[i][:len(walk) - 1], (walk, measured[i])
     assert 1.0 <= trainer.held_out_score(trainer.train_data).summary()["decode_tau_estimate"] <= BLOCK
+
+
+def test_a_shard_is_started_when_throughput_says_it_fits():
+    """Shards overlap: with the first shard done after 62 s and two more 80% done, throughput is a
+    shard per ~22 s, so one more (after the in-flight remainder) fits in 170 s; the first shard's
+    latency times the shards outstanding (3 x 62 s) would have said no."""
+    assert next_shard_fits(62, 0, [0.9, 0.5], 1)  # nothing finished yet: nothing to judge by
+    assert next_shard_fits(62, 1, [0.8, 0.8], 170)
+    assert not next_shard_fits(62, 1, [0.8, 0.8], 30)
+    assert not next_shard_fits(100, 1, [], 110)  # 100 s a shard, 20% margin: 120 s needed
+    assert next_shard_fits(100, 1, [], 120)
