@@ -12,7 +12,8 @@
 # MATH training problems; ../shared does not travel to the device, so carry it, e.g. in .xfer/), SOURCES (the
 # prompt mix, default "math:7500 code:6000 general:2000"), EXCLUDE (prompts.recipe.json files of earlier data
 # whose prompts the new list leaves out), SAMPLES (sampled answers per prompt, default 1; 0 = greedy answers
-# only) and TEMPERATURES (default 0.7,1.0), SEED (prompt selection and order, sampled answers; default 0),
+# only), NO_GREEDY=1 (sampled answers only) and TEMPERATURES (default 0.7,1.0), SEED (prompt selection and
+# order, sampled answers; default 0),
 # BATCH (requests decoded together while generating, default 256), GEN_PROCS (engines generating at once on
 # the GPU, default 1) and GEN_KV_PAGES (each one's KV pages when several), INIT_FROM (an exported drafter to
 # start training from), LR, VARIANTS (drafters trained side by side on the one GPU from the same data,
@@ -20,8 +21,11 @@
 # train args given with INIT_FROM grow it; default "main:fp8:"; the first is the one evaluated), TRAIN_ARGS
 # (more train_drafter.py flags for every variant's training and scoring, e.g. --eval-fraction 0.02),
 # HUMANEVAL_CONCURRENCY (default 1: HumanEval at batch 1 gives the TPOT speedup and the identical-outputs
-# check). Shards already in /tmp/run/data (e.g. carried from an earlier run) are kept: the data stage only
-# generates the missing ones. STOP_AFTER=data|train|export|pack ends the job after that stage; START_AT=train
+# check), DATA (the directory under $RUN_DIR the data stage writes, default data; another name, e.g.
+# data-math-t07, keeps a second prompt list beside the first). Training and scoring read every directory
+# $RUN_DIR/data and $RUN_DIR/data-*/ that holds shards (carried ones too). Shards already in $DATA (e.g.
+# carried from an earlier run) are kept: the data stage only generates the missing ones.
+# STOP_AFTER=data|train|export|pack ends the job after that stage; START_AT=train
 # skips the data stage (the shards came along) — the assemble stage runs on every machine. The export
 # stage writes each variant as $run/drafter-NAME (its STORAGE), -bf16 and -q8_0, and scores the first two on
 # the held-out data ($run/score-NAME*/log.jsonl: what the storage costs). The pack stage writes
@@ -68,12 +72,13 @@ python3 -c "from specdec.models.demo_models import resolve_model; print(resolve_
 
 stage data
 if wanted data; then
+data=$run/${DATA:-data}
 sources=()
 for s in ${SOURCES:-math:7500 code:6000 general:2000}; do sources+=(--source "$s"); done
 shard=512  # prompts per shard; several engines split the list on shard boundaries
-generate=(python3 scripts/generate_training_data.py --out "$run/data" --target "$target" --max-new-tokens 1024
+generate=(python3 scripts/generate_training_data.py --out "$data" --target "$target" --max-new-tokens 1024
   --problems "${PROBLEMS:-.xfer/math_train.jsonl}" "${sources[@]}"
-  --samples-per-problem "${SAMPLES:-1}" --temperature "${TEMPERATURES:-0.7,1.0}" --seed "${SEED:-0}"
+  --samples-per-problem "${SAMPLES:-1}" ${NO_GREEDY:+--no-greedy} --temperature "${TEMPERATURES:-0.7,1.0}" --seed "${SEED:-0}"
   $(for r in ${EXCLUDE:-}; do printf -- '--exclude-recipe %s ' "$r"; done)
   --shard-size "$shard" --batch-size "${BATCH:-256}" --time-budget-s "${DATA_BUDGET_S:-420}")
 procs=${GEN_PROCS:-1}
@@ -83,15 +88,15 @@ else
   # decoding is host-bound (the GPU idles ~40% of a step): several engines on one GPU, each answering its
   # own range of shards with its own KV pool, keep it busier
   "${generate[@]}" --prompts-only || fail "prompts"
-  total=$(wc -l < "$run/data/prompts.jsonl")
+  total=$(wc -l < "$data/prompts.jsonl")
   per=$(( (total + procs * shard - 1) / (procs * shard) * shard ))
   pids=()
   for ((i = 0; i < procs; i++)); do
     "${generate[@]}" --start $((i * per)) --limit "$per" --num-kv-pages "${GEN_KV_PAGES:-32768}" \
-      > "$run/data-$i.log" 2>&1 & pids+=($!)
+      > "$data-$i.log" 2>&1 & pids+=($!)
   done
-  for pid in "${pids[@]}"; do wait "$pid" || fail "data (see $run/data-*.log)"; done
-  tail -n 5 "$run"/data-*.log
+  for pid in "${pids[@]}"; do wait "$pid" || fail "data (see $data-*.log)"; done
+  tail -n 5 "$data"-*.log
 fi
 fi
 
@@ -105,10 +110,16 @@ side_by_side() {  # run "$@ NAME STORAGE ARGS" for every variant at once; fail i
   for pid in "${pids[@]}"; do wait "$pid" || return 1; done
 }
 
+# every shard directory under $run trains together: this run's and any carried from earlier runs
+shard_dirs=()
+for d in "$run"/data "$run"/data-*/; do ls "${d%/}"/shard-*.safetensors > /dev/null 2>&1 && shard_dirs+=("${d%/}"); done
+
 stage train
+[ ${#shard_dirs[@]} -gt 0 ] || fail "no training shards in $run/data or $run/data-*/"
+echo "training data: ${shard_dirs[*]}"
 wanted train || fail "START_AT=${START_AT} is not one of: ${stages[*]:1:2}"
 train() {  # NAME STORAGE ARGS
-  python3 scripts/train_drafter.py --data "$run/data" --out "$run/train-$1" --target "$target" \
+  python3 scripts/train_drafter.py --data "${shard_dirs[@]}" --out "$run/train-$1" --target "$target" \
     --max-steps "${TRAIN_STEPS:-4000}" --batch-size 8 --anchors-per-seq 256 --eval-every "${EVAL_EVERY:-500}" \
     --save-every 500 --lr "${LR:-6e-4}" ${INIT_FROM:+--init-from "$INIT_FROM"} $3 \
     --time-budget-s "${TRAIN_BUDGET_S:-720}" --resume ${TRAIN_ARGS:-} > "$run/train-$1.log" 2>&1
@@ -123,7 +134,7 @@ export_one() {  # NAME STORAGE ARGS: the shipped storage, bf16 (peers) and q8_0 
   done
   ln -sfn "drafter-$1-$2" "$run/drafter-$1"
   for s in "$2" bf16; do
-    python3 scripts/train_drafter.py --data "$run/data" --out "$run/score-$1-$s" --target "$target" \
+    python3 scripts/train_drafter.py --data "${shard_dirs[@]}" --out "$run/score-$1-$s" --target "$target" \
       --init-from "$run/drafter-$1-$s" --eval-only ${TRAIN_ARGS:-} > "$run/score-$1-$s.log" 2>&1 || return 1
   done
 }
@@ -143,7 +154,7 @@ for v in "${variants[@]}"; do  # a quant-aware variant's own storage is exactly 
   esac
 done
 rm -rf "$run/back" && mkdir -p "$run/back"
-(cd "$run" && tar cf - data "${carried[@]}" train-*/log.jsonl score-*/log.jsonl train-*.log \
+(cd "$run" && tar cf - "${shard_dirs[@]#"$run"/}" "${carried[@]}" train-*/log.jsonl score-*/log.jsonl train-*.log \
   $(ls data-*.log 2>/dev/null) | xz -T0 -3 | split -b 15M -d -a 3 - back/run-back.tar.xz.part.) || fail "pack"
 ls -l "$run/back"
 

@@ -32,7 +32,9 @@ from drafters.training.quant_aware import QUANT_AWARE_STORAGES
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, help="directory of training shards")
+    p.add_argument("--data", required=True, nargs="+", metavar="DIR",
+                   help="directories of training shards (several: their samples together, e.g. data generated "
+                        "from different prompt lists)")
     p.add_argument("--out", required=True, help="run directory: checkpoint.pt and log.jsonl")
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="demo name or HF model directory")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt when present")
@@ -139,9 +141,9 @@ def main(argv=None) -> None:
           "stored " + ", ".join(f"{s} {storage_bytes(config, s) / 2**20:.2f}" for s in ("bf16", "fp8", "q5_0", "q4_0"))
           + " MiB")
 
-    train_data, eval_data = load_samples(args.data).split_held_out(args.eval_fraction, seed=args.seed)
+    train_data, eval_data = load_samples(*args.data).split_held_out(args.eval_fraction, seed=args.seed)
     if args.eval_only and len(eval_data) == 0:
-        raise SystemExit(f"--eval-only: no held-out sequences in {args.data} at --eval-fraction {args.eval_fraction}; "
+        raise SystemExit(f"--eval-only: no held-out sequences in {' '.join(args.data)} at --eval-fraction {args.eval_fraction}; "
                          f"raise it")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = FrozenTarget.load(target_dir, spec.target_layer_ids, device, dtype)

@@ -13,7 +13,7 @@ from drafters.training.anchors import (IGNORE, Anchors, acceptance_lengths, anch
                                        decoding_walk, first_anchors,
                                        block_labels, sample_anchors)
 from drafters.training.checkpoint import drafter_from_checkpoint, load_checkpoint
-from drafters.training.data import TokenSamples, collate, heldout_key, load_samples, shard_metadata
+from drafters.training.data import TokenSamples, collate, heldout_key, load_samples, shard_metadata, shard_path
 from drafters.training.drafter_config import DrafterShape, drafter_config, new_drafter
 from drafters.training.forward import LinearCrossEntropy, block_hidden
 from drafters.training.generation import GenerationSettings, generate_shards, next_shard_fits
@@ -393,6 +393,24 @@ def test_data_shards_generate_load_and_resume(setup, tmp_path, monkeypatch):
     assert len(load_samples(part)) == 1
     generate_shards(engine, prompts, part, settings, progress=False)
     assert load_samples(part).problem_ids.tolist() == [0, 1, 2]
+
+
+def test_samples_load_from_several_directories(tmp_path):
+    """Data generated from different prompt lists trains together: every directory's shards, in order,
+    with the domains matched by name (each list numbers its domains its own way); a directory without
+    shards is an error, not silently less data."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    TokenSamples.from_lists([([1, 2], [3], 0), ([4], [5, 6], 1)], ["math", "libcode"]).save(shard_path(first, 0))
+    TokenSamples.from_lists([([7], [8], 0)], ["math"]).save(shard_path(first, 1))
+    TokenSamples.from_lists([([9], [10, 11], 0), ([12], [13], 1)], ["libcode", "general"]).save(shard_path(second, 0))
+    samples = load_samples(first, second)
+    assert [samples[i][0].tolist() for i in range(len(samples))] == [[1, 2, 3], [4, 5, 6], [7, 8], [9, 10, 11], [12, 13]]
+    assert [samples.domains[d] for d in samples.domain_ids.tolist()] == ["math", "libcode", "math", "libcode", "general"]
+    assert samples.prompt_lens.tolist() == [2, 1, 1, 1, 1]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty"):
+        load_samples(first, tmp_path / "empty")
 
 
 def test_shards_are_pipelined_and_a_failure_gives_every_page_back(setup, tmp_path, monkeypatch):

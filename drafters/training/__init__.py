@@ -12,7 +12,7 @@ series of short calls (e.g. 10-minute GPU jobs): run the same command again and 
 
    Shards `shard-00000.safetensors`, ... hold int32 token ids (one flat array + offsets), the
    prompt length and source problem of each sample (`data.TokenSamples`); finished shards are
-   skipped. `data.load_samples(dir)` concatenates them.
+   skipped. `data.load_samples(dir, ...)` concatenates them (several directories: their shards together).
 
 2. Train: the frozen target (transformers, bf16) computes the hidden features of the chosen
    layers for each batch on the fly; its embeddings and lm_head are shared, frozen. Random anchors

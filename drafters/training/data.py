@@ -135,11 +135,17 @@ def shard_metadata(path: str | os.PathLike) -> dict:
         return json.loads((f.metadata() or {}).get("specdec", "{}"))
 
 
-def load_samples(root: str | os.PathLike) -> TokenSamples:
-    """Every finished shard under `root`, concatenated in shard order."""
-    files = sorted(Path(root).glob(SHARD_GLOB))
-    if not files:
-        raise FileNotFoundError(f"no training shards ({SHARD_GLOB}) in {root}")
+def load_samples(*roots: str | os.PathLike) -> TokenSamples:
+    """Every finished shard under each root (e.g. data generated on different days from different
+    prompt lists), concatenated root by root in shard order."""
+    if not roots:
+        raise ValueError("load_samples needs at least one directory of training shards")
+    files = []
+    for root in roots:
+        found = sorted(Path(root).glob(SHARD_GLOB))
+        if not found:
+            raise FileNotFoundError(f"no training shards ({SHARD_GLOB}) in {root}")
+        files += found
     parts = [TokenSamples.load(f) for f in files]
     starts = torch.tensor([0] + [len(p.tokens) for p in parts[:-1]]).cumsum(0)
     offsets = torch.cat([parts[0].offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, starts)])
