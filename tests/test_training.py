@@ -2,6 +2,7 @@
 inference drafter, learning, resume, export (bf16 and fp8 storage) and data shards."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -237,6 +238,27 @@ def test_resume_continues_exactly(setup, tmp_path):
     assert [r["step"] for r in logs[0]] == [4, 8]
     for a, b in zip(*logs):
         assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-5) for k in a)
+
+
+def test_time_budget_does_not_extrapolate_the_warm_up_step(setup, tmp_path, monkeypatch):
+    """The budget reserves room for the next step from the steps' cost, not from a call's first step,
+    which warms up (kernel builds) and can take many times longer: a run whose steps fit finishes, with
+    its final held-out line."""
+    import drafters.training.trainer as trainer_module
+
+    root, _, drafter = setup
+    clock = [0.0]
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    trainer = make_trainer(root, tmp_path, drafter.state_dict(), max_steps=5, eval_every=1000, time_budget_s=120.0)
+    step = trainer.train_step
+
+    def timed_step(batch):  # the first step takes 100 s, the others 1 s
+        clock[0] += 100.0 if trainer.step == 0 else 1.0
+        return step(batch)
+
+    monkeypatch.setattr(trainer, "train_step", timed_step)
+    assert len(trainer.train(progress=False)) == 5 and trainer.step == 5
+    assert [json.loads(line)["step"] for line in (tmp_path / "log.jsonl").read_text().splitlines()] == [5]
 
 
 # ---- (e) export -------------------------------------------------------------------------------

@@ -281,7 +281,8 @@ class Trainer:
                 break
             t = time.monotonic()
             loss, tau = self.train_step(self.next_batch())
-            step_time = max(step_time, time.monotonic() - t)
+            if losses:  # a call's first step warms up (kernel builds, allocator growth): not what a step costs
+                step_time = max(step_time, time.monotonic() - t)
             losses.append(loss)
             self._since_log.append((loss, tau))
             ema_loss = loss if ema_loss is None else 0.9 * ema_loss + 0.1 * loss
