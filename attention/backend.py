@@ -8,9 +8,9 @@
 After `plan`, `kv_indices` / `kv_indptr` hold the step's page metadata on the device, so a step can
 compute its own write slots there (`set_write_slots`, used by fixed-shape steps and CUDA graphs).
 Backends with `supports_graphs` also have `graph_slot(batch_size, max_pages)` and
-`plan_graph(slot, layout, scratch_page)`: the capture / replay hooks (see specdec/cuda_graphs.py).
+`plan_graph(slot, layout, scratch_page)`: the capture / replay hooks (see specdec/runtime/cuda_graphs.py).
 
-Backends are chosen by name; GPU-only ones are imported lazily so a CPU install never needs them.
+Implementations are chosen by name through the registry in `attention/__init__.py`.
 """
 
 from __future__ import annotations
@@ -53,42 +53,3 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(self, q: torch.Tensor, layer: LayerKV) -> torch.Tensor:
         """q: [layout.num_queries, num_qo_heads, head_dim] -> output of the same shape."""
-
-
-BACKENDS = ("torch", "flashinfer")
-
-
-def flashinfer_available() -> bool:
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """'auto' -> flashinfer on CUDA when importable, else torch. Explicit names are checked."""
-    if name == "auto":
-        return "flashinfer" if device.type == "cuda" and flashinfer_available() else "torch"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
-    if name == "flashinfer":
-        if device.type != "cuda":
-            raise ValueError("the flashinfer attention backend needs a CUDA device; use --attention-backend torch")
-        if not flashinfer_available():
-            raise ImportError("the flashinfer attention backend was requested but flashinfer is not importable; "
-                              "install it with `pip install 'specdec[gpu]'` or use --attention-backend torch")
-    return name
-
-
-def make_backend(name: str, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float,
-                 device: torch.device, kv_dtype: torch.dtype, q_dtype: torch.dtype) -> AttentionBackend:
-    """Build the backend `name` ('torch' or 'flashinfer', already resolved) for one model."""
-    if name == "flashinfer":
-        from attention.flashinfer_backend import FlashInferBackend
-
-        return FlashInferBackend(num_qo_heads, num_kv_heads, head_dim, sm_scale, device=device, kv_dtype=kv_dtype,
-                                 q_dtype=q_dtype)
-    from attention.torch_backend import TorchBackend
-
-    return TorchBackend(num_qo_heads, num_kv_heads, head_dim, sm_scale, device=device)

@@ -15,6 +15,11 @@ from collections import deque
 import numpy as np
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages of `page_size` slots that `num_tokens` tokens occupy: ceil(num_tokens / page_size)."""
+    return -(-num_tokens // page_size)
+
+
 class OutOfPagesError(RuntimeError):
     """The pool has fewer free pages than a request needs."""
 
@@ -32,7 +37,7 @@ class PagePool:
         return len(self._free)
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return pages_for(num_tokens, self.page_size)
 
     def take(self, count: int) -> list[int]:
         if count > len(self._free):

@@ -1,14 +1,14 @@
-"""Drafters propose blocks of tokens for the target to verify."""
+"""Drafter implementations (DFlash) and their loading; built on attention/ and specdec's models, runtime and
+drafter interface, never on the engine's internals."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-
-from drafters.base import Drafter
 from drafters.dflash import DFlashDrafter
 from drafters.dflash_model import read_dflash_config
+from specdec.engine.drafter import Drafter
 
 CHECKPOINTS = Path(__file__).parent / "checkpoints"
 # target demo name -> its shipped default drafter (a folder under drafters/checkpoints)

@@ -22,18 +22,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attention.backend import make_backend
 from attention.batch_layout import BatchLayout, slots_on_device
-from attention.kv_cache import KVCache
 from attention.page_pool import PagePool, PageTable
 from attention.transfer import upload
-from drafters.base import DraftContext, Drafter
 from drafters.dflash_model import DFlashDraftModel
-from specdec.cuda_graphs import GraphLadder, StaticInputs, graph_max_pages, ladder_sizes
-from specdec.request import Request
+from specdec.engine.drafter import DraftContext, Drafter, DraftRequest
+from specdec.runtime.cuda_graphs import StaticInputs
+from specdec.runtime.model_runner import ModelRunner
+
+DRAFT_STEP = "draft"  # the one fixed-shape step (its graph ladder's key)
 
 
-class DFlashDrafter(Drafter):
+class DFlashDrafter(ModelRunner, Drafter):
     def __init__(self, model: DFlashDraftModel):
         self.model = model
         self.block_size = model.spec.block_size
@@ -41,24 +41,15 @@ class DFlashDrafter(Drafter):
         self.mask_token_id = model.spec.mask_token_id
         self.tables: dict[int, PageTable] = {}
         self.pending: dict[int, tuple[int, int]] = {}  # request id -> (row in the verify features, count)
-        self.ladder: GraphLadder | None = None
 
     # ---- setup -------------------------------------------------------------------------------
-    def kv_bytes_per_page(self, page_size: int, kv_dtype: torch.dtype) -> int:
-        c = self.model.config
-        return KVCache.bytes_per_page(c.num_hidden_layers, page_size, c.num_key_value_heads, self.model.head_dim,
-                                      kv_dtype)
-
     def attach(self, context: DraftContext) -> None:
-        c, bs = self.model.config, self.block_size
+        bs = self.block_size
         self.context = context
-        self.device = context.device
-        self.attn = make_backend(context.backend_name, num_qo_heads=c.num_attention_heads,
-                                 num_kv_heads=c.num_key_value_heads, head_dim=self.model.head_dim,
-                                 sm_scale=self.model.head_dim ** -0.5, device=context.device,
-                                 kv_dtype=context.kv_dtype, q_dtype=context.dtype)
-        if context.backend_name == "flashinfer" and not self.model.fused_kernels:
-            self.model.use_fused_kernels()
+        # the runner is set up here, not at load time: device, page size and KV dtype are the engine's
+        ModelRunner.__init__(self, self.model, backend_name=context.backend_name, kv_dtype=context.kv_dtype,
+                             q_dtype=context.dtype, page_size=context.page_size, max_batch=context.max_batch,
+                             device=context.device)
         # block positions run up to the target's context plus one block
         self.model.rotary.max_positions = context.max_context + bs
         batch = context.max_batch
@@ -67,25 +58,19 @@ class DFlashDrafter(Drafter):
         self.arange = torch.arange(max(batch, bs), device=self.device)
 
     def allocate_cache(self, num_pages: int) -> None:
-        c = self.model.config
-        self.pool = PagePool(num_pages, self.context.page_size)
-        self.kv = KVCache(c.num_hidden_layers, num_pages, self.context.page_size, c.num_key_value_heads,
-                          self.model.head_dim, self.context.kv_dtype, self.device)
-        if self.context.calibrate_fp8_scales and self.kv.is_fp8:
-            self.kv.calibrate_on_first_write()
+        self.pool = PagePool(num_pages, self.page_size)
+        self.allocate_kv(num_pages, self.context.calibrate_fp8_scales)
 
     def capture(self, pool) -> float:
-        bs, ps, scratch = self.block_size, self.context.page_size, self.kv.scratch_page
+        bs = self.block_size
         # a padding request writes block_size context rows and block_size block rows
-        max_pages = graph_max_pages(self.kv.num_pages, self.context.max_batch, 2 * bs, ps)
-        self.ladder = GraphLadder("draft", ladder_sizes(self.context.max_batch), self.attn, max_pages,
-                                  lambda b: BatchLayout.dummy(b, bs, bs, ps, scratch, causal=False),
-                                  self._draft_body, pool)
-        return self.ladder.capture(scratch)
+        return self.capture_ladder(DRAFT_STEP, "draft",
+                                   lambda b, scratch: BatchLayout.dummy(b, bs, bs, self.page_size, scratch, causal=False),
+                                   2 * bs, self._draft_body, pool)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     @torch.no_grad()
-    def add_context(self, requests: list[Request], features: list[torch.Tensor]) -> None:
+    def add_context(self, requests: list[DraftRequest], features: list[torch.Tensor]) -> None:
         """Write the context K/V of each prefill chunk now (positions length .. length + n - 1 of the
         request's context cache; a request's first chunk creates the cache)."""
         tables = [self.tables.setdefault(r.request_id, PageTable(self.pool)) for r in requests]
@@ -94,7 +79,7 @@ class DFlashDrafter(Drafter):
         for table, n in zip(tables, lens):
             table.grow(n)
             ends.append(table.length)
-        layout = BatchLayout.for_tokens(lens, ends, [t.array for t in tables], self.context.page_size, causal=False)
+        layout = BatchLayout.for_tokens(lens, ends, [t.array for t in tables], self.page_size, causal=False)
         pages, offsets = layout.new_kv_slots(self.device)
         positions = upload(layout.new_kv_positions().astype(np.int64), self.device)
         m = self.model
@@ -105,30 +90,30 @@ class DFlashDrafter(Drafter):
             k, v = layer.self_attn.project_kv(context, rope)
             layer_kv.write(pages, offsets, k, v)
 
-    def extend(self, requests: list[Request], features: torch.Tensor, rows: list[int], counts: list[int]) -> None:
+    def extend(self, requests: list[DraftRequest], features: torch.Tensor, rows: list[int], counts: list[int]) -> None:
         if self.context.features is not None and features.data_ptr() != self.context.features.data_ptr():
             raise ValueError("DFlash reads the verify features from the buffer given at attach")
         for request, row, count in zip(requests, rows, counts):
             self.pending[request.request_id] = (row, count)
 
-    def release(self, request: Request) -> None:
+    def release(self, request: DraftRequest) -> None:
         table = self.tables.pop(request.request_id, None)
         if table is not None:
             table.free()
         self.pending.pop(request.request_id, None)
 
     # ---- drafting ----------------------------------------------------------------------------
-    def propose(self, requests: list[Request]) -> torch.Tensor:
+    def propose(self, requests: list[DraftRequest]) -> torch.Tensor:
         """One draft step for the batch: draft tokens [B, bs-1] (a static buffer: valid until the next step)."""
         self._step(requests, eager=False)
         return self.drafts_out[:len(requests)]
 
-    def draft_logits(self, requests: list[Request]) -> torch.Tensor:
+    def draft_logits(self, requests: list[DraftRequest]) -> torch.Tensor:
         """The same step, always eager, returning the block's logits [B, bs-1, vocab] (for checks)."""
         return self._step(requests, eager=True)
 
     @torch.no_grad()
-    def _step(self, requests: list[Request], eager: bool) -> torch.Tensor | None:
+    def _step(self, requests: list[DraftRequest], eager: bool) -> torch.Tensor | None:
         bs, batch = self.block_size, len(requests)
         tables = [self.tables[r.request_id] for r in requests]
         pending = [self.pending.pop(r.request_id, (0, 0)) for r in requests]
@@ -138,21 +123,12 @@ class DFlashDrafter(Drafter):
             assert table.length + count == start, "drafter context out of step with the target"
             table.grow(count + bs)
         layout = BatchLayout.build([bs] * batch, starts + bs, counts + bs, [t.array for t in tables],
-                                   self.context.page_size, causal=False)
+                                   self.page_size, causal=False)
         self.inputs.fill("anchors", [r.pending_token for r in requests])
         self.inputs.fill("starts", starts)
         self.inputs.fill("counts", counts)
         self.inputs.fill("rows", [p[0] for p in pending])
-        rung = self.ladder.rung_for(batch) if self.ladder and not eager else None
-        logits = None
-        if rung is not None:
-            self.attn.plan_graph(self.ladder.slot(rung), layout, self.kv.scratch_page)
-            self.inputs.upload()
-            self.ladder.replay(rung)
-        else:
-            self.attn.plan(layout, write_slots=False)
-            self.inputs.upload()
-            logits = self._draft_body(batch)
+        logits = self.dispatch(DRAFT_STEP, batch, layout, self.inputs, self._draft_body, eager=eager)
         for table, start in zip(tables, starts.tolist()):
             table.truncate(start)  # release the block's scratch slots; the context stays
         return logits
@@ -166,7 +142,7 @@ class DFlashDrafter(Drafter):
         ctx_pos = (starts - counts + j).clamp(min=0)
         blk_pos = starts + j
         requests = self.arange[:batch, None].expand(batch, bs)
-        kv_indices, kv_indptr, ps = self.attn.kv_indices, self.attn.kv_indptr, self.context.page_size
+        kv_indices, kv_indptr, ps = self.attn.kv_indices, self.attn.kv_indptr, self.page_size
         ctx_pages, ctx_offsets = slots_on_device(kv_indices, kv_indptr, requests, ctx_pos, ps)
         ctx_pages = torch.where(ctx_valid, ctx_pages, self.kv.scratch_page)
         blk_pages, blk_offsets = slots_on_device(kv_indices, kv_indptr, requests, blk_pos, ps)

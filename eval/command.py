@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from specdec import LLM, SamplingParams
-from specdec.model_arguments import add_model_arguments, chosen_drafter, engine_options
+from specdec.arguments import add_engine_arguments, add_model_arguments, chosen_drafter, engine_options
 
 from eval.chat_prompt import chat_prompt_ids
 from eval.comparison import compare
@@ -28,25 +28,34 @@ from eval.report import summary_markdown, write_histogram_png, write_json
 from eval.runner import Run, run_problems
 
 
-def parse_args(problem_set: ProblemSet, argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=f"python -m {problem_set.module}", description=problem_set.description)
+def build_parser(problem_set: ProblemSet, prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog or f"python -m {problem_set.module}", description=problem_set.description,
+                                epilog="--concurrency 1 (the default) is the z-lab batch-1 protocol.")
     add_model_arguments(p)
+    # the engine's max_num_seqs is the eval's --concurrency: requests in flight, finished ones refilled at once
+    add_engine_arguments(p, aliases={"max_num_seqs": ["--concurrency"]})
+    p.set_defaults(max_num_seqs=1)
     p.add_argument("--data", default=None, help=problem_set.data_help)
     p.add_argument("--limit", type=int, default=None, help="a seeded random subset of N problems")
     p.add_argument("--seed", type=int, default=0, help="seed of the subset and of sampling")
-    p.add_argument("--max-new-tokens", type=int, default=problem_set.default_max_new_tokens)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--concurrency", type=int, default=1, help="requests in flight (engine max_num_seqs); "
-                                                              "1 = the z-lab batch-1 protocol")
+    p.add_argument("--max-new-tokens", type=int, default=problem_set.default_max_new_tokens,
+                   help="most tokens generated per problem")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--output", default=None, help=f"output directory (default: ./{problem_set.name}-<timestamp> "
                                                   "in the current directory)")
     p.add_argument("--baseline", action="store_true", help="also run without the drafter and compare")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def parse_args(problem_set: ProblemSet, argv=None, prog: str | None = None) -> argparse.Namespace:
+    p = build_parser(problem_set, prog)
     args = p.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be positive")
-    if args.concurrency < 1:
+    if args.max_num_seqs < 1:
         p.error("--concurrency must be positive")
+    args.concurrency = args.max_num_seqs  # the eval's name for it, in results.json and the run protocol
     return args
 
 
@@ -81,7 +90,7 @@ def remove_if_empty(out: Path) -> None:
 
 
 def make_llm(args, drafter) -> LLM:
-    return LLM(args.target, drafter, max_num_seqs=args.concurrency, **engine_options(args))
+    return LLM(args.target, drafter, **engine_options(args))
 
 
 def device_name(device) -> str:
@@ -169,10 +178,11 @@ def write_files(problem_set: ProblemSet, out: Path, results: dict, main_run: Run
           file=sys.stderr)
 
 
-def main(problem_set: ProblemSet, argv=None) -> int:
+def main(problem_set: ProblemSet, argv=None, prog: str | None = None) -> int:
+    """`prog` names the command in --help and usage errors (default `python -m eval.<name>`)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(problem_set, argv)
+    args = parse_args(problem_set, argv, prog)
     drafter = chosen_drafter(args)
     out = output_dir(args, problem_set)
     inputs = load_inputs(problem_set, args, out)

@@ -112,8 +112,8 @@ HUMANEVAL = ProblemSet(
 )
 
 
-def main(argv=None) -> int:
-    return command.main(HUMANEVAL, argv)
+def main(argv=None, prog: str | None = None) -> int:
+    return command.main(HUMANEVAL, argv, prog)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ MATH500 = ProblemSet(
 )
 
 
-def main(argv=None) -> int:
-    return command.main(MATH500, argv)
+def main(argv=None, prog: str | None = None) -> int:
+    return command.main(MATH500, argv, prog)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import json
 import logging
 from pathlib import Path
 
-from specdec.metrics import Summary
+from specdec.engine.metrics import Summary
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from eval.problem_set import Graded, Grader
 from specdec import SamplingParams
-from specdec.metrics import Summary, summarize
+from specdec.engine.metrics import Summary, summarize
 
 FAILED_REQUEST = Graded(None, False)  # a request that failed has nothing to grade and counts as wrong
 

@@ -31,7 +31,7 @@ from drafters.dflash_model import DFlashDraftModel, read_dflash_config  # noqa: 
 from scripts.bench.random_models import TARGET_SHAPE, TINY_SHAPE, random_target, tiny_drafter  # noqa: E402
 from scripts.bench.runner import environment, release_memory  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
-from specdec.models.demo_models import resolve_model  # noqa: E402
+from specdec.weights.demo_models import resolve_model  # noqa: E402
 
 SHIPPED_DRAFTER = "qwen2.5-coder-1.5b-dflash-b16"
 TAU_NOTE = ("With a random-weight target the drafts are rejected (tau ~ 1): a DFlash row is the cost of one "

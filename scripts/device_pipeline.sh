@@ -68,7 +68,7 @@ if [ "$target" = "$demo" ] && [ ! -s "$SPECDEC_CACHE/gguf/$gguf" ]; then
   echo "$sha  $run/$gguf" | sha256sum -c - || fail sha256
   mv "$run/$gguf" "$SPECDEC_CACHE/gguf/$gguf"
 fi
-python3 -c "from specdec.models.demo_models import resolve_model; print(resolve_model('$target'))" || fail "convert"
+python3 -c "from specdec.weights.demo_models import resolve_model; print(resolve_model('$target'))" || fail "convert"
 
 stage data
 if wanted data; then

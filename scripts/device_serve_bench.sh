@@ -13,7 +13,7 @@ out=${SERVE_OUT:-/tmp/serve}
 mkdir -p "$out"
 export SPECDEC_CACHE=${SPECDEC_CACHE:-/tmp/specdec-cache} PYTHONUNBUFFERED=1
 target=${TARGET:-qwen2.5-coder-1.5b-instruct}
-python3 -c "from specdec.models.demo_models import resolve_model; print(resolve_model('$target'))" || exit 1
+python3 -c "from specdec.weights.demo_models import resolve_model; print(resolve_model('$target'))" || exit 1
 for dataset in ${DATASETS:-math500 code}; do
   echo "=== $(date +%T) $dataset"
   python3 scripts/bench_serve.py --serve ar="--target $target --no-drafter" --serve dflash="--target $target" \

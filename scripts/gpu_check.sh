@@ -19,13 +19,14 @@ tests_rc=${PIPESTATUS[0]}
 # the CLI with a (random-weight) DFlash drafter and an FP8 KV cache, through FlashInfer
 python3 - <<'PY'
 import sys; sys.path.insert(0, ".")
-from transformers import AutoConfig
-from specdec.models.demo_models import resolve_model
-from tests.drafter_helpers import build_random_drafter
 import os
-build_random_drafter("/tmp/random-drafter", AutoConfig.from_pretrained(resolve_model(os.environ["SPECDEC_GPU_MODEL"])),
-                     block_size=16, num_layers=2, heads=8, kv_heads=2, head_dim=64, intermediate_size=1024,
-                     std=0.02, mask_token_id=0)
+import torch
+from transformers import AutoConfig
+from specdec.weights.demo_models import resolve_model
+from drafters.training.drafter_config import DrafterShape, save_random_drafter
+save_random_drafter("/tmp/random-drafter", AutoConfig.from_pretrained(resolve_model(os.environ["SPECDEC_GPU_MODEL"])),
+                    DrafterShape(num_layers=2, heads=8, kv_heads=2, head_dim=64, intermediate_size=1024, block_size=16),
+                    mask_token_id=0, std=0.02, dtype=torch.float32)
 PY
 python3 -m specdec.generate --target "$model" --drafter /tmp/random-drafter --kv-cache-dtype fp8 \
   --max-new-tokens 48 --prompt "Name three prime numbers." 2>&1 | tee "$out/cli.log"

@@ -27,7 +27,7 @@ from drafters.training.data import TokenSamples
 from drafters.training.target import FrozenTarget
 from drafters.training.trainer import TrainConfig, Trainer
 from eval.chat_prompt import chat_prompt_ids
-from specdec.models.demo_models import resolve_model
+from specdec.weights.demo_models import resolve_model
 
 
 def problem_set(name: str):

@@ -106,7 +106,7 @@ def main(argv=None) -> None:
     from drafters.training.trainer import TrainConfig, Trainer
     from drafters.compatibility import check_compatible
     from drafters.dflash_model import DFlashDraftModel, load_dflash
-    from specdec.models.demo_models import resolve_model
+    from specdec.weights.demo_models import resolve_model
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))

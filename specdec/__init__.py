@@ -1,6 +1,19 @@
-"""specdec: speculative decoding with DFlash block drafting."""
+"""specdec: speculative decoding with DFlash block drafting.
 
-from specdec.llm import LLM, GenerationResult
-from specdec.sampling_params import SamplingParams
+The library API is `LLM`, `SamplingParams` and `GenerationResult`. They are imported on first use, so
+that importing a lower layer (`specdec.models`, `specdec.engine`, ...) does not load the whole engine.
+"""
 
-__all__ = ["LLM", "SamplingParams", "GenerationResult"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"LLM": "specdec.llm", "GenerationResult": "specdec.llm", "SamplingParams": "specdec.engine.sampling_params"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

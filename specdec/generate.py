@@ -15,24 +15,25 @@ import sys
 import time
 
 from specdec.llm import LLM
-from specdec.metrics import summarize
-from specdec.model_arguments import (DefaultsHelpFormatter, add_engine_arguments, add_model_arguments, chosen_drafter,
-                                     engine_options, engine_settings)
-from specdec.sampling_params import SamplingParams
+from specdec.engine.metrics import summarize
+from specdec.arguments import (DefaultsHelpFormatter, add_engine_arguments, add_model_arguments, chosen_drafter,
+                               engine_options)
+from specdec.engine.sampling_params import SamplingParams
 
 # the shipped drafter was trained on step-by-step math answers, so the demo asks for one
 DEFAULT_PROMPT = ("A train travels 180 km in 2.5 hours and then 120 km in 1.5 hours. What is its average speed "
                   "for the whole trip?\nPlease reason step by step, and put your final answer within \\boxed{}.")
 # long enough for the demo prompt's step-by-step answer to reach its \boxed{} (the library's default is 256)
 DEFAULT_MAX_NEW_TOKENS = 512
+PROG = "python -m specdec.generate"
 
 
 class InputError(Exception):
     """Bad input found by the command line itself: printed as one `error:` line, exit status 2."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m specdec.generate", description=__doc__.splitlines()[0],
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                 formatter_class=DefaultsHelpFormatter)
     add_model_arguments(p)
     p.add_argument("--prompt", action="append", default=None,
@@ -52,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+def parse_args(argv=None, prog: str = PROG) -> argparse.Namespace:
+    return build_parser(prog).parse_args(argv)
 
 
 def read_prompts(args) -> list[str]:
@@ -88,9 +89,10 @@ def length_note(params: SamplingParams) -> str:
     return f"[stopped at --max-new-tokens {params.max_new_tokens}; raise it for a longer answer]"
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = PROG) -> int:
+    """`prog` names the command in --help and usage errors (`specdec generate` runs this too)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     try:
         return _run(args)
     except KeyboardInterrupt:  # before generation started (loading the model)
@@ -119,7 +121,7 @@ def _run(args) -> int:
                                 chat=args.chat)
         prompts = read_prompts(args)
         drafter = chosen_drafter(args)
-        llm = LLM(args.target, drafter, **engine_settings(args), **engine_options(args))
+        llm = LLM(args.target, drafter, **engine_options(args))
     except (InputError, ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2

@@ -1,26 +1,27 @@
-"""The library API: `LLM(target, drafter).generate(prompts, params)`."""
+"""The library API: `LLM(target, drafter).generate(prompts, params)`.
+
+The composition root: the one module that knows every layer (weights, models, the engine and the
+drafters) and puts them together."""
 
 from __future__ import annotations
 
-import numbers
 import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-from specdec.config import EngineConfig
-from specdec.engine import Engine
-from specdec.metrics import RequestStats, Summary, summarize
+from drafters import load_drafter
+from specdec.engine.config import EngineConfig
+from specdec.engine.drafter import Drafter
+from specdec.engine.engine import Engine
+from specdec.engine.metrics import RequestStats, Summary, summarize
 from specdec.models.loader import load_target
-from specdec.request import Request
-from specdec.sampling_params import SamplingParams
-from specdec.text_stream import TextStream, final_text
-
-DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
-
-Prompt = str | list[int]
-
+from specdec.engine.request import Request
+from specdec.engine.prompts import Prompt, encode_chat, prompt_list, token_ids
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.text_stream import TextStream, final_text
+from specdec.weights.demo_models import DEFAULT_TARGET, resolve_model
 
 @dataclass
 class GenerationResult:
@@ -33,40 +34,10 @@ class GenerationResult:
     error: str | None = None
 
 
-def prompt_list(prompts) -> list:
-    """One prompt (a string or token ids) or several, as a list; numpy arrays and tensors of ids too."""
-    if hasattr(prompts, "tolist") and not isinstance(prompts, str):  # numpy array or tensor
-        prompts = prompts.tolist()
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                    and isinstance(prompts[0], numbers.Integral)):
-        return [prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got "
-                         f"{type(prompts).__name__}")
-    return list(prompts)
-
-
-def token_ids(prompt) -> list[int]:
-    """A prompt given as token ids (a list, numpy array or tensor of integers) -> list[int]."""
-    ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt
-    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                                                      for t in ids):
-        raise ValueError(f"a prompt must be a string or a flat list of integer token ids; got {str(prompt)[:80]!r}")
-    return [int(t) for t in ids]
-
-
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """A conversation through the tokenizer's chat template, with the assistant's generation prompt."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("chat=True but this model's tokenizer has no chat template")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 class LLM:
     """A target model (and optionally a drafter) ready to generate.
 
-    target: a demo model name (see `specdec.models.demo_models.DEMO_MODELS`), an HF model directory
+    target: a demo model name (see `specdec.weights.demo_models.DEMO_MODELS`), an HF model directory
     or a .gguf file. drafter: a DFlash checkpoint directory, a shipped drafter's name, or a
     `drafters.Drafter` instance. Other keyword arguments are `EngineConfig` fields.
     """
@@ -77,10 +48,8 @@ class LLM:
         self.config = EngineConfig(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
                                    **engine_options)
         device_obj = self.config.torch_device()
-        loaded = load_target(target, device_obj, self.config.torch_dtype(device_obj))
-        from drafters import Drafter, load_drafter
-
-        # a Drafter object (any implementation of drafters.base.Drafter) is used as is
+        loaded = load_target(resolve_model(target), device_obj, self.config.torch_dtype(device_obj))
+        # a Drafter object (any implementation of specdec.engine.drafter.Drafter) is used as is
         draft_model = drafter if drafter is None or isinstance(drafter, Drafter) else load_drafter(drafter,
                                                                                                    loaded.model)
         self.tokenizer = loaded.tokenizer

@@ -1,7 +1,7 @@
 """OpenAI-compatible server: `python -m specdec.serve [--target NAME|PATH] [--drafter ...] [--port 8000]`.
 
 Loads the model (and its drafter) like `python -m specdec.generate`, in an engine process of its own
-(specdec/engine_process.py), then serves /v1/completions, /v1/chat/completions, /v1/models, /health
+(specdec/server/engine_process.py), then serves /v1/completions, /v1/chat/completions, /v1/models, /health
 and /metrics on --host:--port (127.0.0.1:8000 by default). Requests join the running batch as they
 arrive. SIGINT / SIGTERM stop accepting
 connections, let in-flight requests finish for up to --timeout-graceful-shutdown seconds, abort what
@@ -11,25 +11,24 @@ is left, and exit 0. Exit status 2: bad arguments or a model that cannot be load
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import sys
 
-from specdec.model_arguments import (DefaultsHelpFormatter, add_engine_arguments, add_model_arguments, chosen_drafter,
-                                     engine_options, engine_settings)
+from specdec.arguments import (DefaultsHelpFormatter, add_engine_arguments, add_model_arguments, chosen_drafter,
+                               engine_options)
+
+PROG = "python -m specdec.serve"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m specdec.serve", description=__doc__.splitlines()[0],
-                                formatter_class=DefaultsHelpFormatter)
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     add_model_arguments(p)
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --target)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
-    p.add_argument("--max-prefill-tokens", type=int, default=4096,
-                   help="prefill tokens per step; longer prompts are prefilled in chunks")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM")
     p.add_argument("--engine-thread", action="store_true",
@@ -39,17 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv=None, prog: str = PROG) -> int:
+    """`prog` names the command in --help and usage errors (`specdec serve` runs this too)."""
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from specdec.engine_process import EngineStartError
-    from specdec.openai_api import build_app
+    from specdec.server.engine_process import EngineStartError
+    from specdec.server.openai_api import build_app
 
-    llm_args = dict(target=args.target, drafter=chosen_drafter(args), max_num_seqs=args.max_num_seqs,
-                    max_prefill_tokens=args.max_prefill_tokens, **engine_settings(args), **engine_options(args))
     try:
+        llm_args = dict(target=args.target, drafter=chosen_drafter(args), **engine_options(args))
         engine = start_engine(llm_args, args.engine_thread, args.log_level.upper())
     except (EngineStartError, ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
@@ -71,14 +70,15 @@ def main(argv=None) -> int:
 
 def start_engine(llm_args: dict, on_thread: bool, log_level: str):
     """The loaded model's engine, on a thread of this process or (default) in a process of its own."""
+    from specdec.llm import LLM
+
     if on_thread:
-        from specdec.async_engine import ThreadedEngine
-        from specdec.llm import LLM
+        from specdec.server.async_engine import ThreadedEngine
 
         return ThreadedEngine(LLM(**llm_args))
-    from specdec.engine_process import ProcessEngine
+    from specdec.server.engine_process import ProcessEngine
 
-    return ProcessEngine.start(llm_args, log_level=log_level)
+    return ProcessEngine.start(functools.partial(LLM, **llm_args), log_level=log_level)
 
 
 if __name__ == "__main__":

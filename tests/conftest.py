@@ -6,6 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from tests.tokenizer_helpers import as_transformers, bytelevel_tokenizer
+
 VOCAB = 96
 
 
@@ -42,16 +44,9 @@ def build_tiny_model(model_type: str, path, seed: int = 0, **overrides):
     return model
 
 
-# ChatML, as Qwen's templates write it
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 def build_tiny_model_with_tokenizer(path, chat_template: str | None = None):
     """A random tiny qwen2 model with a real byte-level tokenizer (no chat template unless given) saved
     beside it, so `LLM(path)` loads it as any HF model directory."""
-    from tests.test_detokenizer import as_transformers, bytelevel_tokenizer
-
     tokenizer = as_transformers(bytelevel_tokenizer(), eos_token="<|endoftext|>")
     if chat_template is not None:
         tokenizer.chat_template = chat_template

@@ -1,42 +1,25 @@
-"""Random DFlash drafters in the z-lab format, and test drafters with known behaviour."""
+"""Random DFlash drafters in the z-lab format (small, for tests), and test drafters with known behaviour."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
-from transformers import Qwen3Config
 
-from drafters.base import Drafter
-from drafters.dflash_model import DFlashDraftModel, save_dflash
+from drafters.training.drafter_config import DrafterShape, save_random_drafter
+from specdec.engine.drafter import Drafter
 
-
-def dflash_config(target_config, block_size=4, num_layers=2, target_layer_ids=None, mask_token_id=None,
-                  heads=4, kv_heads=2, head_dim=16, intermediate_size=96):
-    config = Qwen3Config(vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
-                         intermediate_size=intermediate_size, num_hidden_layers=num_layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                         max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
-                         tie_word_embeddings=False)
-    config.architectures = ["DFlashDraftModel"]
-    config.num_target_layers = target_config.num_hidden_layers
-    config.block_size = block_size
-    dflash = {"mask_token_id": target_config.vocab_size - 1 if mask_token_id is None else mask_token_id}
-    if target_layer_ids is not None:
-        dflash["target_layer_ids"] = list(target_layer_ids)
-    config.dflash_config = dflash
-    return config
+# what a test drafter is unless a test says otherwise
+SHAPE = DrafterShape(num_layers=2, heads=4, kv_heads=2, head_dim=16, intermediate_size=96, block_size=4)
 
 
-def build_random_drafter(path, target_config, seed=0, dtype=torch.float32, std=0.2, **kwargs) -> DFlashDraftModel:
-    torch.manual_seed(seed)
-    model = DFlashDraftModel(dflash_config(target_config, **kwargs))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, std)
-    save_dflash(model, path, dtype=dtype)
-    return model
+def build_random_drafter(path, target_config, seed=0, dtype=torch.float32, std=0.2, mask_token_id=None, **shape):
+    """`save_random_drafter` with SHAPE changed by `shape` (DrafterShape fields), large weights and
+    perturbed norms: every weight moves the drafts, so a loader that drops one shows."""
+    if shape.get("target_layer_ids") is not None:
+        shape["target_layer_ids"] = tuple(shape["target_layer_ids"])
+    return save_random_drafter(path, target_config, replace(SHAPE, **shape), mask_token_id, seed=seed, std=std,
+                               norm_std=0.1, dtype=dtype)
 
 
 class ScriptedDrafter(Drafter):

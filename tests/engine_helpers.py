@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from specdec.config import EngineConfig
-from specdec.engine import Engine
+from drafters import load_drafter
+from specdec.engine.config import EngineConfig
+from specdec.engine.engine import Engine
 from specdec.models.loader import LoadedTarget, load_causal_lm
+from tests.drafter_helpers import build_random_drafter
 
 
 def tiny_target(path, eos=(2,)) -> LoadedTarget:
@@ -20,3 +22,24 @@ def tiny_engine(path, drafter=None, eos=(2,), **config) -> Engine:
 
 
 PROMPTS = [[5, 17, 33, 9, 11, 40], [7, 8], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72], [3]]
+MANY_PROMPTS = PROMPTS + [[11, 12, 13, 14, 15], [20] * 17, [30, 31, 32, 33, 34, 35, 36, 37, 38], [50, 40]]
+
+
+def spec_engine(path, drafter, eos=(), **config):
+    config.setdefault("num_kv_pages", 512)
+    config.setdefault("page_size", 4)
+    return Engine(tiny_target(path, eos), EngineConfig(device="cpu", **config), drafter)
+
+
+def dflash_drafter(path, tmp_path, block_size, seed=0, **shape):
+    target = tiny_target(path)
+    build_random_drafter(tmp_path / f"drafter-{block_size}-{seed}", target.model.config, seed=seed,
+                         block_size=block_size, **shape)
+    return load_drafter(tmp_path / f"drafter-{block_size}-{seed}", target.model)
+
+
+def assert_no_leak(engine):
+    assert engine.pool.num_free == engine.pool.num_pages
+    drafter_pool = getattr(engine.drafter, "pool", None)
+    if drafter_pool is not None:
+        assert drafter_pool.num_free == drafter_pool.num_pages

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdec.sampling_params import SamplingParams
+from specdec.engine.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPTS, tiny_engine
 
 

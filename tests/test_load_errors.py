@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.config import EngineConfig
+from specdec.engine.config import EngineConfig
 from tests.conftest import build_tiny_model_with_tokenizer
 from tests.drafter_helpers import build_random_drafter
 
@@ -64,7 +64,7 @@ def test_truncated_drafter_weights_name_the_file(tmp_path):
 
 
 def test_corrupt_gguf_names_the_file(tmp_path, monkeypatch):
-    from specdec.models.demo_models import resolve_model
+    from specdec.weights.demo_models import resolve_model
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     bad = tmp_path / "broken.gguf"

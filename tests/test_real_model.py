@@ -21,7 +21,7 @@ def llm():
 
 
 def test_greedy_matches_transformers(llm):
-    from specdec.models.demo_models import resolve_model
+    from specdec.weights.demo_models import resolve_model
 
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(MODEL), dtype=torch.float32).eval()
     results = llm.generate(PROMPTS, SamplingParams(max_new_tokens=24), chat=True)

@@ -1,5 +1,6 @@
 """The shape of a drafter to train: its config (z-lab's DFlash fields on a Qwen3 layer config),
-fresh weights, and what it costs on disk."""
+fresh weights, and what it costs on disk. `save_random_drafter` writes such a fresh drafter as a
+checkpoint, for runs where the weights' values do not matter (tests, timing, a device check)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from drafters.dflash_model import DFlashDraftModel, default_target_layer_ids
+from drafters.dflash_model import DFlashDraftModel, default_target_layer_ids, save_dflash
 from drafters.weight_storage import linear_bytes
+from specdec.models.layers import RMSNorm
 
 # SpecForge's loss decay per block size (gamma = 7 for bs 16, 4 for bs 8); other sizes scale linearly
 GAMMA_BY_BLOCK_SIZE = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -67,8 +69,9 @@ def drafter_config(target_config, shape: DrafterShape, mask_token_id: int) -> Qw
     return config
 
 
-def new_drafter(config, seed: int = 0, std: float = 0.02) -> DFlashDraftModel:
-    """Fresh fp32 weights: N(0, std) for Linear weights, ones for norms (transformers' init)."""
+def new_drafter(config, seed: int = 0, std: float = 0.02, norm_std: float = 0.0) -> DFlashDraftModel:
+    """Fresh fp32 weights: N(0, std) for Linear weights; norms 1 + N(0, norm_std), so ones by default
+    (transformers' init); a norm_std > 0 makes every norm weight matter, as a test of a loader wants."""
     model = DFlashDraftModel(config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -77,7 +80,20 @@ def new_drafter(config, seed: int = 0, std: float = 0.02) -> DFlashDraftModel:
                 module.weight.normal_(0.0, std, generator=g)
                 if module.bias is not None:
                     module.bias.zero_()
+            elif isinstance(module, RMSNorm) and norm_std:
+                module.weight.normal_(1.0, norm_std, generator=g)
     return model.float()
+
+
+def save_random_drafter(path, target_config, shape: DrafterShape, mask_token_id: int | None = None, *, seed: int = 0,
+                        std: float = 0.02, norm_std: float = 0.0, dtype: torch.dtype = torch.bfloat16
+                        ) -> DFlashDraftModel:
+    """A drafter of `shape` for `target_config` with fresh weights (`new_drafter`), saved to `path` in the
+    z-lab format; the mask token is the vocabulary's last id unless given. Returns the fp32 model."""
+    mask = target_config.vocab_size - 1 if mask_token_id is None else mask_token_id
+    model = new_drafter(drafter_config(target_config, shape, mask), seed, std, norm_std)
+    save_dflash(model, path, dtype=dtype)
+    return model
 
 
 def parameter_counts(config) -> dict[str, int]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from drafters.training.data import DEFAULT_DOMAIN, TokenSamples, shard_metadata, shard_path
-from specdec.sampling_params import SamplingParams
+from specdec.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def generate_shards(engine, prompts: list[list[int]], out_dir: str | os.PathLike
                     deadline: float | None = None, progress: bool = True,
                     domains: list[str] | None = None) -> list[Path]:
     """Answer prompts[start : start + limit] (prompt i is problem i, of domain domains[i]) shard by
-    shard with `engine` (a `specdec.engine.Engine`); returns the finished shard files of that range,
+    shard with `engine` (a `specdec.engine.engine.Engine`); returns the finished shard files of that range,
     old and new.
 
     Shards are pipelined: the next shard's requests join the engine while the current one's are still

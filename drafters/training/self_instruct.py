@@ -19,7 +19,7 @@ from pathlib import Path
 
 from drafters.training.general_tasks import topics
 from drafters.training.near_duplicates import unique_texts
-from specdec.sampling_params import SamplingParams
+from specdec.engine.sampling_params import SamplingParams
 
 # (prompts, seeds) -> the target's answers, one per prompt
 Completions = Callable[[list[str], list[int]], list[str]]

@@ -33,7 +33,7 @@ class FrozenTarget:
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike, layer_ids, device: torch.device, dtype: torch.dtype):
-        from specdec.models.demo_models import resolve_model
+        from specdec.weights.demo_models import resolve_model
 
         model = AutoModelForCausalLM.from_pretrained(resolve_model(name_or_path), dtype=dtype)
         return cls(model.to(device), layer_ids)

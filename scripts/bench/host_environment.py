@@ -1,4 +1,4 @@
-"""Where `scripts/bench_serve.py` ran: GPUs, package versions, the repository's commit.
+"""Where a benchmark ran: GPUs, package versions, the repository's commit.
 
 Read without importing torch or touching CUDA (GPUs through NVML, versions from package metadata): a
 CUDA context in the load generator would take GPU memory from the server it measures.
@@ -46,10 +46,11 @@ def git(*args: str) -> str | None:
         return None
 
 
-def environment() -> dict:
+def environment(extra_packages: tuple[str, ...] = ()) -> dict:
+    """The host, the versions of PACKAGES and `extra_packages` (None: not installed) and the commit."""
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"gpus": gpu_names(), "cpu": platform.processor() or platform.machine(),
             "platform": platform.platform(), "python": platform.python_version(),
-            "versions": {name: package_version(name) for name in PACKAGES},
+            "versions": {name: package_version(name) for name in (*PACKAGES, *extra_packages)},
             "git_commit": git("rev-parse", "HEAD"), "git_uncommitted_changes": None if status is None else bool(status),
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}

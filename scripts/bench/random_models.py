@@ -9,8 +9,7 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
-from drafters.dflash_model import save_dflash
-from drafters.training.drafter_config import DrafterShape, drafter_config, new_drafter
+from drafters.training.drafter_config import DrafterShape, save_random_drafter
 
 # qwen2.5-coder-1.5b-instruct as specdec's GGUF conversion writes it (untied: the GGUF has its own output.weight)
 TARGET_SHAPE = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
@@ -55,5 +54,5 @@ def tiny_drafter(path: Path, target_dir: Path) -> Path:
     """A one-layer, block-4 random DFlash drafter that fits the target in `target_dir`."""
     config = AutoConfig.from_pretrained(target_dir)
     shape = DrafterShape(num_layers=1, heads=4, kv_heads=2, head_dim=16, intermediate_size=64, block_size=4)
-    save_dflash(new_drafter(drafter_config(config, shape, mask_token_id=config.vocab_size - 3)), path)
+    save_random_drafter(path, config, shape, mask_token_id=config.vocab_size - 3)
     return path

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import statistics
 
+from eval.comparison import first_difference
+
 HF_BASELINE = "hf-generate"
 AR_BASELINE = "ours-ar"
 
@@ -57,13 +59,6 @@ def tpot_speedup(reference: list[dict], records: list[dict]) -> float | None:
     common = [i for i in ref if i in mine and ref[i]["tpot_s"] and mine[i]["tpot_s"]]
     a, b = median(ref[i]["tpot_s"] for i in common), median(mine[i]["tpot_s"] for i in common)
     return a / b if a and b else None
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for k, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return k
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def without_stop(ids: list[int], stop_ids=()) -> list[int]:

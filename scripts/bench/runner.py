@@ -12,13 +12,9 @@ Time budgets (so that one bounded device call always ends with a report):
 
 from __future__ import annotations
 
-import gc
-import importlib.metadata
-import json
 import itertools
-import platform
+import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,12 +22,13 @@ from pathlib import Path
 
 import torch
 
+from eval import command as eval_command
 from scripts.bench.gpu_memory import PeakGpuMemory
+from scripts.bench.host_environment import environment as host_environment
 from scripts.bench.peers import PEER_SYSTEMS, why_skip_peer
 from scripts.bench.systems import (HFSystem, OursSystem, ZLabSystem, convert_drafter_for_zlab, dflash_import_error,
                                    drafter_directory, load_hf_model)
 
-ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("ours-dflash-bf16", "ours-dflash-fp8", "ours-ar", *PEER_SYSTEMS, "hf-generate", "hf-assisted",
            "zlab-dflash")
 DRAFTER_SYSTEMS = {"ours-dflash-bf16", "ours-dflash-fp8", "zlab-dflash",
@@ -46,37 +43,18 @@ def log(message: str) -> None:
 
 
 def release_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    eval_command.release_memory(device.type == "cuda")
 
 
 def environment(device: torch.device) -> dict:
-    import transformers
-
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    try:
-        import flashinfer
-
-        fi = flashinfer.__version__
-    except Exception:
-        fi = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-    except Exception:
-        commit = None
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"cpu ({platform.processor() or platform.machine()})"
-    return {"device": str(device), "device_name": name, "torch": torch.__version__,
-            "transformers": transformers.__version__, "flashinfer": fi, "dflash": version("dflash"),
-            "python": platform.python_version(), "git_commit": commit,
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    """The host's (scripts.bench.host_environment) plus the device the systems run on, and the versions the
+    reports name at the top level."""
+    env = host_environment(extra_packages=("dflash",))
+    versions = env["versions"]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({env['cpu']})"
+    return {**env, "device": str(device), "device_name": name, "torch": versions["torch"],
+            "transformers": versions["transformers"], "flashinfer": versions["flashinfer-python"],
+            "dflash": versions["dflash"]}
 
 
 class Clock:
@@ -106,7 +84,7 @@ class Context:
     def __init__(self, args, device: torch.device):
         from transformers import AutoTokenizer
 
-        from specdec.models.demo_models import resolve_model
+        from specdec.weights.demo_models import resolve_model
         from specdec.models.loader import eos_token_ids
 
         self.args, self.device = args, device

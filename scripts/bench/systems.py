@@ -4,7 +4,7 @@ A system is built once, then `generate(prompt_ids, max_new_tokens)` runs one pro
 greedy, and returns a `Sample`; `info()` describes it for the JSON and `close()` drops it.
 
 Timing (wall clock; on CUDA the device is synchronized at every measurement point):
-- ours-*: the engine's per-request stats (`specdec.metrics.RequestStats`): first token = the
+- ours-*: the engine's per-request stats (`specdec.engine.metrics.RequestStats`): first token = the
   prefill's token committed; TPOT = (last commit - first token) / (generated - 1).
 - hf-generate, hf-assisted: a streamer stamps the first emission of generated tokens (after the
   target's prefill; for assisted generation after the first draft + verify round, which can emit

@@ -1,4 +1,5 @@
-"""Load a target model and its tokenizer from an HF model directory, a GGUF file or a demo name."""
+"""Load a target model and its tokenizer from an HF model directory (`specdec.weights` turns demo names
+and GGUF files into one)."""
 
 from __future__ import annotations
 
@@ -78,10 +79,7 @@ def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_target(name_or_path: str | os.PathLike, device: torch.device, dtype: torch.dtype) -> LoadedTarget:
-    from specdec.models.demo_models import resolve_model
-
-    model_dir = resolve_model(name_or_path)
+def load_target(model_dir: Path, device: torch.device, dtype: torch.dtype) -> LoadedTarget:
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir, device, dtype)
     return LoadedTarget(model, tokenizer, eos_token_ids(model_dir, tokenizer), model_dir)

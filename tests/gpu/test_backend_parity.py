@@ -6,7 +6,7 @@ agree except at rare near-ties (reported)."""
 import torch
 
 from specdec import LLM, SamplingParams
-from tests.gpu.test_end_to_end import MODEL, PROMPTS
+from tests.gpu.gpu_helpers import MODEL, PROMPTS
 
 # bf16 logits of |value| 8-32 are spaced 0.0625-0.25 apart; the two paths round differently at every
 # layer (FlashInfer norms multiply the weight in fp32, the reference casts first as transformers

@@ -14,10 +14,10 @@ import warnings
 import pytest
 import torch
 
-from specdec.config import EngineConfig
-from specdec.engine import Engine
+from specdec.engine.config import EngineConfig
+from specdec.engine.engine import Engine
+from specdec.engine.sampling_params import SamplingParams
 from specdec.models.loader import LoadedTarget, load_causal_lm
-from specdec.sampling_params import SamplingParams
 from tests.conftest import build_tiny_model
 from tests.drafter_helpers import build_random_drafter
 

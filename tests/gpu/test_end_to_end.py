@@ -14,23 +14,9 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from tests.drafter_helpers import ScriptedDrafter, build_random_drafter
+from tests.gpu.gpu_helpers import MODEL, PROMPTS
 
-MODEL = os.environ.get("SPECDEC_GPU_MODEL", "smollm2-135m-instruct")
 NEAR_TIE, NEW_TOKENS, BATCH_ONE_PROMPTS = 0.5, 96, 4
-PROMPTS = [
-    "What is 17 * 23? Show your work.", "Write a Python function that reverses a linked list.",
-    "Explain what a hash table is in two sentences.", "List the first ten prime numbers.",
-    "Solve for x: 3x + 7 = 22.", "Write a haiku about autumn.", "What is the capital of Japan?",
-    "Translate 'good morning' into French and Spanish.", "Describe photosynthesis briefly.",
-    "Write a SQL query that counts rows in a table named users.", "What is the derivative of x^3 + 2x?",
-    "Give three tips for writing clean code.", "How many days are in a leap year?",
-    "Write a bash command to count lines in all .py files.", "What does HTTP stand for?",
-    "Summarize the plot of Romeo and Juliet in one paragraph.", "Compute the sum of 1 to 100.",
-    "Write a JavaScript function that debounces another function.", "What is the boiling point of water in F?",
-    "Explain recursion to a child.", "Name four planets of the solar system.",
-    "Write a regular expression that matches an email address.", "What is 2 to the power of 10?",
-    "Give a short definition of entropy.",
-]
 
 
 def report(name, data):
@@ -42,8 +28,9 @@ def report(name, data):
 
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory):
-    from specdec.models.demo_models import resolve_model
     from transformers import AutoConfig
+
+    from specdec.weights.demo_models import resolve_model
 
     path = tmp_path_factory.mktemp("gpu-drafter")
     target_config = AutoConfig.from_pretrained(resolve_model(MODEL))

@@ -10,7 +10,7 @@ import torch
 from attention.batch_layout import BatchLayout
 from attention.kv_cache import FP8_DTYPE
 from attention.torch_backend import TorchBackend
-from tests.attention_cases import CASES, HKV, HQ, PagedCase, D
+from tests.attention_cases import CASES, HKV, HQ, D, PagedCase
 
 REL_BOUND = 1e-2
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}

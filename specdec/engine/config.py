@@ -1,0 +1,95 @@
+"""Engine configuration: one frozen dataclass, validated on creation.
+
+The command line maps onto it one to one: specdec/arguments.py gives every field a flag of the same
+name, with the `help` (and `choices`) of the field's metadata, so a new field gets its flag by itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def _valid_device(device) -> bool:
+    if not isinstance(device, str):
+        return False
+    kind, _, index = device.partition(":")
+    return device in ("auto", "cpu") or (kind == "cuda" and (not index or index.isdigit()))
+
+
+def _setting(default, help_text: str, **flag):
+    """A field whose metadata carries its flag's --help text and any argparse extras (choices)."""
+    return field(default=default, metadata={"help": help_text, **flag})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = _setting("auto", "auto, cpu, cuda or cuda:N (auto = cuda when available, else cpu)")
+    dtype: str = _setting("auto", "model dtype (auto = bfloat16 on CUDA, float32 on CPU)",
+                          choices=("auto", *DTYPES))
+    kv_cache_dtype: str = _setting("auto", "the target's KV cache: auto = the model dtype, fp8 = float8 e4m3",
+                                   choices=KV_CACHE_DTYPES)
+    page_size: int = _setting(16, "KV cache page size in tokens")
+    num_kv_pages: int | None = _setting(None, "KV pool size in pages (None = sized from memory: "
+                                              "gpu_memory_utilization on CUDA, cpu_kv_cache_gib on CPU)")
+    gpu_memory_utilization: float = _setting(0.9, "fraction of GPU memory the engine may use in all (weights, KV "
+                                                  "pool, graphs)")
+    cpu_kv_cache_gib: float = _setting(2.0, "KV pool size in GiB on CPU when num_kv_pages is None")
+    max_num_seqs: int = _setting(64, "requests decoded together (the most in flight at once)")
+    max_prefill_tokens: int = _setting(4096, "prefill tokens per step; a longer prompt is prefilled in chunks")
+    attention_backend: str = _setting("auto", "attention kernels (auto = flashinfer on CUDA when installed, "
+                                              "else torch)", choices=("auto", "torch", "flashinfer"))
+    # FP8 KV scales: 1.0 per layer by default (K/V of Llama/Qwen-sized models sit well inside e4m3's
+    # +-448); True derives per-layer scales from the first prefill's max |K|, |V| (with headroom)
+    calibrate_fp8_scales: bool = _setting(False, "FP8 KV: per-layer scales from the first prefill (otherwise "
+                                                 "scale 1.0)")
+    # the drafter's context cache: auto = the model dtype (it is small: a few layers, and needs no
+    # quantization kernels); fp8 = float8 e4m3 like the target's
+    drafter_kv_cache_dtype: str = _setting("auto", "the drafter's context cache (auto = the model dtype)",
+                                           choices=KV_CACHE_DTYPES)
+    # CUDA graphs for the decode, verify and draft steps (CUDA only; CPU is always eager)
+    enforce_eager: bool = _setting(False, "run every step eagerly (no CUDA graphs; CPU is always eager)")
+
+    def __post_init__(self):
+        problems = []
+        if not _valid_device(self.device):
+            problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype != "auto" and DTYPE_ALIASES.get(self.dtype, self.dtype) not in DTYPES:
+            problems.append(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            problems.append(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.drafter_kv_cache_dtype not in KV_CACHE_DTYPES:
+            problems.append(f"drafter_kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                            f"{self.drafter_kv_cache_dtype!r}")
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            problems.append(f"page_size must be a positive integer, got {self.page_size!r}")
+        if self.num_kv_pages is not None and self.num_kv_pages < 1:
+            problems.append(f"num_kv_pages must be positive, got {self.num_kv_pages}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1 or self.max_prefill_tokens < 1:
+            problems.append("max_num_seqs and max_prefill_tokens must be positive")
+        if problems:
+            raise ValueError("invalid engine configuration: " + "; ".join(problems))
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} was requested but CUDA is not available; use --device cpu")
+        return device
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[DTYPE_ALIASES.get(self.dtype, self.dtype)]
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.kv_cache_dtype.startswith("fp8")

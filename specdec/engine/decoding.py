@@ -1,0 +1,39 @@
+"""The decode phase of a step: the running requests in, the tokens each of them commits out.
+
+    decoding = PlainDecoding(runner)                  # one token per request per step
+    decoding = SpeculativeDecoding(runner, drafter)   # a drafted block verified per request (speculator.py)
+    tokens = decoding.step(running)                   # list[list[int]], in the order of `running`
+
+A phase never sees the engine. The engine commits each request's tokens in order and may take fewer
+(EOS, a stop string or max_new_tokens end the request; so does a failure of that request alone):
+a request cut short is finished, and everything it holds goes back when the engine retires it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from specdec.engine.request import Request
+from specdec.engine.sampler import sample_block
+from specdec.runtime.target_runner import TargetRunner
+
+
+class DecodePhase(Protocol):
+    tokens_per_step: int  # the most tokens one request can commit in a step
+
+    def step(self, running: list[Request]) -> list[list[int]]:
+        """One forward of the target for every running request; the tokens each commits."""
+
+
+class PlainDecoding:
+    tokens_per_step = 1
+
+    def __init__(self, runner: TargetRunner):
+        self.runner = runner
+
+    @torch.no_grad()
+    def step(self, running: list[Request]) -> list[list[int]]:
+        out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], None, 1)
+        return [[token] for token in sample_block(out, running, 1).tolist()]

@@ -1,0 +1,83 @@
+"""The drafter interface: what the speculative loop needs from any drafter.
+
+Set-up: `attach(context)` with the narrow `DraftContext` (device, dtypes, page geometry, the target's
+embedding and lm_head, where the target's features appear), then `allocate_cache(num_pages)` once the
+engine has sized its pool, then `capture(pool)` for CUDA graphs (when the engine uses them).
+Lifecycle per request: `add_context` after each chunk of the target's prefill (with that chunk's
+features), then each step `propose` a block and, after verification, `extend` with the rows of the
+verify's features that the step committed; `release` when the request finishes or is preempted (a
+preempted request starts again with `add_context` over its recomputed prefill). A drafter owns its own caches; the engine
+owns the target's.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+class DraftRequest(Protocol):
+    """What a drafter may read of a request (the engine's `Request` has these and more)."""
+
+    request_id: int
+    num_cached: int  # positions whose target K/V is cached: the pending token goes at this position
+    pending_token: int  # the last committed token, not yet run through the target
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    device: torch.device
+    dtype: torch.dtype  # the target's compute dtype
+    kv_dtype: torch.dtype
+    page_size: int
+    backend_name: str  # attention backend, already resolved ("torch" or "flashinfer")
+    max_batch: int
+    max_context: int  # the target's context length
+    embed_tokens: nn.Module
+    lm_head: nn.Module
+    calibrate_fp8_scales: bool = False
+    # the target's verify features [max_batch * block_size, F] at a fixed address (None on request-less set-ups)
+    features: torch.Tensor | None = None
+
+
+class Drafter(ABC):
+    block_size: int  # tokens the target verifies per step: the anchor plus block_size - 1 drafts
+    target_layer_ids: tuple[int, ...]  # target layers whose outputs the drafter consumes
+
+    @abstractmethod
+    def attach(self, context: DraftContext) -> None:
+        """Take the engine's set-up (device, page size, KV dtype, ...) and build static buffers."""
+
+    def kv_bytes_per_page(self) -> int:
+        """Memory one page of the drafter's own cache takes, in the attached page size and KV dtype (0 for
+        drafters without a cache)."""
+        return 0
+
+    def allocate_cache(self, num_pages: int) -> None:
+        """Allocate the drafter's cache with as many pages as the target's."""
+
+    def capture(self, pool) -> float:
+        """Capture CUDA graphs of the draft step into `pool`; returns seconds (0 without graphs)."""
+        return 0.0
+
+    @abstractmethod
+    def add_context(self, requests: list[DraftRequest], features: list[torch.Tensor]) -> None:
+        """A prefill chunk of request i produced `features[i]` [n_i, F]: the target features of its next
+        n_i positions (the first chunk starts at position 0)."""
+
+    @abstractmethod
+    def propose(self, requests: list[DraftRequest]) -> torch.Tensor:
+        """Draft tokens [len(requests), block_size - 1] following each request's pending token."""
+
+    @abstractmethod
+    def extend(self, requests: list[DraftRequest], features: torch.Tensor, rows: list[int], counts: list[int]) -> None:
+        """Positions were committed: request i's newly committed positions (anchor and accepted
+        drafts) have the target features features.view(-1, block_size, F)[rows[i], :counts[i]]."""
+
+    @abstractmethod
+    def release(self, request: DraftRequest) -> None:
+        """The request finished or was preempted: free everything held for it (a no-op for one unknown)."""

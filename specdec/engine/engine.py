@@ -1,0 +1,342 @@
+"""The generation loop: admit, prefill, decode (autoregressive or speculative), finish.
+
+    engine = Engine(target, EngineConfig(...), drafter=None)
+    request = engine.add_request(ids, params)       # any time between steps
+    while engine.has_unfinished_requests:
+        out = engine.step()                          # out.committed, out.finished
+    engine.abort(request.request_id)                 # any time between steps
+
+or, for a closed batch, `engine.run(requests, on_commit=callback)` (a loop over `step`).
+
+One step = at most one prefill forward (chunks of admitted requests' prompts, within a token
+budget) plus one decode forward (AR: one token per request; speculative: a drafted block per
+request) for the requests whose prefill is complete. The scheduler plans it (specdec/engine/scheduler.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from attention import resolve_backend_name
+from attention.kv_cache import FP8_DTYPE, KVCache
+from attention.page_pool import PagePool, PageTable
+from attention.transfer import upload
+from specdec.engine.drafter import DraftContext
+from specdec.engine.config import EngineConfig
+from specdec.engine.decoding import DecodePhase, PlainDecoding
+from specdec.runtime.cuda_graphs import ladder_sizes
+from specdec.models.loader import LoadedTarget
+from specdec.engine.request import Request
+from specdec.engine.request_limits import RequestLimits
+from specdec.engine.sampler import make_generator, sample_batch
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.scheduler import Scheduler
+from specdec.engine.speculator import SpeculativeDecoding
+from specdec.runtime.target_runner import TargetRunner
+
+log = logging.getLogger(__name__)
+
+OnCommit = Callable[[Request, list[int]], None]
+
+
+def _ignore(request: Request, tokens: list[int]) -> None:
+    pass
+
+
+@dataclass
+class StepOutput:
+    committed: list[tuple[Request, list[int]]] = field(default_factory=list)  # (request, its new tokens), in order
+    finished: list[Request] = field(default_factory=list)  # retired in this step: their pages are back
+    preempted: list[Request] = field(default_factory=list)  # gave their pages back; requeued to recompute
+ACTIVATION_RESERVE_BYTES = 2 << 30  # GPU memory kept free for activations and workspaces
+
+
+class Engine:
+    def __init__(self, target: LoadedTarget, config: EngineConfig, drafter=None):
+        self.config = config
+        self.model = target.model
+        self.tokenizer = target.tokenizer
+        self.eos_token_ids = target.eos_token_ids
+        self.device = next(self.model.parameters()).device
+        self.dtype = self.model.model.embed_tokens.weight.dtype
+        self.backend_name = resolve_backend_name(config.attention_backend, self.device)
+        self.kv_dtype = self._kv_dtype(config.fp8_kv)
+        self.drafter_kv_dtype = self._kv_dtype(config.drafter_kv_cache_dtype.startswith("fp8"))
+        mc = self.model.config
+        self.max_context = mc.max_position_embeddings
+        self.drafter = drafter
+        lookahead = drafter.block_size if drafter is not None else 1
+        self.model.rotary.max_positions = self.max_context + lookahead  # RoPE table size on the fused path
+        # the runners' static buffers exist before the KV pool is sized from what memory is left
+        self.runner = TargetRunner(self.model, backend_name=self.backend_name, kv_dtype=self.kv_dtype,
+                                   page_size=config.page_size, max_batch=config.max_num_seqs, block_lens=(lookahead,),
+                                   feature_layers=drafter.target_layer_ids if drafter is not None else ())
+        if drafter is not None:
+            drafter.attach(DraftContext(self.device, self.dtype, self.drafter_kv_dtype, config.page_size, self.backend_name,
+                                        config.max_num_seqs, self.max_context, self.model.model.embed_tokens,
+                                        self.model.lm_head, config.calibrate_fp8_scales, self.runner.features_out))
+        self.num_pages = self._num_pages(drafter)
+        self.pool = PagePool(self.num_pages, config.page_size)
+        self.runner.allocate_kv(self.num_pages, config.calibrate_fp8_scales)
+        if drafter is not None:
+            drafter.allocate_cache(self.num_pages)
+            self.decoding: DecodePhase = SpeculativeDecoding(self.runner, drafter)
+        else:
+            self.decoding = PlainDecoding(self.runner)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, lookahead)
+        self.limits = RequestLimits(self.max_context, mc.vocab_size, self.num_pages, config.page_size, lookahead)
+        self._next_id = 0
+        self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager
+                           and self.runner.attn.supports_graphs)
+        self.graph_capture_seconds: float | None = None
+        self.graph_memory_bytes = 0
+        # calibrated FP8 scales are baked into the graphs: capture after the first prefill has set them
+        if self.use_graphs and not (config.calibrate_fp8_scales and self.kv.is_fp8):
+            self.capture_graphs()
+
+    @property
+    def kv(self) -> KVCache:
+        return self.runner.kv
+
+    @property
+    def attn(self):
+        return self.runner.attn
+
+    def capture_graphs(self) -> None:
+        """CUDA graphs of the decode / verify and draft steps over the batch ladder, one memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        reserved_before = torch.cuda.memory_reserved(self.device)
+        seconds = self.runner.capture(pool)
+        if self.drafter is not None:
+            seconds += self.drafter.capture(pool)
+        self.graph_capture_seconds = seconds
+        self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        log.info("captured CUDA graphs for batch sizes %s in %.1f s (%.0f MiB)",
+                 ladder_sizes(self.config.max_num_seqs), seconds, self.graph_memory_bytes / 2**20)
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _kv_dtype(self, fp8: bool) -> torch.dtype:
+        if not fp8:
+            return self.dtype
+        allowed = (torch.bfloat16, torch.float16) if self.backend_name == "flashinfer" else (
+            torch.bfloat16, torch.float16, torch.float32)
+        if self.dtype not in allowed:
+            raise ValueError(f"an fp8 KV cache needs the model dtype to be one of "
+                             f"{', '.join(str(d).removeprefix('torch.') for d in allowed)} with the "
+                             f"{self.backend_name} backend, got {self.dtype}; pass --dtype bfloat16")
+        return FP8_DTYPE
+
+    def _num_pages(self, drafter) -> int:
+        if self.config.num_kv_pages is not None:
+            return self.config.num_kv_pages
+        per_page = self.runner.kv_bytes_per_page()
+        if drafter is not None:  # the drafter's context cache has as many pages as the target's
+            per_page += drafter.kv_bytes_per_page()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = self.config.gpu_memory_utilization * total - (total - free) - ACTIVATION_RESERVE_BYTES
+        else:
+            budget = self.config.cpu_kv_cache_gib * (1 << 30)
+        pages = int(budget // per_page) - 1  # one scratch page per cache
+        if pages < 1:
+            raise ValueError("no memory is left for the KV cache after loading the model; raise "
+                             "gpu_memory_utilization or set num_kv_pages explicitly")
+        return pages
+
+    # ---- requests ----------------------------------------------------------------------------
+    def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """A request, already finished with an error if it can never be served."""
+        request = Request(self._next_id, list(prompt_ids), params, self.eos_token_ids,
+                          max_total_tokens=self.max_context)
+        self._next_id += 1
+        problem = self.why_invalid(request.prompt_ids, params)
+        if problem is not None:
+            problem = f"request {request.request_id}: {problem}"
+            log.error(problem)
+            request.finish("error", problem)
+        return request
+
+    def why_invalid(self, prompt_ids: list[int], params: SamplingParams) -> str | None:
+        """Why a request can never be served (None if it can)."""
+        return self.limits.why_invalid(prompt_ids, params.max_new_tokens)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request for the coming steps. One that can never be served comes back finished
+        with an error (`finish_reason "error"`), and nothing else is touched."""
+        request = self.make_request(prompt_ids, params)
+        if not request.finished:
+            self._prepare(request)
+            self.scheduler.add(request)
+        return request
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return not self.scheduler.idle
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued but not yet running (the scheduler admits them as pages allow)."""
+        return len(self.scheduler.waiting)
+
+    def step(self, on_commit: OnCommit | None = None) -> StepOutput:
+        """One step: prefill chunks for admitted requests, then one decode (or speculative) step for the
+        requests that have finished their prefill. Requests join and leave between steps."""
+        on_commit = on_commit or _ignore
+        plan = self.scheduler.schedule()
+        if self.drafter is not None:
+            for request in plan.preempted:
+                self.drafter.release(request)
+        if plan.empty and self.scheduler.waiting:
+            raise RuntimeError("scheduler stalled with waiting requests and nothing to run")
+        out = StepOutput(preempted=plan.preempted)
+
+        def commit(request: Request, tokens: list[int]) -> None:
+            out.committed.append((request, tokens))
+            on_commit(request, tokens)
+
+        if plan.prefill:
+            self._prefill(plan.prefill, commit)
+        if plan.decode:
+            self._decode(plan.decode, commit)
+        out.finished = self._retire()
+        return out
+
+    def run(self, requests: list[Request], on_commit: OnCommit | None = None) -> None:
+        """Generate until every request has finished. Failed requests never stop the others.
+
+        An exception (a failing component, a callback's, Ctrl-C) aborts every unfinished request of
+        the call and returns everything they hold before it propagates: the engine is left as clean as
+        before the call, and each request keeps what it had committed."""
+        try:
+            for request in requests:
+                if not request.finished:
+                    self._prepare(request)
+                    self.scheduler.add(request)
+            while not self.scheduler.idle:
+                self.step(on_commit)
+        except BaseException:
+            self.abort_all(requests)
+            raise
+
+    def abort(self, request_id: int) -> Request | None:
+        """Finish a waiting or running request as aborted and give back its pages at once; None if no
+        such request is unfinished. Call between steps."""
+        request = self.scheduler.find(request_id)
+        if request is None or request.finished:
+            return None
+        self.abort_all([request])
+        return request
+
+    def abort_all(self, requests: list[Request] | None = None, reason: str = "abort",
+                  message: str = "generation was interrupted before this request finished") -> list[Request]:
+        """Finish every unfinished request of `requests` (default: all the engine holds) with `reason` and
+        give back all they hold; returns the requests it finished."""
+        if requests is None:
+            requests = [*self.scheduler.running, *self.scheduler.waiting]
+        ended = [r for r in requests if not r.finished]
+        for request in ended:
+            request.finish(reason, message)
+        self.scheduler.drop_finished_waiting()
+        self._retire()
+        if self.drafter is not None:  # a request preempted inside a failed step may still hold drafter state
+            for request in ended:
+                self.drafter.release(request)
+        return ended
+
+    def _prepare(self, request: Request) -> None:
+        request.target_pages = PageTable(self.pool)
+        if not request.params.greedy:
+            request.generator = make_generator(request.params.seed)
+        if request.params.stop:
+            request.use_detokenizer(self.tokenizer)
+
+    def _retire(self) -> list[Request]:
+        done = [r for r in self.scheduler.running if r.finished]
+        for request in done:
+            # out of the running set first: a failure below must not release a request twice
+            self.scheduler.running.remove(request)
+            request.target_pages.free()
+            if self.drafter is not None:
+                self.drafter.release(request)
+        return done
+
+    def commit(self, request: Request, tokens: list[int], on_commit: OnCommit) -> int:
+        """Commit tokens in order until one finishes the request; returns how many were taken. A failure
+        of this request alone (its stop strings, its detokenizer) fails only this request."""
+        try:
+            taken = request.commit_many(tokens)
+        except Exception as err:  # noqa: BLE001 - contained to the request; logged with its traceback
+            log.exception("request %s failed while committing tokens", request.request_id)
+            request.finish("error", f"request {request.request_id} failed: {type(err).__name__}: {err}")
+            return 0
+        on_commit(request, tokens[:taken])
+        return taken
+
+    # ---- forwards ----------------------------------------------------------------------------
+    def forward_tokens(self, requests: list[Request], token_ids: torch.Tensor, q_lens: list[int], *,
+                       logits_rows: torch.Tensor | None, feature_layers: tuple[int, ...] = ()):
+        """Run the target on q_lens[i] new tokens of request i (flattened in `token_ids`), appended
+        to its cache at positions num_cached.. (causal). Grows the page tables; K/V are written."""
+        return self.runner.forward([r.target_pages for r in requests], token_ids, q_lens, logits_rows=logits_rows,
+                                   feature_layers=feature_layers)
+
+    def ids_tensor(self, ids) -> torch.Tensor:
+        return upload(np.asarray(ids, dtype=np.int64), self.device)
+
+    def _prefill(self, chunks: list[tuple[Request, int]], on_commit: OnCommit) -> None:
+        """One forward over the next `n` prefill tokens of each request; a fresh request whose prompt is
+        complete samples its first token (a recomputed one already has its pending token)."""
+        requests, lens = [r for r, _ in chunks], [n for _, n in chunks]
+        ids = np.concatenate([np.asarray(r.token_slice(r.num_cached, r.num_cached + n), dtype=np.int64)
+                              for r, n in chunks])
+        first = [i for i, (r, n) in enumerate(chunks) if not r.output_ids and r.num_cached + n == r.prefill_len]
+        feature_layers = self.drafter.target_layer_ids if self.drafter is not None else ()
+        out = self.forward_tokens(requests, self.ids_tensor(ids), lens, feature_layers=feature_layers,
+                                  logits_rows=self.ids_tensor((np.cumsum(lens) - 1)[first]) if first else None)
+        if self.drafter is not None:
+            for request in requests:
+                request.stats.block_size = self.drafter.block_size
+            self.drafter.add_context(requests, list(out.features.split(lens)))
+        if first:
+            starting = [requests[i] for i in first]
+            tokens = sample_batch(out.logits, [1] * len(starting), [r.params for r in starting],
+                                  [r.generator for r in starting]).tolist()
+            for request, token in zip(starting, tokens):
+                self.commit(request, [token], on_commit)
+
+    def _decode(self, running: list[Request], on_commit: OnCommit) -> None:
+        if self.use_graphs and self.graph_capture_seconds is None:
+            self.capture_graphs()
+        for request, tokens in zip(running, self.decoding.step(running)):
+            taken = self.commit(request, tokens, on_commit)
+            # acceptance length: what the step committed (0: the request failed alone while committing)
+            if self.drafter is not None and taken:
+                request.stats.acceptance_lengths.append(taken)
+
+    # ---- convenience -------------------------------------------------------------------------
+    @torch.no_grad()
+    def next_token_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """The target's fp32 logits after `token_ids` (a throwaway prefill; pages are returned)."""
+        probe = Request(-1, list(token_ids), SamplingParams(max_new_tokens=1), self.eos_token_ids)
+        probe.target_pages = PageTable(self.pool)
+        try:
+            out = self.forward_tokens([probe], self.ids_tensor(probe.prompt_ids), [len(token_ids)],
+                                      logits_rows=self.ids_tensor([len(token_ids) - 1]))
+        finally:
+            probe.target_pages.free()
+        return out.logits[0].float()
+
+    def generate_ids(self, prompts: list[list[int]], params: SamplingParams,
+                     on_commit: OnCommit | None = None) -> list[Request]:
+        requests = [self.make_request(p, params) for p in prompts]
+        start = time.perf_counter()
+        self.run(requests, on_commit)
+        self.last_wall_time = time.perf_counter() - start
+        return requests

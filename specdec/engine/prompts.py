@@ -1,0 +1,38 @@
+"""Prompts into token ids: text through the tokenizer (or its chat template), or token ids checked as
+such. The library and the server both build their prompts here."""
+
+from __future__ import annotations
+
+import numbers
+
+Prompt = str | list[int]
+
+
+def prompt_list(prompts) -> list:
+    """One prompt (a string or token ids) or several, as a list; numpy arrays and tensors of ids too."""
+    if hasattr(prompts, "tolist") and not isinstance(prompts, str):  # numpy array or tensor
+        prompts = prompts.tolist()
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and isinstance(prompts[0], numbers.Integral)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got "
+                         f"{type(prompts).__name__}")
+    return list(prompts)
+
+
+def token_ids(prompt) -> list[int]:
+    """A prompt given as token ids (a list, numpy array or tensor of integers) -> list[int]."""
+    ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                      for t in ids):
+        raise ValueError(f"a prompt must be a string or a flat list of integer token ids; got {str(prompt)[:80]!r}")
+    return [int(t) for t in ids]
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation through the tokenizer's chat template, with the assistant's generation prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat=True but this model's tokenizer has no chat template")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)

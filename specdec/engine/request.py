@@ -1,0 +1,134 @@
+"""State of one generation request: tokens, pages, stop conditions, stats."""
+
+from __future__ import annotations
+
+import enum
+import random
+import time
+from dataclasses import dataclass, field
+
+from attention.page_pool import PageTable
+from specdec.engine.detokenizer import IncrementalDetokenizer
+from specdec.engine.metrics import RequestStats
+from specdec.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """Invariant while decoding: the target cache holds K/V of every token except the last one
+    committed (`pending_token`), which the next forward feeds in at position `num_cached`.
+
+    Before that the request is prefilling: its `prefill_len` tokens (the prompt; after a preemption,
+    the prompt and all output but the pending token) go into the cache chunk by chunk."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
+    error: str | None = None
+    stop_text_end: int | None = None  # where the text ends (a character index) when a stop string matched
+    target_pages: PageTable | None = None
+    generator: random.Random | None = None  # the random stream of a sampling request (specdec.engine.sampler)
+    stats: RequestStats = field(default_factory=RequestStats)
+    # committed tokens -> text, only when something needs text as it is produced (stop strings,
+    # streaming): `use_detokenizer`. Requests without either never touch a tokenizer.
+    detokenizer: IncrementalDetokenizer | None = None
+    stop_tail: str = field(default="", repr=False)  # the last (longest stop - 1) characters searched
+    max_total_tokens: int | None = None  # the model's context: prompt + output never exceed it
+
+    def __post_init__(self):
+        self.stats.prompt_tokens = len(self.prompt_ids)
+        self.stats.arrival_time = time.perf_counter()
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def pending_token(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def num_cached(self) -> int:
+        return self.target_pages.length
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens whose K/V the target cache must hold before the request decodes."""
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.output_ids) and self.target_pages.length == self.prefill_len
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens start .. end - 1 of prompt + output, without building the whole list."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(start - n, 0):end - n]
+
+    def use_detokenizer(self, tokenizer) -> None:
+        """Turn committed tokens into text as they come; stop matching and streaming share it."""
+        if self.detokenizer is None:
+            self.detokenizer = IncrementalDetokenizer(tokenizer)
+
+    def commit(self, token: int) -> bool:
+        """Append one generated token; returns True when the request has just finished."""
+        self.output_ids.append(token)
+        new_text = self.detokenizer.push(token) if self.detokenizer is not None else ""
+        self.stats.generated_tokens = len(self.output_ids)
+        now = time.perf_counter()
+        if self.stats.first_token_time is None:
+            self.stats.first_token_time = now
+        if token in self.eos_token_ids and not self.params.ignore_eos:
+            self.finish("stop")
+        elif self.params.stop and self._matches_stop(new_text):
+            self.finish("stop")
+        elif len(self.output_ids) >= self.params.max_new_tokens or (
+                self.max_total_tokens is not None and len(self.prompt_ids) + len(self.output_ids) >= self.max_total_tokens):
+            self.finish("length")
+        return self.finished
+
+    def commit_many(self, tokens: list[int]) -> int:
+        """Commit tokens in order until one finishes the request; returns how many were taken."""
+        for n, token in enumerate(tokens, start=1):
+            if self.commit(token):
+                return n
+        return len(tokens)
+
+    def _matches_stop(self, new_text: str) -> bool:
+        """Search the new text and the last (longest stop - 1) characters before it: a new match must
+        end in the new text, everything before was searched at earlier commits. Linear overall, and
+        a stop inside one long token is found."""
+        if self.detokenizer is None:  # fail loudly rather than never stop
+            raise RuntimeError("a request with stop strings needs use_detokenizer(tokenizer) before its first commit")
+        if not new_text:
+            return False
+        window = self.stop_tail + new_text
+        hits = [h for h in (window.find(s) for s in self.params.stop) if h >= 0]
+        if hits:
+            self.stop_text_end = self.detokenizer.num_chars - len(window) + min(hits)
+            return True
+        keep = max(map(len, self.params.stop)) - 1
+        self.stop_tail = window[max(0, len(window) - keep):] if keep else ""
+        return False
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.stats.finish_time = time.perf_counter()

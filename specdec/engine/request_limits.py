@@ -1,0 +1,44 @@
+"""What a request may ask of one engine: the model's context, its vocabulary and the KV pool's size.
+
+Plain numbers (picklable, no tensors), so that a server can check a request before it reaches the
+engine, in the engine's process or another one: the checks and their messages exist once, here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attention.page_pool import pages_for
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_context: int  # prompt + output tokens
+    vocab_size: int
+    num_pages: int  # the target's KV pool
+    page_size: int
+    lookahead: int  # slots a decode step writes past the committed length (the drafter's block, or 1)
+
+    def worst_case_pages(self, prompt_len: int, max_new_tokens: int) -> int:
+        return pages_for(min(prompt_len + max_new_tokens, self.max_context) + self.lookahead, self.page_size)
+
+    def max_new_tokens_that_fit(self, prompt_len: int) -> int:
+        """The largest max_new_tokens a prompt of this length can be served with (context and pool)."""
+        return max(0, min(self.max_context, self.num_pages * self.page_size - self.lookahead) - prompt_len)
+
+    def why_invalid(self, prompt_ids: list[int], max_new_tokens: int) -> str | None:
+        """Why a request can never be served (None if it can)."""
+        n = len(prompt_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.max_context:
+            return f"the prompt has {n} tokens but the model's context is {self.max_context}; shorten the prompt"
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})"
+        need = self.worst_case_pages(n, max_new_tokens)
+        if need > self.num_pages:
+            return (f"the request needs up to {need} KV pages (prompt {n} + max_new_tokens {max_new_tokens}) but the "
+                    f"pool has {self.num_pages}; lower max_new_tokens (at most {self.max_new_tokens_that_fit(n)} "
+                    f"fit) or give the KV cache more memory (num_kv_pages / gpu_memory_utilization)")
+        return None

@@ -1,0 +1,136 @@
+"""Which requests run in the next step, and with how many tokens: admission, chunked prefill, preemption.
+
+Pages are taken as requests grow, not reserved up front, so the pool holds as many real answers
+as fit. Each step is planned oldest request first (first come, first served):
+
+    decoding request    needs room for `lookahead` more slots (1 for plain decoding, the block for
+                        speculation); the step writes them and rolls back the rejected ones
+    prefilling request  gets a chunk of its prefill, at most `max_prefill_tokens` per step over all
+                        requests, so a long prompt never stalls the decoding of the others
+    waiting request     is admitted while the budget, `max_num_seqs` and the free pages allow; the
+                        queue is first in, first out, so nothing is overtaken for ever
+
+When the pool cannot hold what a request needs, the newest running request is preempted: its pages
+(target's now, the drafter's when the engine gets the plan) go back and it returns to the front of the queue, keeping its output; on
+re-admission it prefills prompt + output again (recompute) and goes on from where it stopped. The
+oldest request can always run (it may preempt every other one, and `RequestLimits.why_invalid` refuses
+up front a request whose worst case exceeds the whole pool), so the engine never stalls.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from attention.page_pool import PagePool
+from specdec.engine.request import Request, Status
+
+
+@dataclass
+class StepPlan:
+    decode: list[Request] = field(default_factory=list)  # each decodes one step (`lookahead` slots)
+    prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens of its prefill this step)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, max_num_seqs: int, max_prefill_tokens: int, lookahead: int):
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.lookahead = lookahead  # slots a decode step may write past the committed length
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.num_preemptions = 0
+
+    # ---- the queue -----------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def find(self, request_id: int) -> Request | None:
+        for request in (*self.running, *self.waiting):
+            if request.request_id == request_id:
+                return request
+        return None
+
+    def drop_finished_waiting(self) -> None:
+        self.waiting = deque(r for r in self.waiting if not r.finished)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # ---- planning ------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Plan the next step. Pages are not taken here (the forwards take them), but the plan fits the pool."""
+        plan = StepPlan()
+        planned = 0  # pages the planned work will take from the pool
+        budget = self.max_prefill_tokens
+        i = 0
+        while i < len(self.running):
+            request = self.running[i]
+            if request.finished:  # retired at the end of the step that finished it
+                i += 1
+                continue
+            tokens = self.lookahead if request.decoding else min(request.prefill_len - request.num_cached, budget)
+            if tokens == 0:  # a prefill that finds the step's budget spent waits for the next step
+                i += 1
+                continue
+            need = self._growth(request, tokens)
+            while need > self.pool.num_free - planned and self.running[-1] is not request:
+                self._preempt(self.running[-1], plan)
+            if need > self.pool.num_free - planned:
+                if request.decoding:  # the newest request, and even alone it does not fit: let the others go on
+                    self._preempt(request, plan)
+                    continue
+                tokens = self._tokens_that_fit(request, self.pool.num_free - planned)
+                if tokens == 0:
+                    i += 1
+                    continue
+                need = self._growth(request, tokens)
+            planned += need
+            if request.decoding:
+                plan.decode.append(request)
+            else:
+                plan.prefill.append((request, tokens))
+                budget -= tokens
+            i += 1
+        self._admit(plan, planned, budget)
+        return plan
+
+    def _admit(self, plan: StepPlan, planned: int, budget: int) -> None:
+        """Waiting requests join while their whole prefill (and one step after it) fits beside the plan."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            whole = self.pool.pages_for(request.prefill_len + self.lookahead)
+            if whole > self.pool.num_free - planned:
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            tokens = min(request.prefill_len, budget)
+            plan.prefill.append((request, tokens))
+            planned += whole  # held back from later admissions in this step, though only a chunk runs now
+            budget -= tokens
+
+    def _growth(self, request: Request, tokens: int) -> int:
+        """New pages `request` needs to hold `tokens` more slots."""
+        table = request.target_pages
+        return self.pool.pages_for(table.length + tokens) - table.num_pages
+
+    def _tokens_that_fit(self, request: Request, free_pages: int) -> int:
+        table = request.target_pages
+        return max(0, (table.num_pages + free_pages) * self.pool.page_size - table.length)
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self.running.remove(request)
+        request.target_pages.free()  # the engine releases the drafter's pages when it gets the plan
+        request.status = Status.WAITING
+        request.stats.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)  # preempted newest first: the older ones end up in front
+        plan.preempted.append(request)

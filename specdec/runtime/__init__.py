@@ -1,0 +1,1 @@
+"""Model runners: static buffers, CUDA graph ladders and eager/graph dispatch, shared by the target and drafters."""

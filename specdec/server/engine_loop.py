@@ -1,0 +1,164 @@
+"""The serving loop around an `Engine`: submissions and aborts in, per-submission outputs out.
+
+Whoever hosts it (a thread of the server's process, or a process of its own) owns it alone and
+calls it from one thread: `apply` a command between steps, `step` while `busy`, `end_all` at
+shutdown. Submissions are named by the caller's ids (`sid`), so that outputs can travel between
+processes as plain data: a list of `(sid, RequestOutput)` per call.
+
+A failure of one request fails that request alone (the engine contains it); a failure of a whole
+step fails the requests of that step, and the loop goes on serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from specdec.engine.engine import Engine
+from specdec.engine.request import Request
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.text_stream import TextStream, final_text
+from specdec.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # how long an idle engine loop waits for a command before it checks again
+STOP = "stop"  # the command that ends `serve`
+
+
+@dataclass
+class RequestOutput:
+    """What one request produced since its last output."""
+
+    text: str  # new text (pieces add up to the whole text)
+    token_ids: list[int]  # new tokens
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "error" | "abort" once finished
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # tokens so far
+
+
+@dataclass(frozen=True)
+class Submit:
+    sid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Abort:
+    sid: int  # the caller stopped listening: nothing more is sent for it
+
+
+@dataclass(eq=False)
+class _Live:
+    sid: int
+    request: Request
+    stream: TextStream
+    tokens_sent: int = 0
+
+
+Outputs = list[tuple[int, RequestOutput]]
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, tokenizer, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics or ServerMetrics(block_size=engine.drafter.block_size if engine.drafter else 0)
+        self._live: dict[int, _Live] = {}  # request id -> submission
+        self._by_sid: dict[int, _Live] = {}
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.has_unfinished_requests
+
+    def apply(self, command: Submit | Abort) -> Outputs:
+        if isinstance(command, Submit):
+            return self._submit(command)
+        self._abort(command.sid)
+        return []
+
+    def _submit(self, command: Submit) -> Outputs:
+        request = self.engine.add_request(command.prompt_ids, command.params)
+        request.use_detokenizer(self.tokenizer)  # streaming text
+        live = _Live(command.sid, request, TextStream(request))
+        if request.finished:  # refused up front (e.g. the pool can never hold it)
+            return [self._finish(live)]
+        self._live[request.request_id] = live
+        self._by_sid[command.sid] = live
+        return []
+
+    def _abort(self, sid: int) -> None:
+        live = self._by_sid.pop(sid, None)
+        if live is not None and self._live.pop(live.request.request_id, None) is not None:
+            self.engine.abort(live.request.request_id)
+            self.metrics.on_finish(live.request)
+
+    def step(self) -> Outputs:
+        start = time.perf_counter()
+        try:
+            out = self.engine.step()
+        except Exception as err:  # noqa: BLE001 - the step's requests fail; the loop goes on
+            log.exception("an engine step failed; its requests are ended with an error")
+            failed = self.engine.abort_all(reason="error", message=f"the engine failed: {type(err).__name__}: {err}")
+            return self._finish_all(failed)
+        self.metrics.on_step(self.engine, out, time.perf_counter() - start)
+        outputs = []
+        for request, tokens in out.committed:
+            live = self._live.get(request.request_id)
+            if live is not None and not request.finished:
+                outputs.append(self._output(live, RequestOutput(live.stream.take(), tokens)))
+        return outputs + self._finish_all(out.finished)
+
+    def end_all(self, message: str = "the server is shutting down") -> Outputs:
+        """Abort every request (shutdown) and tell their callers."""
+        return self._finish_all(self.engine.abort_all(reason="abort", message=message))
+
+    def render_metrics(self) -> bytes:
+        self.metrics.observe_pools(self.engine)
+        return self.metrics.render()
+
+    def _finish_all(self, requests: list[Request]) -> Outputs:
+        outputs = []
+        for request in requests:
+            live = self._live.pop(request.request_id, None)
+            if live is not None:
+                self._by_sid.pop(live.sid, None)
+                outputs.append(self._finish(live))
+        return outputs
+
+    def _finish(self, live: _Live) -> tuple[int, RequestOutput]:
+        request = live.request
+        text = live.stream.take(final_text(self.tokenizer, request))
+        self.metrics.on_finish(request)
+        return self._output(live, RequestOutput(text, request.output_ids[live.tokens_sent:], True,
+                                                request.finish_reason, request.error))
+
+    def _output(self, live: _Live, out: RequestOutput) -> tuple[int, RequestOutput]:
+        live.tokens_sent += len(out.token_ids)
+        out.prompt_tokens, out.completion_tokens = len(live.request.prompt_ids), live.tokens_sent
+        return live.sid, out
+
+
+def serve(loop: EngineLoop, receive: Callable[[float], Iterable], deliver: Callable[[Outputs], None]) -> None:
+    """The serving loop of every host: apply the commands that came in (`receive(wait_s)` waits up to
+    wait_s for the first, IDLE_WAIT_S while idle), step while busy, deliver each round's outputs; at
+    STOP, end what is left and deliver that too. An exception (the host's channel closed, a failing
+    engine) propagates to the host."""
+    running = True
+    while running:
+        outputs = []
+        for command in receive(0 if loop.busy else IDLE_WAIT_S):
+            if command == STOP:
+                running = False
+                break
+            outputs += loop.apply(command)
+        if running and loop.busy:
+            outputs += loop.step()
+        if outputs:
+            deliver(outputs)
+    deliver(loop.end_all())

@@ -1,0 +1,237 @@
+"""The OpenAI-compatible HTTP API over an `AsyncEngine`: FastAPI routes, streaming as server-sent events.
+
+    POST /v1/completions, /v1/chat/completions   (stream true/false)
+    GET  /v1/models, /health, /metrics
+
+Every request is checked before it reaches the engine (model name, sampling values, prompt and
+max_tokens against the context and the KV pool), and bad input is answered with an OpenAI-style error
+and a 4xx status, never a 5xx. Handlers only wait on their request's outputs; the engine runs on its
+own thread. A client that disconnects (mid-stream or while waiting for a whole answer) aborts its
+request, which gives its KV pages back at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from specdec.server.async_engine import AsyncEngine
+from specdec.server.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, GenerationFields,
+                                     ResponseShape, error_body, usage)
+from specdec.engine.prompts import encode_chat, token_ids
+from specdec.engine.request_limits import RequestLimits
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away (nobody receives it)
+
+
+def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    """The API over `engine` (a `ThreadedEngine` or a `ProcessEngine`), serving it as `model_name`. The app
+    stops the engine when it shuts down."""
+    limits = engine.limits
+    started = int(time.time())
+    registry = CollectorRegistry()  # what only the HTTP side sees; the engine's own metrics come from it
+    invalid_requests = Counter("specdec_invalid_requests", "Requests refused before any work, by status", ["status"],
+                               registry=registry)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.bind_event_loop()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(title="specdec", lifespan=lifespan)
+
+    def refuse(err: APIError) -> JSONResponse:
+        invalid_requests.labels(str(err.status)).inc()
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError):
+        return refuse(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, err: RequestValidationError):
+        return refuse(APIError(400, validation_message(err), param=validation_param(err)))
+
+    @app.get("/health")
+    async def health():
+        if not engine.healthy:
+            return JSONResponse(error_body("the engine is not running", "internal_server_error"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(await engine.metrics_text() + generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
+                                            "owned_by": "specdec", "max_model_len": limits.max_context}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prepared = prepare(body, completion_prompt_ids(engine.tokenizer, body.prompt), body.max_tokens)
+        return await answer(request, body, ResponseShape(chat=False, model=model_name), *prepared)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        try:
+            prompt_ids = encode_chat(engine.tokenizer, body.conversation())
+        except APIError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a template that cannot render these messages: their fault
+            raise APIError(400, f"the messages cannot be formatted with the model's chat template: {err}",
+                           param="messages") from err
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        prepared = prepare(body, prompt_ids, max_tokens)
+        return await answer(request, body, ResponseShape(chat=True, model=model_name), *prepared)
+
+    def prepare(body: GenerationFields, prompt_ids: list[int], max_tokens: int | None):
+        """Check everything up front; returns (prompt ids, sampling params)."""
+        if body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found", kind="not_found_error")
+        unsupported = body.unsupported()
+        if unsupported:
+            raise APIError(400, f"not supported: {', '.join(unsupported)}")
+        max_new = check_lengths(limits, len(prompt_ids), max_tokens)
+        try:
+            params = body.sampling_params(max_new)
+        except ValueError as err:
+            raise APIError(400, str(err)) from err
+        problem = limits.why_invalid(prompt_ids, params.max_new_tokens)
+        if problem is not None:
+            raise APIError(400, problem)
+        return prompt_ids, params
+
+    async def answer(request: Request, body: GenerationFields, shape: ResponseShape, prompt_ids, params):
+        if not engine.healthy:
+            raise APIError(503, "the engine is not running", kind="service_unavailable")
+        outputs = engine.generate(prompt_ids, params)
+        if body.stream:
+            return StreamingResponse(stream_events(outputs, shape, body.include_usage),
+                                     media_type="text/event-stream")
+        return await whole_answer(request, outputs, shape)
+
+    return app
+
+
+def completion_prompt_ids(tokenizer, prompt) -> list[int]:
+    """One prompt: a string, token ids, or a list holding one of those."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, f"one prompt per request is supported, got {len(prompt)}; send them separately",
+                           param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    try:
+        return token_ids(prompt)
+    except ValueError as err:
+        raise APIError(400, str(err), param="prompt") from err
+
+
+def check_lengths(limits: RequestLimits, prompt_len: int, max_tokens: int | None) -> int:
+    """max_tokens checked against the context (the default: as many as the context and the KV pool allow)."""
+    context = limits.max_context
+    if prompt_len >= context:
+        raise APIError(400, f"this model's maximum context length is {context} tokens, but the prompt has "
+                            f"{prompt_len}; shorten the prompt", param="messages", code="context_length_exceeded")
+    if max_tokens is None:
+        return max(1, limits.max_new_tokens_that_fit(prompt_len))
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if prompt_len + max_tokens > context:
+        raise APIError(400, f"this model's maximum context length is {context} tokens, but {prompt_len + max_tokens} "
+                            f"were requested ({prompt_len} in the prompt, {max_tokens} for the completion); lower "
+                            f"max_tokens to at most {context - prompt_len}", param="max_tokens",
+                       code="context_length_exceeded")
+    return max_tokens
+
+
+async def stream_events(outputs, shape: ResponseShape, include_usage: bool):
+    """Server-sent events: chunks as text comes, the finish reason, usage if asked, then [DONE]. Leaving
+    early (the client went away) closes `outputs`, which aborts the request."""
+    try:
+        first = shape.first_chunk()
+        if first is not None:
+            yield sse(first)
+        final = None
+        async for out in outputs:
+            if out.finished and out.finish_reason in ("error", "abort"):
+                yield sse(error_body(out.error or "the request was aborted", "internal_server_error"))
+                break
+            if out.text or out.finished:
+                yield sse(shape.chunk(out.text, out.finish_reason if out.finished else None))
+            if out.finished:
+                final = out
+        if final is not None and include_usage:
+            yield sse(shape.usage_chunk(usage(final.prompt_tokens, final.completion_tokens)))
+        yield "data: [DONE]\n\n"
+    finally:
+        await outputs.aclose()
+
+
+async def whole_answer(request: Request, outputs, shape: ResponseShape):
+    """Collect the whole text, unless the client disconnects first (then the request is aborted)."""
+
+    async def collect():
+        text, final = [], None
+        try:
+            async for out in outputs:
+                text.append(out.text)
+                final = out
+        finally:
+            await outputs.aclose()
+        return "".join(text), final
+
+    collecting = asyncio.ensure_future(collect())
+    watching = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not collecting.done():
+            collecting.cancel()  # closes `outputs`: the request is aborted
+    if collecting.cancelled():
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    text, final = collecting.result()
+    if final.finish_reason in ("error", "abort"):
+        return JSONResponse(error_body(final.error or "the request was aborted", "internal_server_error"),
+                            status_code=500 if final.finish_reason == "error" else 503)
+    return shape.whole(text, final.finish_reason, usage(final.prompt_tokens, final.completion_tokens))
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def validation_message(err: RequestValidationError) -> str:
+    problems = []
+    for e in err.errors()[:5]:
+        where = ".".join(str(part) for part in e.get("loc", ()) if part != "body") or "body"
+        problems.append("the body is not valid JSON" if e.get("type") == "json_invalid" else f"{where}: {e.get('msg')}")
+    return "invalid request: " + "; ".join(problems)
+
+
+def validation_param(err: RequestValidationError) -> str | None:
+    errors = err.errors()
+    loc = [str(part) for part in (errors[0].get("loc", ()) if errors else ()) if part != "body"]
+    return loc[0] if loc else None

@@ -1,0 +1,181 @@
+"""The OpenAI API's request bodies (pydantic), their checks, and the JSON the server answers with.
+
+Fields the engine cannot honour (n > 1, logprobs, penalties, echo, tools) are refused with a 400 that
+names the field, rather than silently ignored; unknown extra fields are ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from specdec.engine.sampling_params import SamplingParams
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}} with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class GenerationFields(BaseModel):
+    """What /v1/completions and /v1/chat/completions share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # an extension (vLLM's): 0 or -1 = off
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # an extension (vLLM's)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def unsupported(self) -> list[str]:
+        """Fields set to something the engine cannot do."""
+        found = []
+        if self.n != 1:
+            found.append("n (only n=1 is supported)")
+        if self.presence_penalty or self.frequency_penalty:
+            found.append("presence_penalty/frequency_penalty (penalties are not supported)")
+        return found
+
+    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
+        """Raises ValueError naming every bad value (SamplingParams checks them all)."""
+        top_k = self.top_k if self.top_k is not None else 0
+        return SamplingParams(max_new_tokens=max_new_tokens,
+                              temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+                              top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if top_k == -1 else top_k,
+                              seed=self.seed, stop=self.stop or None, ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        found = super().unsupported()
+        if self.echo:
+            found.append("echo")
+        if self.logprobs is not None:
+            found.append("logprobs")
+        if self.suffix:
+            found.append("suffix")
+        return found
+
+
+class TextPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        if any(part.type != "text" or part.text is None for part in self.content):
+            raise APIError(400, "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                           param="messages")
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> list[str]:
+        found = super().unsupported()
+        if self.logprobs or self.top_logprobs:
+            found.append("logprobs")
+        if self.tools:
+            found.append("tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            found.append("response_format (only text)")
+        return found
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class ResponseShape:
+    """The JSON of one endpoint's answers: whole and streamed."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list, usage: dict | None = None) -> dict:
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+            return self._envelope("chat.completion", [choice], usage)
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice], usage)
+
+    def first_chunk(self) -> dict | None:
+        """Chat streams open with the assistant's role (as OpenAI's do); completions have no opening chunk."""
+        if not self.chat:
+            return None
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return self._envelope("chat.completion.chunk", [choice])
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+                      "finish_reason": finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,1 @@
+"""Demo models from PyPI wheels and their GGUF conversion into HF model directories."""

@@ -1,0 +1,1 @@
+"""Tests of paged KV memory and attention kernels."""

@@ -1,0 +1,1 @@
+"""Tests of the `specdec` command and its subcommands."""

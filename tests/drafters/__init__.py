@@ -1,0 +1,1 @@
+"""Tests of the DFlash drafter: conformance, loading, storage."""

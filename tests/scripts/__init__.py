@@ -1,0 +1,1 @@
+"""Tests of benchmark and plotting scripts."""

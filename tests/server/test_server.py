@@ -1,0 +1,392 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn server on 127.0.0.1 and the official `openai`
+client. Streamed and whole answers equal the library's output; bad input gets a 4xx; a load of
+cancelled, invalid and valid requests over a pool small enough to preempt leaves every output exact
+and every KV page back in the pool."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from transformers import AutoConfig
+
+from specdec import LLM, SamplingParams
+from specdec.server.async_engine import ThreadedEngine
+from specdec.server.openai_api import build_app
+from specdec.engine.request import Request
+from tests.conftest import build_tiny_model_with_tokenizer
+from tests.drafter_helpers import build_random_drafter
+from tests.server_helpers import ProcessServer, ThreadServer
+from tests.tokenizer_helpers import CHAT_TEMPLATE
+
+MODEL = "tiny"
+PAGES = 48  # of 4 slots: about a dozen of the load test's requests at once, so a full batch preempts
+PROMPTS = ["The cache holds pages", "def add(a, b):", "Write a haiku about tokens.", "12 + 30 =",
+           "Speculative decoding drafts a block", "SELECT name FROM users"]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    target = build_tiny_model_with_tokenizer(root / "target", chat_template=CHAT_TEMPLATE)
+    build_random_drafter(root / "drafter", AutoConfig.from_pretrained(target), block_size=4)
+    return str(target), str(root / "drafter")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):
+    """The library with room to spare: what every answer must equal."""
+    return LLM(*model_dirs, device="cpu", num_kv_pages=512, page_size=4)
+
+
+SMALL_POOL = dict(num_kv_pages=PAGES, page_size=4, max_num_seqs=16, max_prefill_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs):
+    """The engine on a thread of the test's process: the tests can look inside it and inject failures."""
+    llm = LLM(*model_dirs, device="cpu", **SMALL_POOL)
+    with ThreadServer(build_app(ThreadedEngine(llm), MODEL)) as running:
+        running.llm = llm
+        yield running
+
+
+@pytest.fixture(scope="module")
+def served(model_dirs):
+    """`specdec-serve` as users run it: the engine in a process of its own, behind the command line."""
+    target, drafter = model_dirs
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL_POOL.items()]
+    with ProcessServer("--target", target, "--drafter", drafter, "--device", "cpu", "--served-model-name", MODEL,
+                       *args) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def library_text(reference, prompt, chat, **params) -> tuple[str, str, int]:
+    [result] = reference.generate([prompt], SamplingParams(**params), chat=chat)
+    return result.text, result.finish_reason, len(result.token_ids)
+
+
+def assert_pools_full(server, timeout_s=30.0):
+    """Every page of target and drafter back (aborts reach the engine thread a moment after a disconnect)."""
+    engine = server.llm.engine
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (engine.pool.num_free == engine.pool.num_pages and engine.drafter.pool.num_free == engine.drafter.pool.num_pages
+                and engine.scheduler.idle):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"pages still held: target {engine.pool.num_pages - engine.pool.num_free}, drafter "
+                         f"{engine.drafter.pool.num_pages - engine.drafter.pool.num_free}")
+
+
+# ---- answers equal the library's -------------------------------------------------------------------
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_streamed_and_whole_answers_equal_the_library(server, client, reference, chat):
+    for i, prompt in enumerate(PROMPTS[:3]):
+        params = dict(max_new_tokens=12 + 5 * i, temperature=0.0) if i < 2 else dict(
+            max_new_tokens=20, temperature=0.8, seed=7)
+        want, reason, tokens = library_text(reference, prompt, chat, **params)
+        kwargs = dict(model=MODEL, max_tokens=params["max_new_tokens"], temperature=params["temperature"],
+                      seed=params.get("seed"))
+        if chat:
+            messages = [{"role": "user", "content": prompt}]
+            whole = client.chat.completions.create(messages=messages, **kwargs)
+            assert whole.choices[0].message.content == want and whole.choices[0].message.role == "assistant"
+            chunks = list(client.chat.completions.create(messages=messages, stream=True,
+                                                         stream_options={"include_usage": True}, **kwargs))
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            whole = client.completions.create(prompt=prompt, **kwargs)
+            assert whole.choices[0].text == want
+            chunks = list(client.completions.create(prompt=prompt, stream=True,
+                                                    stream_options={"include_usage": True}, **kwargs))
+            streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert streamed == want
+        assert whole.choices[0].finish_reason == reason == [c for c in chunks if c.choices][-1].choices[0].finish_reason
+        assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == tokens
+        assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0
+    assert_pools_full(server)
+
+
+def test_stop_strings_end_the_answer_where_the_library_does(server, client, reference):
+    free, _, _ = library_text(reference, PROMPTS[1], False, max_new_tokens=30)
+    stop = next(free[i:i + 2] for i in range(len(free) // 2, len(free) - 1) if free[i:i + 2].strip())
+    want, reason, _ = library_text(reference, PROMPTS[1], False, max_new_tokens=30, stop=[stop])
+    assert reason == "stop" and stop not in want
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0, stop=[stop])
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0, stop=stop, stream=True))
+    assert whole.choices[0].text == streamed == want and whole.choices[0].finish_reason == "stop"
+
+
+def test_models_health_and_metrics(server, client):
+    [model] = client.models.list().data
+    assert model.id == MODEL and model.owned_by == "specdec"
+    assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for name in ("specdec_requests_total", "specdec_generation_tokens_total", "specdec_time_to_first_token_seconds",
+                 "specdec_time_per_output_token_seconds", "specdec_acceptance_length_bucket",
+                 'specdec_kv_pages_in_use{cache="target"}', "specdec_requests_waiting", "specdec_preemptions_total"):
+        assert name in text, name
+    assert 'specdec_requests_total{finish_reason="length"}' in text
+
+
+# ---- bad input: 4xx with an OpenAI error, never a 5xx --------------------------------------------------
+LONG_PROMPT = " ".join(["tokens"] * 600)  # over the tiny model's 512-token context
+
+
+def bad_bodies() -> list[tuple[str, dict | str, int, str]]:
+    """(path, body, status, words the message must have)."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    done = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    return [
+        ("/v1/completions", "{not json", 400, "not valid JSON"),
+        ("/v1/completions", {**done, "model": "gpt-9"}, 404, "does not exist"),
+        ("/v1/chat/completions", {**chat, "model": "gpt-9"}, 404, "does not exist"),
+        ("/v1/completions", {**done, "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {**done, "temperature": "hot"}, 400, "temperature"),
+        ("/v1/chat/completions", {**chat, "top_p": 1.5}, 400, "top_p"),
+        ("/v1/chat/completions", {**chat, "top_k": -5}, 400, "top_k"),
+        ("/v1/chat/completions", {**chat, "seed": -1}, 400, "seed"),
+        ("/v1/chat/completions", {**chat, "n": 2}, 400, "n"),
+        ("/v1/chat/completions", {**chat, "logprobs": True}, 400, "logprobs"),
+        ("/v1/chat/completions", {**chat, "stop": [""]}, 400, "stop"),
+        ("/v1/chat/completions", {k: v for k, v in chat.items() if k != "messages"}, 400, "messages"),
+        ("/v1/chat/completions", {**chat, "messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+        ("/v1/completions", {**done, "prompt": LONG_PROMPT}, 400, "context length"),
+        ("/v1/completions", {**done, "max_tokens": 600}, 400, "context length"),
+        ("/v1/completions", {**done, "max_tokens": 300}, 400, "KV pages"),
+        ("/v1/completions", {**done, "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {**done, "prompt": ""}, 400, "empty"),
+        ("/v1/completions", {**done, "prompt": [5, 10**6]}, 400, "vocabulary"),
+        ("/v1/completions", {**done, "prompt": ["a", "b"]}, 400, "one prompt"),
+        ("/v1/completions", {**done, "echo": True}, 400, "echo"),
+    ]
+
+
+def test_bad_input_gets_an_openai_error_and_a_4xx(server):
+    for path, body, status, words in bad_bodies():
+        content = body if isinstance(body, str) else json.dumps(body)
+        r = httpx.post(f"{server.base_url}{path}", content=content, headers={"content-type": "application/json"})
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert words.lower() in error["message"].lower(), (body, error)
+        assert set(error) == {"message", "type", "param", "code"}
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert_pools_full(server)
+
+
+def test_bad_input_through_the_openai_client(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=-2)
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=2)
+
+
+# ---- failures stay with their request --------------------------------------------------------------
+def test_a_request_failing_inside_the_engine_fails_alone(server, client, reference, monkeypatch):
+    poisoned = server.llm.tokenizer.encode(PROMPTS[4])
+    original = Request.commit_many
+
+    def commit_many(request, tokens):
+        if request.prompt_ids == poisoned and len(request.output_ids) >= 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return original(request, tokens)
+
+    monkeypatch.setattr(Request, "commit_many", commit_many)
+    want = [library_text(reference, p, False, max_new_tokens=16)[0] for p in PROMPTS[:2]]
+    results = {}
+
+    def ask(i, prompt):
+        try:
+            results[i] = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+        except openai.APIStatusError as err:
+            results[i] = err
+
+    threads = [threading.Thread(target=ask, args=(i, p)) for i, p in enumerate([PROMPTS[0], PROMPTS[4], PROMPTS[1]])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert isinstance(results[1], openai.InternalServerError) and "UnicodeDecodeError" in str(results[1])
+    assert [results[0].choices[0].text, results[2].choices[0].text] == want
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert_pools_full(server)
+
+
+def test_a_failed_step_fails_its_requests_and_the_server_goes_on(server, client, reference, monkeypatch):
+    runner = server.llm.engine.runner
+    real, calls = runner.run_block, {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected step failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_block", failing)
+    with pytest.raises(openai.InternalServerError, match="injected step failure"):
+        client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0)
+    assert_pools_full(server)
+    want = library_text(reference, PROMPTS[2], False, max_new_tokens=16)[0]
+    assert client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0).choices[0].text == want
+
+
+def test_a_client_that_disconnects_frees_its_pages(server):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 150, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # a whole answer, given up on
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=0.3)
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**body, "stream": True}) as r:
+        next(r.iter_lines())  # one event, then hang up
+    assert_pools_full(server)
+    assert 'specdec_requests_total{finish_reason="abort"}' in httpx.get(f"{server.base_url}/metrics").text
+
+
+# ---- load: cancellations, invalid requests, preemption ---------------------------------------------
+def load_specs(rng: random.Random) -> list[dict]:
+    specs = []
+    for i in range(24):
+        sampled = i % 4 == 3
+        specs.append(dict(chat=i % 2 == 0, prompt=PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)),
+                          max_tokens=rng.randint(6, 24), temperature=0.8 if sampled else 0.0,
+                          seed=i if sampled else None))
+    return specs
+
+
+async def run_load(base_url: str, specs, expected, rng: random.Random, total=300, concurrency=32, deadline_s=240):
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    raw = httpx.AsyncClient(base_url=base_url, timeout=60)
+    gate = asyncio.Semaphore(concurrency)
+    bad = bad_bodies()
+    outcome = {"exact": 0, "cancelled": 0, "invalid": 0, "mismatch": [], "statuses": []}
+
+    async def create(spec, stream):
+        kwargs = dict(model=MODEL, max_tokens=spec["max_tokens"], temperature=spec["temperature"], seed=spec["seed"],
+                      stream=stream)
+        if spec["chat"]:
+            return await client.chat.completions.create(messages=[{"role": "user", "content": spec["prompt"]}],
+                                                        **kwargs)
+        return await client.completions.create(prompt=spec["prompt"], **kwargs)
+
+    def piece(chunk, chat):
+        return (chunk.choices[0].delta.content or "") if chat else chunk.choices[0].text
+
+    async def one(kind: str, k: int, stream: bool):
+        async with gate:
+            if kind == "invalid":
+                path, body, status, _ = bad[k % len(bad)]
+                r = await raw.post(path, content=body if isinstance(body, str) else json.dumps(body),
+                                   headers={"content-type": "application/json"})
+                outcome["statuses"].append(r.status_code)
+                outcome["invalid"] += r.status_code == status
+                return
+            spec = specs[k % len(specs)]
+            if kind == "cancel":
+                response = await create({**spec, "max_tokens": 24}, True)
+                async for _ in response:
+                    break  # one chunk, then hang up mid-stream
+                await response.close()
+                outcome["cancelled"] += 1
+                return
+            response = await create(spec, stream)
+            if stream:
+                text = "".join([piece(c, spec["chat"]) async for c in response if c.choices])
+            else:
+                text = response.choices[0].message.content if spec["chat"] else response.choices[0].text
+            if text == expected[k % len(specs)]:
+                outcome["exact"] += 1
+            else:
+                outcome["mismatch"].append(k % len(specs))
+
+    plan = [(rng.choices(["valid", "cancel", "invalid"], [0.7, 0.2, 0.1])[0], rng.randrange(1000), rng.random() < 0.5)
+            for _ in range(total)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(one(*p) for p in plan)), deadline_s)
+    finally:
+        await client.close()
+        await raw.aclose()
+    return plan, outcome
+
+
+def metric(text: str, name: str) -> float:
+    [value] = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
+    return value
+
+
+def finished_by_reason(text: str) -> dict[str, float]:
+    """specdec_requests_total by finish_reason, from /metrics."""
+    return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("specdec_requests_total{")}
+
+
+def test_load_with_cancellations_invalid_requests_and_preemption(served, reference):
+    """Against `specdec-serve` itself (the engine in its own process): outputs equal the library's run alone,
+    and afterwards every page of target and drafter is back, read from /metrics."""
+    rng = random.Random(0)
+    specs = load_specs(rng)
+    expected = [library_text(reference, s["prompt"], s["chat"], max_new_tokens=s["max_tokens"],
+                             temperature=s["temperature"], seed=s["seed"])[0] for s in specs]
+    plan, outcome = asyncio.run(run_load(served.base_url, specs, expected, rng))
+    kinds = [p[0] for p in plan]
+    assert outcome["mismatch"] == []
+    assert outcome["exact"] == kinds.count("valid") and outcome["cancelled"] == kinds.count("cancel")
+    assert outcome["invalid"] == kinds.count("invalid") and all(400 <= s < 500 for s in outcome["statuses"])
+    assert 40 <= kinds.count("cancel") and 15 <= kinds.count("invalid")
+    deadline = time.monotonic() + 30  # the last aborts reach the engine a moment after the disconnects
+    while True:
+        metrics = httpx.get(f"{served.base_url}/metrics").text
+        used = [metric(metrics, f'specdec_kv_pages_in_use{{cache="{c}"}}') for c in ("target", "drafter")]
+        if used == [0, 0] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert used == [0, 0]
+    assert metric(metrics, "specdec_requests_running") == metric(metrics, "specdec_requests_waiting") == 0
+    assert metric(metrics, "specdec_preemptions_total") > 0  # the pool was too small for the load
+    finished = finished_by_reason(metrics)
+    assert sum(finished.values()) == kinds.count("valid") + kinds.count("cancel")  # every request ended once
+    # a hang-up aborts its request unless the request's own end (24 tokens at most) reaches the engine first
+    assert kinds.count("cancel") // 2 <= finished.get("abort", 0) <= kinds.count("cancel")
+    assert httpx.get(f"{served.base_url}/health").json() == {"status": "ok"}
+
+
+# ---- the command line and signals ------------------------------------------------------------------
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_signal_lets_the_in_flight_request_finish_and_exits_cleanly(model_dirs, sig):
+    target, _ = model_dirs
+    with ProcessServer("--target", target, "--no-drafter", "--device", "cpu", "--num-kv-pages", "128",
+                       "--page-size", "4", "--served-model-name", MODEL) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=120, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = [next(iter(stream))]
+        server.signal(sig)
+        chunks += list(stream)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert server.wait(60) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{server.base_url}/health", timeout=2)
+
+
+def test_command_line_refuses_a_missing_model(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "specdec.serve", "--target", str(tmp_path / "nowhere"), "--device", "cpu",
+                        "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "nowhere" in r.stderr

@@ -1,0 +1,50 @@
+"""Tokenizers built in the test session (no downloads), and the chat template the tiny models use."""
+
+from __future__ import annotations
+
+import string
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+# ChatML, as Qwen's templates write it
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = ["Hello world, this is a tiny corpus for a tiny tokenizer.", "The quick brown fox jumps over the lazy dog.",
+          "Streaming text arrives token by token; stop strings must be found.", "naïve café résumé, Zürich straße"] * 20
+LONG_TOKEN = "\n" + " " * 80  # SmolLM2 has this 81-character string as a single token
+
+
+def bytelevel_tokenizer() -> Tokenizer:
+    """GPT-2 / Qwen / SmolLM2 style: byte-level BPE."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.add_tokens([LONG_TOKEN])  # a long token, as in SmolLM2
+    return tok
+
+
+def as_transformers(tok: Tokenizer, **kwargs) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
+
+
+def save_char_tokenizer(path):
+    """A byte-level tokenizer of single characters (85 ids, inside the tiny model's 96), ChatML template.
+
+    Byte-level, because transformers loads a qwen2 model directory's tokenizer as Qwen2Tokenizer,
+    which always pre-tokenizes byte-level."""
+    byte_char = bytes_to_unicode()
+    # ids 0..2 agree with the tiny model's pad / bos / eos ids
+    tokens = ["<pad>", "<s>", "<|im_end|>", "<|im_start|>", "<unk>"]
+    tokens += [byte_char[ord(c)] for c in string.ascii_letters + string.digits + " \n\\{}$^_()+-=*/.,?"]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, [], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>",
+                                   pad_token="<pad>", unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)

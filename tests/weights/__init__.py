@@ -1,0 +1,1 @@
+"""Tests of demo models and GGUF conversion."""
