@@ -9,10 +9,11 @@ from pathlib import Path
 from drafters.dflash import DFlashDrafter
 from drafters.dflash_model import read_dflash_config
 from specdec.engine.drafter import Drafter
+from specdec.weights.demo_models import DEFAULT_TARGET
 
 CHECKPOINTS = Path(__file__).parent / "checkpoints"
 # target demo name -> its shipped default drafter (a folder under drafters/checkpoints)
-DEFAULT_DRAFTERS: dict[str, str] = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-1.5b-dflash-b16"}
+DEFAULT_DRAFTERS: dict[str, str] = {DEFAULT_TARGET: "qwen2.5-coder-1.5b-dflash-b16"}
 
 
 def resolve_drafter_path(name_or_path: str | os.PathLike) -> Path:

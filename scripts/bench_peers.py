@@ -67,8 +67,8 @@ from scripts.bench.peers import PEER_SYSTEMS, parse_sites, run_peer  # noqa: E40
 from scripts.bench.runner import (HF_TARGET_SYSTEMS, SYSTEMS, Clock, Context, environment, log,  # noqa: E402
                                   release_memory, run_system, run_throughput, throughput_prompts)
 
+from specdec.weights.demo_models import DEFAULT_DRAFT as DEFAULT_ASSISTANT  # noqa: E402
 from specdec.weights.demo_models import DEFAULT_TARGET  # noqa: E402
-DEFAULT_ASSISTANT = "qwen2.5-coder-0.5b-instruct"
 
 
 def _int_list(text: str) -> list[int]:

@@ -33,6 +33,7 @@ from drafters.training.prompt_set import (DEFAULT_SOURCES, PROMPTS_FILE, SourceI
                                           recipe_of_sources, recipe_texts,
                                           refuse_benchmark_file)
 from drafters.training.self_instruct import engine_completions
+from specdec.weights.demo_models import DEFAULT_TARGET
 
 DEFAULT_PROBLEMS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "math_train.jsonl"
 
@@ -44,7 +45,7 @@ def temperature_list(text: str) -> tuple[float, ...]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory of the prompt list and the shards")
-    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="demo name or HF model directory")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="demo name or HF model directory")
     p.add_argument("--source", action="append", type=SourceSpec.parse, default=None, metavar="NAME:COUNT",
                    help=f"a prompt source and how many prompts to take from it (COUNT or 'all'), repeatable; "
                         f"math, code, general, selfinstruct (default: {' '.join(DEFAULT_SOURCES)})")

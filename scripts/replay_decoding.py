@@ -27,7 +27,7 @@ from drafters.training.data import TokenSamples
 from drafters.training.target import FrozenTarget
 from drafters.training.trainer import TrainConfig, Trainer
 from eval.chat_prompt import chat_prompt_ids
-from specdec.weights.demo_models import resolve_model
+from specdec.weights.demo_models import DEFAULT_TARGET, resolve_model
 
 
 def problem_set(name: str):
@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", help="results.json of python -m eval.humaneval / eval.math500")
     p.add_argument("--set", choices=["humaneval", "math500"], required=True)
-    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--drafter", default=None, help="default: the target's shipped drafter")
     p.add_argument("--data", default=None, help="the eval's --data, if it had one")
     p.add_argument("--limit", type=int, default=16, help="the first N problems of the results")

@@ -28,6 +28,7 @@ from dataclasses import replace
 import torch
 
 from drafters.training.quant_aware import QUANT_AWARE_STORAGES
+from specdec.weights.demo_models import DEFAULT_TARGET
 
 
 def parse_args(argv=None):
@@ -36,7 +37,7 @@ def parse_args(argv=None):
                    help="directories of training shards (several: their samples together, e.g. data generated "
                         "from different prompt lists)")
     p.add_argument("--out", required=True, help="run directory: checkpoint.pt and log.jsonl")
-    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="demo name or HF model directory")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="demo name or HF model directory")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt when present")
     p.add_argument("--device", default="auto")
     p.add_argument("--eval-only", action="store_true",

@@ -16,12 +16,13 @@ from specdec.engine.config import EngineConfig
 from specdec.engine.drafter import Drafter
 from specdec.engine.engine import Engine
 from specdec.engine.metrics import RequestStats, Summary, summarize
-from specdec.models.loader import load_target
-from specdec.engine.request import Request
 from specdec.engine.prompts import Prompt, encode_chat, prompt_list, token_ids
+from specdec.engine.request import Request
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.text_stream import TextStream, final_text
+from specdec.models.loader import load_target
 from specdec.weights.demo_models import DEFAULT_TARGET, resolve_model
+
 
 @dataclass
 class GenerationResult:

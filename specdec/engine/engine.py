@@ -9,8 +9,10 @@
 or, for a closed batch, `engine.run(requests, on_commit=callback)` (a loop over `step`).
 
 One step = at most one prefill forward (chunks of admitted requests' prompts, within a token
-budget) plus one decode forward (AR: one token per request; speculative: a drafted block per
-request) for the requests whose prefill is complete. The scheduler plans it (specdec/engine/scheduler.py).
+budget) plus one decode phase for the requests whose prefill is complete: plain decoding (one token
+per request, specdec/engine/decoding.py) or speculative decoding (a drafted block verified per
+request, specdec/engine/speculator.py). The phase returns the tokens each request commits; the
+engine commits them. The scheduler plans the step (specdec/engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -27,17 +29,17 @@ from attention import resolve_backend_name
 from attention.kv_cache import FP8_DTYPE, KVCache
 from attention.page_pool import PagePool, PageTable
 from attention.transfer import upload
-from specdec.engine.drafter import DraftContext
 from specdec.engine.config import EngineConfig
 from specdec.engine.decoding import DecodePhase, PlainDecoding
-from specdec.runtime.cuda_graphs import ladder_sizes
-from specdec.models.loader import LoadedTarget
+from specdec.engine.drafter import DraftContext
 from specdec.engine.request import Request
 from specdec.engine.request_limits import RequestLimits
 from specdec.engine.sampler import make_generator, sample_batch
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.speculator import SpeculativeDecoding
+from specdec.models.loader import LoadedTarget
+from specdec.runtime.cuda_graphs import ladder_sizes
 from specdec.runtime.target_runner import TargetRunner
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,6 @@ and GGUF files into one)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +10,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from specdec.models.decoder import SUPPORTED_MODEL_TYPES, CausalLM
-
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

@@ -23,11 +23,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
-from specdec.server.async_engine import AsyncEngine
-from specdec.server.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, GenerationFields,
-                                     ResponseShape, error_body, usage)
 from specdec.engine.prompts import encode_chat, token_ids
 from specdec.engine.request_limits import RequestLimits
+from specdec.server.async_engine import AsyncEngine
+from specdec.server.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationFields,
+    ResponseShape,
+    error_body,
+    usage,
+)
 
 log = logging.getLogger(__name__)
 

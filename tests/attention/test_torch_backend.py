@@ -5,7 +5,7 @@ import torch
 
 from attention.kv_cache import FP8_DTYPE
 from attention.torch_backend import TorchBackend
-from tests.attention_cases import CASES, HKV, HQ, PagedCase, D
+from tests.attention_cases import CASES, HKV, HQ, D, PagedCase
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

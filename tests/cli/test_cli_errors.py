@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from specdec import generate
-from specdec.engine.engine import Engine
 from specdec.arguments import add_engine_arguments, add_model_arguments
+from specdec.engine.engine import Engine
 from specdec.engine.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,12 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from drafters import load_drafter
-from drafters.dflash_model import (
-    WEIGHTS_FILE,
-    load_dflash,
-    read_dflash_config,
-    save_dflash,
-)
+from drafters.dflash_model import WEIGHTS_FILE, load_dflash, read_dflash_config, save_dflash
 from drafters.training.drafter_config import drafter_config, new_drafter, storage_bytes
 from drafters.weight_storage import GGML_TYPES
 from tests.engine_helpers import tiny_target

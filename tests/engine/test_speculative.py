@@ -7,13 +7,7 @@ import torch
 from specdec.engine.sampling_params import SamplingParams
 from tests.conftest import VOCAB, build_tiny_model
 from tests.drafter_helpers import ScriptedDrafter
-from tests.engine_helpers import (
-    MANY_PROMPTS,
-    assert_no_leak,
-    dflash_drafter,
-    spec_engine,
-    tiny_engine,
-)
+from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, spec_engine, tiny_engine
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])

@@ -10,7 +10,7 @@ import pytest
 
 from eval import command, math500
 from eval.grading import as_number, last_boxed, normalize, select_grader, strings_match
-from eval.problems import INSTRUCTION, HUB, PACKAGED_DATA, DataUnavailable, Problem, load_problems, prompt_ids, select
+from eval.problems import HUB, INSTRUCTION, PACKAGED_DATA, DataUnavailable, Problem, load_problems, prompt_ids, select
 from eval.runner import run_problems
 from specdec import SamplingParams
 from specdec.engine.metrics import RequestStats

@@ -16,7 +16,6 @@ from tests.drafter_helpers import build_random_drafter
 from tests.eval_helpers import PROBLEMS
 from tests.tokenizer_helpers import save_char_tokenizer
 
-
 ZLAB_MISSING = dflash_import_error()  # the z-lab system is reported as skipped without the dflash package
 PEERS_MISSING = {name: why_skip_peer(engine, None) for name, (engine, _) in PEER_SYSTEMS.items()}
 SKIPPED = {**{name: why for name, why in PEERS_MISSING.items() if why},

@@ -18,9 +18,9 @@ import pytest
 from transformers import AutoConfig
 
 from specdec import LLM, SamplingParams
+from specdec.engine.request import Request
 from specdec.server.async_engine import ThreadedEngine
 from specdec.server.openai_api import build_app
-from specdec.engine.request import Request
 from tests.conftest import build_tiny_model_with_tokenizer
 from tests.drafter_helpers import build_random_drafter
 from tests.server_helpers import ProcessServer, ThreadServer

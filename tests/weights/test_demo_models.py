@@ -20,7 +20,6 @@ from specdec.weights import demo_models as dm
 from specdec.weights import gguf_conversion
 from specdec.weights.demo_models import DEMO_MODELS, DemoModel, cached_gguf_path, resolve_model
 
-
 # --------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------

@@ -11,12 +11,7 @@ from drafters.dflash_model import load_dflash, save_dflash
 from drafters.training.anchors import block_labels
 from drafters.training.forward import block_loss
 from drafters.training.grow import grow, shape_of
-from tests.training_helpers import (
-    BLOCK,
-    SHAPE,
-    block_logits_of,
-    toy_data_dir,
-)
+from tests.training_helpers import BLOCK, SHAPE, block_logits_of, toy_data_dir
 
 BIGGER = replace(SHAPE, num_layers=3, intermediate_size=128, target_layer_ids=(0, 1, 2))
 

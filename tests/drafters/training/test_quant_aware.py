@@ -14,11 +14,7 @@ from drafters.dflash_model import load_dflash, save_dflash
 from drafters.training.anchors import block_labels
 from drafters.training.checkpoint import drafter_from_checkpoint, load_checkpoint
 from drafters.training.forward import block_loss
-from drafters.training.quant_aware import (
-    QuantAwareLinear,
-    fake_quantize,
-    make_quant_aware,
-)
+from drafters.training.quant_aware import QuantAwareLinear, fake_quantize, make_quant_aware
 from drafters.weight_storage import FP8, dequantize, quantize
 from tests.training_helpers import BLOCK, block_logits_of, toy_data_dir
 

@@ -8,12 +8,7 @@ import pytest
 import torch
 
 from drafters import load_drafter
-from drafters.dflash_model import (
-    WEIGHTS_FILE,
-    load_dflash,
-    read_dflash_config,
-    save_dflash,
-)
+from drafters.dflash_model import WEIGHTS_FILE, load_dflash, read_dflash_config, save_dflash
 from drafters.training.anchors import (
     IGNORE,
     Anchors,
@@ -26,19 +21,9 @@ from drafters.training.anchors import (
     sample_anchors,
 )
 from drafters.training.checkpoint import drafter_from_checkpoint, load_checkpoint
-from drafters.training.data import (
-    TokenSamples,
-    heldout_key,
-    load_samples,
-    shard_metadata,
-    shard_path,
-)
+from drafters.training.data import TokenSamples, heldout_key, load_samples, shard_metadata, shard_path
 from drafters.training.forward import LinearCrossEntropy, block_hidden
-from drafters.training.generation import (
-    GenerationSettings,
-    generate_shards,
-    next_shard_fits,
-)
+from drafters.training.generation import GenerationSettings, generate_shards, next_shard_fits
 from drafters.training.mask import training_mask
 from drafters.training.target import check_mask_token
 from specdec.engine.config import EngineConfig
@@ -46,14 +31,7 @@ from specdec.engine.engine import Engine
 from specdec.engine.sampling_params import SamplingParams
 from tests.conftest import VOCAB
 from tests.engine_helpers import tiny_engine, tiny_target
-from tests.training_helpers import (
-    BLOCK,
-    MASK,
-    batch_of,
-    frozen_target,
-    make_trainer,
-    toy_data_dir,
-)
+from tests.training_helpers import BLOCK, MASK, batch_of, frozen_target, make_trainer, toy_data_dir
 
 
 def test_training_mask_on_a_hand_example():
