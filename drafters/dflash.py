@@ -28,7 +28,7 @@ from attention.transfer import upload
 from drafters.dflash_model import DFlashDraftModel
 from specdec.engine.drafter import DraftContext, Drafter, DraftRequest
 from specdec.runtime.cuda_graphs import StaticInputs
-from specdec.runtime.model_runner import ModelRunner
+from specdec.runtime.model_runner import FixedStep, ModelRunner
 
 DRAFT_STEP = "draft"  # the one fixed-shape step (its graph ladder's key)
 
@@ -61,12 +61,13 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.pool = PagePool(num_pages, self.page_size)
         self.allocate_kv(num_pages, self.context.calibrate_fp8_scales)
 
-    def capture(self, pool) -> float:
+    def fixed_steps(self) -> list[FixedStep]:
         bs = self.block_size
         # a padding request writes block_size context rows and block_size block rows
-        return self.capture_ladder(DRAFT_STEP, "draft",
-                                   lambda b, scratch: BatchLayout.dummy(b, bs, bs, self.page_size, scratch, causal=False),
-                                   2 * bs, self._draft_body, pool)
+        def dummy(batch: int, scratch: int) -> BatchLayout:
+            return BatchLayout.dummy(batch, bs, bs, self.page_size, scratch, causal=False)
+
+        return [FixedStep(DRAFT_STEP, "draft", dummy, 2 * bs, self._draft_body)]
 
     # ---- lifecycle ---------------------------------------------------------------------------
     @torch.no_grad()

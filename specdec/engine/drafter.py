@@ -1,13 +1,13 @@
 """The drafter interface: what the speculative loop needs from any drafter.
 
 Set-up: `attach(context)` with the narrow `DraftContext` (device, dtypes, page geometry, the target's
-embedding and lm_head, where the target's features appear), then `allocate_cache(num_pages)` once the
-engine has sized its pool, then `capture(pool)` for CUDA graphs (when the engine uses them).
+embedding and lm_head, where the target's features appear); with CUDA graphs, `graph_memory()`
+while the engine sizes its pool; then `allocate_cache(num_pages)`, then `capture(pool)` (with graphs).
 Lifecycle per request: `add_context` after each chunk of the target's prefill (with that chunk's
 features), then each step `propose` a block and, after verification, `extend` with the rows of the
 verify's features that the step committed; `release` when the request finishes or is preempted (a
-preempted request starts again with `add_context` over its recomputed prefill). A drafter owns its own caches; the engine
-owns the target's.
+preempted request starts again with `add_context` over its recomputed prefill). A drafter owns its
+own caches; the engine owns the target's.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
+
+from specdec.runtime.model_runner import GraphMemory
 
 
 class DraftRequest(Protocol):
@@ -59,6 +61,11 @@ class Drafter(ABC):
 
     def allocate_cache(self, num_pages: int) -> None:
         """Allocate the drafter's cache with as many pages as the target's."""
+
+    def graph_memory(self) -> GraphMemory:
+        """Memory the draft step's CUDA graphs will hold (measured before the KV pool is sized; none
+        without graphs)."""
+        return GraphMemory()
 
     def capture(self, pool) -> float:
         """Capture CUDA graphs of the draft step into `pool`; returns seconds (0 without graphs)."""

@@ -40,6 +40,7 @@ from specdec.engine.scheduler import Scheduler
 from specdec.engine.speculator import SpeculativeDecoding
 from specdec.models.loader import LoadedTarget
 from specdec.runtime.cuda_graphs import ladder_sizes
+from specdec.runtime.model_runner import GraphMemory
 from specdec.runtime.target_runner import TargetRunner
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,10 @@ class Engine:
             drafter.attach(DraftContext(self.device, self.dtype, self.drafter_kv_dtype, config.page_size, self.backend_name,
                                         config.max_num_seqs, self.max_context, self.model.model.embed_tokens,
                                         self.model.lm_head, config.calibrate_fp8_scales, self.runner.features_out))
+        self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager
+                           and self.runner.attn.supports_graphs)
+        # the graphs' memory pool is counted before the KV pool takes what is left
+        self.graph_memory = self._graph_memory(drafter) if self.use_graphs else GraphMemory()
         self.num_pages = self._num_pages(drafter)
         self.pool = PagePool(self.num_pages, config.page_size)
         self.runner.allocate_kv(self.num_pages, config.calibrate_fp8_scales)
@@ -94,8 +99,6 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, lookahead)
         self.limits = RequestLimits(self.max_context, mc.vocab_size, self.num_pages, config.page_size, lookahead)
         self._next_id = 0
-        self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager
-                           and self.runner.attn.supports_graphs)
         self.graph_capture_seconds: float | None = None
         self.graph_memory_bytes = 0
         # calibrated FP8 scales are baked into the graphs: capture after the first prefill has set them
@@ -119,8 +122,9 @@ class Engine:
             seconds += self.drafter.capture(pool)
         self.graph_capture_seconds = seconds
         self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
-        log.info("captured CUDA graphs for batch sizes %s in %.1f s (%.0f MiB)",
-                 ladder_sizes(self.config.max_num_seqs), seconds, self.graph_memory_bytes / 2**20)
+        log.info("captured CUDA graphs for batch sizes %s in %.1f s (%.0f MiB; %.0f MiB reserved)",
+                 ladder_sizes(self.config.max_num_seqs), seconds, self.graph_memory_bytes / 2**20,
+                 self.graph_reserve_bytes / 2**20)
 
     # ---- setup -------------------------------------------------------------------------------
     def _kv_dtype(self, fp8: bool) -> torch.dtype:
@@ -134,15 +138,28 @@ class Engine:
                              f"{self.backend_name} backend, got {self.dtype}; pass --dtype bfloat16")
         return FP8_DTYPE
 
+    def _graph_memory(self, drafter) -> GraphMemory:
+        """What the CUDA graphs of the target and the drafter will hold: one shared pool (the largest step
+        decides), every rung's backend buffers, and their page indices."""
+        parts = [self.runner.graph_memory()] + ([drafter.graph_memory()] if drafter is not None else [])
+        torch.cuda.empty_cache()  # the measurement's one-page caches and activations go back
+        return GraphMemory(max(p.pool for p in parts), sum(p.slots for p in parts), sum(p.per_page for p in parts))
+
+    @property
+    def graph_reserve_bytes(self) -> int:
+        """Memory held back from the KV pool for the CUDA graphs (0 without graphs)."""
+        return self.graph_memory.pool + self.graph_memory.slots + self.graph_memory.per_page * self.num_pages
+
     def _num_pages(self, drafter) -> int:
         if self.config.num_kv_pages is not None:
             return self.config.num_kv_pages
-        per_page = self.runner.kv_bytes_per_page()
+        per_page = self.runner.kv_bytes_per_page() + self.graph_memory.per_page
         if drafter is not None:  # the drafter's context cache has as many pages as the target's
             per_page += drafter.kv_bytes_per_page()
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = self.config.gpu_memory_utilization * total - (total - free) - ACTIVATION_RESERVE_BYTES
+            budget = (self.config.gpu_memory_utilization * total - (total - free) - ACTIVATION_RESERVE_BYTES
+                      - self.graph_memory.pool - self.graph_memory.slots)
         else:
             budget = self.config.cpu_kv_cache_gib * (1 << 30)
         pages = int(budget // per_page) - 1  # one scratch page per cache

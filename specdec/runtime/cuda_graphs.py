@@ -21,7 +21,8 @@ import torch
 
 from attention.batch_layout import BatchLayout
 
-DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+# dense where batches are small (padding costs most there), then steps of 32 up to 256
+DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
 def ladder_sizes(max_batch: int) -> tuple[int, ...]:

@@ -2,18 +2,21 @@
 graph ladders of its fixed-shape steps with the graph/eager dispatch between them.
 
     runner = ModelRunner(model, backend_name=..., kv_dtype=..., page_size=16, max_batch=64)
+    runner.graph_memory()                               # before the pool is sized: what the graphs will hold
     runner.allocate_kv(num_pages)                       # once the engine has sized the pool
-    runner.capture_ladder("step", "name", dummy, rows, body, pool)   # at start-up (CUDA only)
+    runner.capture(pool)                                # the graph ladder of every fixed step (CUDA only)
     ...fill the step's StaticInputs on the host...
     runner.dispatch("step", batch, layout, inputs)      # graph replay of the next larger rung, or eager
 
-A subclass keeps the step itself (`body(batch)`: reads only static inputs and the planned page
-metadata, writes static outputs), so the same function runs inside a graph and eagerly. The target
-runner (`target_runner.py`) and the DFlash drafter (`drafters/dflash.py`) are the two subclasses.
+A subclass names its fixed-shape steps (`fixed_steps`) and keeps each step's body (`body(batch)`:
+reads only static inputs and the planned page metadata, writes static outputs), so the same function
+runs inside a graph and eagerly. The target runner (`target_runner.py`) and the DFlash drafter
+(`drafters/dflash.py`) are the two subclasses.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -22,6 +25,30 @@ from attention import make_backend
 from attention.batch_layout import BatchLayout
 from attention.kv_cache import KVCache
 from specdec.runtime.cuda_graphs import GraphLadder, StaticInputs, graph_max_pages, ladder_sizes
+
+SLOT_INDEX_BYTES_PER_PAGE = 4  # a graph rung's page-index buffer holds an int32 for every KV page
+# what capturing takes beyond the eager peak: cuBLAS's workspace on the capture stream and the
+# allocator's rounding (56-79 MiB measured on an H200 with a tiny model at max_num_seqs 256)
+CAPTURE_OVERHEAD_BYTES = 128 << 20
+
+
+@dataclass(frozen=True)
+class GraphMemory:
+    """GPU memory that CUDA graphs take beside the KV pool: the shared pool of their activations, the
+    attention backend's per-rung buffers, and their page indices (bytes per KV page)."""
+
+    pool: int = 0
+    slots: int = 0
+    per_page: int = 0
+
+
+@dataclass(frozen=True)
+class FixedStep:
+    key: object  # the step's name in `ladders` and `dispatch`
+    name: str  # for logs
+    dummy_layout: Callable[[int, int], BatchLayout]  # (batch, scratch_page) -> a padding-only layout
+    new_rows_per_request: int  # K/V rows a request writes (sizes the graph slots' page room)
+    body: Callable[[int], object]
 
 
 class ModelRunner:
@@ -58,17 +85,60 @@ class ModelRunner:
             self.kv.calibrate_on_first_write()
 
     # ---- fixed-shape steps -------------------------------------------------------------------
-    def capture_ladder(self, key, name: str, dummy_layout: Callable[[int, int], BatchLayout],
-                       new_rows_per_request: int, body: Callable[[int], object], pool) -> float:
-        """Capture `body` over the batch ladder as step `key`; `dummy_layout(batch, scratch_page)` is a
-        padding-only layout of the step. Returns seconds."""
+    def fixed_steps(self) -> list[FixedStep]:
+        """The steps of a fixed shape, captured as CUDA graphs (none by default)."""
+        return []
+
+    def capture(self, pool) -> float:
+        """Capture every fixed step over the batch ladder into `pool`; returns seconds."""
+        return sum(self._capture_ladder(step, pool) for step in self.fixed_steps())
+
+    def _capture_ladder(self, step: FixedStep, pool) -> float:
         scratch = self.kv.scratch_page
-        ladder = GraphLadder(name, ladder_sizes(self.max_batch), self.attn,
-                             graph_max_pages(self.kv.num_pages, self.max_batch, new_rows_per_request, self.page_size),
-                             lambda batch: dummy_layout(batch, scratch), body, pool)
+        ladder = GraphLadder(step.name, ladder_sizes(self.max_batch), self.attn,
+                             graph_max_pages(self.kv.num_pages, self.max_batch, step.new_rows_per_request,
+                                             self.page_size),
+                             lambda batch: step.dummy_layout(batch, scratch), step.body, pool)
         seconds = ladder.capture(scratch)
-        self.ladders[key] = ladder
+        self.ladders[step.key] = ladder
         return seconds
+
+    def graph_memory(self) -> GraphMemory:
+        """What the CUDA graphs of the fixed steps will hold, measured before the KV pool is sized (CUDA)."""
+        steps = self.fixed_steps()
+        if not steps:
+            return GraphMemory()
+        rungs = len(ladder_sizes(self.max_batch)) * len(steps)
+        pool = self._graph_pool_bytes(steps) + CAPTURE_OVERHEAD_BYTES
+        return GraphMemory(pool, rungs * self._largest_slot_bytes(steps), rungs * SLOT_INDEX_BYTES_PER_PAGE)
+
+    def _graph_pool_bytes(self, steps: list[FixedStep]) -> int:
+        """The most that one step allocates at max_batch, run once eagerly over a one-page KV cache. The
+        graphs share one pool and are captured largest first, so the largest step decides."""
+        self.allocate_kv(1)
+        peak = 0
+        try:
+            for step in steps:
+                torch.cuda.synchronize(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+                before = torch.cuda.memory_allocated(self.device)
+                self.attn.plan(step.dummy_layout(self.max_batch, self.kv.scratch_page), write_slots=False)
+                step.body(self.max_batch)
+                torch.cuda.synchronize(self.device)
+                peak = max(peak, torch.cuda.max_memory_allocated(self.device) - before)
+        finally:
+            self.kv = None
+        return peak
+
+    def _largest_slot_bytes(self, steps: list[FixedStep]) -> int:
+        """The attention backend's buffers of one graph rung at max_batch (workspaces, index buffers),
+        less their page indices, which are counted per KV page."""
+        rows = max(step.new_rows_per_request for step in steps)
+        before = torch.cuda.memory_allocated(self.device)
+        slot = self.attn.graph_slot(self.max_batch, graph_max_pages(0, self.max_batch, rows, self.page_size))
+        size = torch.cuda.memory_allocated(self.device) - before
+        del slot
+        return size
 
     def dispatch(self, key, batch: int, layout: BatchLayout, inputs: StaticInputs, body: Callable[[int], object], *,
                  eager: bool = False, after_upload: Callable[[], None] | None = None):

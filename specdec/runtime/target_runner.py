@@ -23,7 +23,7 @@ from attention.page_pool import PageTable
 from attention.transfer import upload
 from specdec.models.decoder import CausalLM, ForwardOutput
 from specdec.runtime.cuda_graphs import StaticInputs
-from specdec.runtime.model_runner import ModelRunner
+from specdec.runtime.model_runner import FixedStep, ModelRunner
 
 
 @dataclass
@@ -50,14 +50,11 @@ class TargetRunner(ModelRunner):
         self.features_out = torch.zeros(rows, feature_dim, dtype=dtype, device=self.device) if feature_layers else None
         self.arange = torch.arange(rows, device=self.device)
 
-    def capture(self, pool) -> float:
-        """Capture every block length over the batch ladder; returns seconds."""
-        seconds = 0.0
-        for q in self.inputs:
-            seconds += self.capture_ladder(q, f"target q={q}",
-                                           lambda b, scratch, q=q: BatchLayout.dummy(b, q, q, self.page_size, scratch, True),
-                                           q, lambda b, q=q: self._block_body(q, b), pool)
-        return seconds
+    def fixed_steps(self) -> list[FixedStep]:
+        """One step per block length q: q new tokens per request (q = 1 decode, q = block size verify)."""
+        return [FixedStep(q, f"target q={q}",
+                          lambda batch, scratch, q=q: BatchLayout.dummy(batch, q, q, self.page_size, scratch, True),
+                          q, lambda batch, q=q: self._block_body(q, batch)) for q in self.inputs]
 
     # ---- forwards ----------------------------------------------------------------------------
     def forward(self, tables: list[PageTable], token_ids: torch.Tensor, q_lens: list[int], *,

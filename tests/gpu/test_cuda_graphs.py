@@ -7,6 +7,7 @@ step of the same batch, so bf16 rounding can flip a near-tie; every divergence i
 (logit gap under the eager engine <= NEAR_TIE), and batch 1 (no padding) must match exactly.
 """
 
+import gc
 import json
 import os
 import warnings
@@ -22,7 +23,7 @@ from tests.conftest import build_tiny_model
 from tests.drafter_helpers import build_random_drafter
 
 VOCAB, BLOCK, NEW_TOKENS, NEAR_TIE = 512, 16, 40, 0.5
-BATCHES = (1, 3, 17, 64)
+BATCHES = (1, 3, 17, 64, 100, 256)  # 100: between rungs 96 and 128; 256: the ladder's top
 MODEL = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=4096)
 
@@ -36,15 +37,15 @@ def model_dirs(tmp_path_factory):
     return root
 
 
-def make_engine(root, drafter: bool, kv: str, eager: bool) -> Engine:
+def make_engine(root, drafter: bool, kv: str, eager: bool, **config) -> Engine:
     from drafters import load_drafter
 
     model = load_causal_lm(root / "target", torch.device("cuda"), torch.bfloat16)
     target = LoadedTarget(model, None, frozenset(), root / "target")
     draft = load_drafter(root / "drafter", model) if drafter else None
-    config = EngineConfig(device="cuda", kv_cache_dtype=kv, num_kv_pages=2048, max_num_seqs=64,
-                          attention_backend="flashinfer", enforce_eager=eager)
-    return Engine(target, config, draft)
+    config = {"num_kv_pages": 4096, "max_num_seqs": 256, **config}
+    return Engine(target, EngineConfig(device="cuda", kv_cache_dtype=kv, attention_backend="flashinfer",
+                                       enforce_eager=eager, **config), draft)
 
 
 def prompts(batch: int) -> list[list[int]]:
@@ -91,6 +92,24 @@ def test_graphs_equal_eager(model_dirs, drafter, kv):
     if folder:
         with open(os.path.join(folder, f"graphs-{'dflash' if drafter else 'ar'}-{kv}.json"), "w") as f:
             json.dump(report, f, indent=1)
+
+
+@pytest.mark.parametrize("drafter", [False, True], ids=["ar", "dflash"])
+def test_graph_memory_is_counted_before_the_pool_is_sized(model_dirs, drafter):
+    gc.collect()  # engines of earlier tests give their memory back first
+    torch.cuda.empty_cache()
+    engine = make_engine(model_dirs, drafter, "auto", False, num_kv_pages=None, gpu_memory_utilization=0.5)
+    assert engine.runner.ladders[engine.decoding.tokens_per_step].sizes[-4:] == (160, 192, 224, 256)
+    assert engine.graph_memory.pool > 0 and engine.graph_memory.slots > 0
+    # capture took no more than what was held back for it
+    assert engine.graph_memory_bytes <= engine.graph_reserve_bytes, (
+        engine.graph_memory_bytes, engine.graph_reserve_bytes)
+    free, total = torch.cuda.mem_get_info()
+    assert free >= 0.5 * total  # weights, KV pool and graphs within gpu_memory_utilization
+    print(json.dumps({"drafter": drafter, "graph_mib": engine.graph_memory_bytes / 2**20,
+                      "reserved_mib": engine.graph_reserve_bytes / 2**20, "pages": engine.num_pages}))
+    del engine
+    gc.collect()
 
 
 SAMPLING = {"greedy": {}, "sampled": dict(temperature=0.8, top_p=0.9, top_k=50)}
