@@ -71,6 +71,8 @@ SPECDEC = Group("speculative decoding with DFlash block drafting", {
         "steps": Command("where a decode step's time goes (scripts/bench_steps.py)", bench_script("steps")),
         "serve": Command("load generator for OpenAI-compatible servers (scripts/bench_serve.py)",
                          bench_script("serve")),
+        "load": Command("throughput under load and the share of steps that prefill (scripts/bench_load.py)",
+                        bench_script("load")),
         "peers": Command("side by side with vLLM, SGLang and transformers (scripts/bench_peers.py)",
                          bench_script("peers")),
     }),

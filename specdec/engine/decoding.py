@@ -17,14 +17,15 @@ import torch
 
 from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
-from specdec.runtime.target_runner import TargetRunner
+from specdec.runtime.target_runner import PrefillChunks, TargetRunner
 
 
 class DecodePhase(Protocol):
     tokens_per_step: int  # the most tokens one request can commit in a step
 
-    def step(self, running: list[Request]) -> list[list[int]]:
-        """One forward of the target for every running request; the tokens each commits."""
+    def step(self, running: list[Request], prefill: PrefillChunks | None = None) -> list[list[int]]:
+        """One forward of the target for every running request (and `prefill`'s prompt chunks, whose
+        output the step leaves in `prefill.out`); the tokens each running request commits."""
 
 
 class PlainDecoding:
@@ -34,6 +35,7 @@ class PlainDecoding:
         self.runner = runner
 
     @torch.no_grad()
-    def step(self, running: list[Request]) -> list[list[int]]:
-        out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], None, 1)
+    def step(self, running: list[Request], prefill: PrefillChunks | None = None) -> list[list[int]]:
+        out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], None, 1,
+                                     prefill)
         return [[token] for token in sample_block(out, running, 1).tolist()]

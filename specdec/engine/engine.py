@@ -41,7 +41,7 @@ from specdec.engine.speculator import SpeculativeDecoding
 from specdec.models.loader import LoadedTarget
 from specdec.runtime.cuda_graphs import ladder_sizes
 from specdec.runtime.model_runner import GraphMemory
-from specdec.runtime.target_runner import TargetRunner
+from specdec.runtime.target_runner import PrefillChunks, TargetRunner
 
 log = logging.getLogger(__name__)
 
@@ -220,10 +220,10 @@ class Engine:
             out.committed.append((request, tokens))
             on_commit(request, tokens)
 
-        if plan.prefill:
+        if plan.decode:  # prompt chunks ride along in the decode forward: an arrival never stalls the batch
+            self._decode(plan.decode, commit, plan.prefill)
+        elif plan.prefill:
             self._prefill(plan.prefill, commit)
-        if plan.decode:
-            self._decode(plan.decode, commit)
         out.finished = self._retire()
         return out
 
@@ -309,32 +309,51 @@ class Engine:
     def ids_tensor(self, ids) -> torch.Tensor:
         return upload(np.asarray(ids, dtype=np.int64), self.device)
 
-    def _prefill(self, chunks: list[tuple[Request, int]], on_commit: OnCommit) -> None:
-        """One forward over the next `n` prefill tokens of each request; a fresh request whose prompt is
-        complete samples its first token (a recomputed one already has its pending token)."""
-        requests, lens = [r for r, _ in chunks], [n for _, n in chunks]
+    def _prefill_chunks(self, chunks: list[tuple[Request, int]]) -> PrefillChunks:
+        """The next `n` prefill tokens of each request; logits only where a fresh request's prompt ends
+        (it samples its first token; a recomputed one already has its pending token)."""
         ids = np.concatenate([np.asarray(r.token_slice(r.num_cached, r.num_cached + n), dtype=np.int64)
                               for r, n in chunks])
+        lens = [n for _, n in chunks]
         first = [i for i, (r, n) in enumerate(chunks) if not r.output_ids and r.num_cached + n == r.prefill_len]
+        return PrefillChunks([r.target_pages for r, _ in chunks], self.ids_tensor(ids), lens,
+                             (np.cumsum(lens) - 1)[first])
+
+    def _prefill(self, chunks: list[tuple[Request, int]], on_commit: OnCommit) -> None:
+        """A step with prompt chunks only: one forward over them."""
+        prefill = self._prefill_chunks(chunks)
         feature_layers = self.drafter.target_layer_ids if self.drafter is not None else ()
-        out = self.forward_tokens(requests, self.ids_tensor(ids), lens, feature_layers=feature_layers,
-                                  logits_rows=self.ids_tensor((np.cumsum(lens) - 1)[first]) if first else None)
+        rows = self.ids_tensor(prefill.logits_rows) if len(prefill.logits_rows) else None
+        prefill.out = self.runner.forward(prefill.tables, prefill.token_ids, prefill.lens, logits_rows=rows,
+                                          feature_layers=feature_layers)
+        self._prefilled(chunks, prefill, on_commit)
+
+    def _prefilled(self, chunks: list[tuple[Request, int]], prefill: PrefillChunks, on_commit: OnCommit) -> None:
+        """After the chunks' forward: the drafter's context grows by their features, and a request whose
+        prompt is complete commits its first token."""
+        requests = [r for r, _ in chunks]
         if self.drafter is not None:
             for request in requests:
                 request.stats.block_size = self.drafter.block_size
-            self.drafter.add_context(requests, list(out.features.split(lens)))
-        if first:
-            starting = [requests[i] for i in first]
-            tokens = sample_batch(out.logits, [1] * len(starting), [r.params for r in starting],
+            self.drafter.add_context(requests, list(prefill.out.features.split(prefill.lens)))
+        if len(prefill.logits_rows):
+            starting = [r for r, n in chunks if not r.output_ids and r.num_cached == r.prefill_len]
+            tokens = sample_batch(prefill.out.logits, [1] * len(starting), [r.params for r in starting],
                                   [r.generator for r in starting]).tolist()
             for request, token in zip(starting, tokens):
                 self.commit(request, [token], on_commit)
 
-    def _decode(self, running: list[Request], on_commit: OnCommit) -> None:
+    def _decode(self, running: list[Request], on_commit: OnCommit,
+                chunks: list[tuple[Request, int]] | None = None) -> None:
+        """One decode phase for the running requests; prompt `chunks`, if any, ride along in its forward."""
         if self.use_graphs and self.graph_capture_seconds is None:
             self.capture_graphs()
-        for request, tokens in zip(running, self.decoding.step(running)):
-            taken = self.commit(request, tokens, on_commit)
+        prefill = self._prefill_chunks(chunks) if chunks else None
+        tokens = self.decoding.step(running, prefill)
+        if prefill is not None:  # arrivals first, as in a step that prefills alone
+            self._prefilled(chunks, prefill, on_commit)
+        for request, committed in zip(running, tokens):
+            taken = self.commit(request, committed, on_commit)
             # acceptance length: what the step committed (0: the request failed alone while committing)
             if self.drafter is not None and taken:
                 request.stats.acceptance_lengths.append(taken)

@@ -19,7 +19,7 @@ from specdec.engine.acceptance import accept
 from specdec.engine.drafter import Drafter
 from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
-from specdec.runtime.target_runner import TargetRunner
+from specdec.runtime.target_runner import PrefillChunks, TargetRunner
 
 
 class SpeculativeDecoding:
@@ -29,11 +29,12 @@ class SpeculativeDecoding:
         self.tokens_per_step = drafter.block_size
 
     @torch.no_grad()
-    def step(self, running: list[Request]) -> list[list[int]]:
+    def step(self, running: list[Request], prefill: PrefillChunks | None = None) -> list[list[int]]:
         bs, batch = self.tokens_per_step, len(running)
         starts = [r.num_cached for r in running]
         drafts = self.drafter.propose(running)  # [B, bs-1] on the device
-        out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], drafts, bs)
+        out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], drafts, bs,
+                                     prefill)
         accepted, bonus = accept(drafts, sample_block(out, running, bs).view(batch, bs))
         # the step's one device-to-host transfer
         host = torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1).tolist()

@@ -5,7 +5,9 @@ Two kinds of forward, both appending K/V at each request's end (tables grow here
   probes); always eager.
 - `run_block(tables, first_tokens, rest, q)`: exactly q new tokens per request (q = 1: decode, q =
   block_size: verify). A fixed shape: replayed from the CUDA graph of the next larger batch size when
-  graphs are captured, else run eagerly through the same code (`_block_body`).
+  graphs are captured, else run eagerly through the same code (`_block_body`). With `prefill`
+  (`PrefillChunks`), the step also carries prompt chunks: one eager forward over the block rows and
+  the chunks (ragged queries), so an arrival never costs a forward of its own.
 
 Block outputs live in static buffers shared by every batch size (logits in the model dtype, their
 argmax, and the drafter's features): they stay valid until the next `run_block`.
@@ -31,6 +33,17 @@ class BlockOutput:
     logits: torch.Tensor  # [B * q, vocab], model dtype
     greedy: torch.Tensor  # [B * q] int64: argmax of the logits
     features: torch.Tensor | None  # [B * q, len(feature_layers) * hidden]
+
+
+@dataclass
+class PrefillChunks:
+    """Prompt chunks that ride along a block step, so that one forward runs both."""
+
+    tables: list[PageTable]
+    token_ids: torch.Tensor  # every chunk's tokens, flattened, on the device
+    lens: list[int]
+    logits_rows: np.ndarray  # rows (counted within the chunks) whose logits are wanted
+    out: ForwardOutput | None = None  # set by the step: features of every chunk row, logits of logits_rows
 
 
 class TargetRunner(ModelRunner):
@@ -71,8 +84,11 @@ class TargetRunner(ModelRunner):
                           feature_layers=feature_layers)
 
     def run_block(self, tables: list[PageTable], first_tokens: list[int], rest: torch.Tensor | None,
-                  q: int) -> BlockOutput:
-        """Each request gets [first_tokens[i], *rest[i]] (rest: [B, q - 1] on the device, or None for q = 1)."""
+                  q: int, prefill: PrefillChunks | None = None) -> BlockOutput:
+        """Each request gets [first_tokens[i], *rest[i]] (rest: [B, q - 1] on the device, or None for q = 1).
+        With `prefill`, its chunks run in the same forward (eagerly) and `prefill.out` is set."""
+        if prefill is not None:
+            return self._run_mixed(tables, first_tokens, rest, q, prefill)
         batch = len(tables)
         starts = np.array([t.length for t in tables], dtype=np.int64)
         for table in tables:
@@ -92,6 +108,27 @@ class TargetRunner(ModelRunner):
                       after_upload=drafts_into_ids if rest is not None else None)
         n = batch * q
         features = self.features_out[:n] if self.features_out is not None else None
+        return BlockOutput(self.logits_out[:n], self.greedy_out[:n], features)
+
+    def _run_mixed(self, tables: list[PageTable], first_tokens: list[int], rest: torch.Tensor | None, q: int,
+                   prefill: PrefillChunks) -> BlockOutput:
+        """The block step and the prompt chunks in one eager forward (ragged queries, causal): block rows
+        first, then the chunks. Block outputs land in the static buffers, as a block step's do."""
+        n = len(tables) * q
+        block_ids = upload(np.asarray(first_tokens, dtype=np.int64), self.device)[:, None]
+        if rest is not None:
+            block_ids = torch.cat([block_ids, rest], dim=1)
+        rows = np.concatenate([np.arange(n), n + prefill.logits_rows]).astype(np.int64)
+        out = self.forward([*tables, *prefill.tables], torch.cat([block_ids.reshape(-1), prefill.token_ids]),
+                           [q] * len(tables) + prefill.lens, logits_rows=upload(rows, self.device),
+                           feature_layers=self.feature_layers)
+        self.logits_out[:n].copy_(out.logits[:n])
+        torch.argmax(self.logits_out[:n], dim=-1, out=self.greedy_out[:n])
+        features = None
+        if self.features_out is not None:
+            features = self.features_out[:n]
+            features.copy_(out.features[:n])
+        prefill.out = ForwardOutput(out.logits[n:], out.features[n:] if out.features is not None else None)
         return BlockOutput(self.logits_out[:n], self.greedy_out[:n], features)
 
     def _block_body(self, q: int, batch: int) -> None:

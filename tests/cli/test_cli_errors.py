@@ -40,28 +40,27 @@ def error_lines(err: str) -> list[str]:
 
 
 # ---- 1. prompts files ---------------------------------------------------------------------------
-@pytest.mark.parametrize("content", [b"", b"\n\n   \n\t\n"], ids=["empty", "blank"])
-def test_prompts_file_without_prompts_is_an_error(tiny_dir, tmp_path, capsys, content):
-    file = tmp_path / "prompts.txt"
+def prompts_file_error(tiny_dir, file, content: bytes, capsys) -> str:
+    """The one error line of generate run on a prompts file holding `content`; nothing else printed."""
     file.write_bytes(content)
     assert generate.main(tiny_args(tiny_dir, "--no-chat", "--prompts-file", str(file))) == 2
     out, err = capsys.readouterr()
     assert out == ""  # the demo prompt did not run
     (line,) = error_lines(err)
-    assert line.startswith("error: ") and str(file) in line and "has no prompts" in line
-    assert "Traceback" not in err
+    assert "Traceback" not in err and err.strip() == line and str(file) in line
+    return line
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n   \n\t\n"], ids=["empty", "blank"])
+def test_prompts_file_without_prompts_is_an_error(tiny_dir, tmp_path, capsys, content):
+    line = prompts_file_error(tiny_dir, tmp_path / "prompts.txt", content, capsys)
+    assert line.startswith("error: ") and "has no prompts" in line
 
 
 @pytest.mark.parametrize("content", [b"\xff\xfe\x00h\x00i\x80\x81", b"ok\x00\x00\x00binary\n"], ids=["not-utf8", "nul"])
 def test_binary_prompts_file_is_one_line_error(tiny_dir, tmp_path, capsys, content):
-    file = tmp_path / "prompts.bin"
-    file.write_bytes(content)
-    assert generate.main(tiny_args(tiny_dir, "--no-chat", "--prompts-file", str(file))) == 2
-    out, err = capsys.readouterr()
-    assert out == ""
-    (line,) = error_lines(err)
-    assert str(file) in line and ("UTF-8" in line or "binary" in line)
-    assert "Traceback" not in err and err.strip() == line
+    line = prompts_file_error(tiny_dir, tmp_path / "prompts.bin", content, capsys)
+    assert "UTF-8" in line or "binary" in line
 
 
 def test_unreadable_prompts_file_exits_2(tmp_path, capsys):
@@ -87,11 +86,11 @@ def test_ctrl_c_prints_partial_stats_and_exits_130(tiny_dir, capsys, monkeypatch
     decode = Engine._decode
     calls = [0]
 
-    def interrupted_decode(self, running, on_commit):
+    def interrupted_decode(self, running, on_commit, chunks=None):
         calls[0] += 1
         if calls[0] > 6:
             raise KeyboardInterrupt
-        return decode(self, running, on_commit)
+        return decode(self, running, on_commit, chunks)
 
     monkeypatch.setattr(Engine, "_decode", interrupted_decode)
     prompt_args = [a for p in prompts for a in ("--prompt", p)]

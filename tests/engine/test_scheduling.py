@@ -96,6 +96,16 @@ def test_full_pool_preempts_and_recomputes_with_identical_output(target_dir, dra
     assert_no_leak(engine)
 
 
+def count_target_forwards(engine) -> list:
+    """Record every forward of the target (any kind) from now on."""
+    calls = []
+    for name in ("forward", "_block_body"):
+        real = getattr(engine.runner, name)
+        setattr(engine.runner, name, lambda *args, real=real, name=name, **kwargs: (calls.append(name),
+                                                                                     real(*args, **kwargs))[1])
+    return calls
+
+
 @pytest.mark.parametrize("speculative", [False, True], ids=["ar", "dflash"])
 def test_long_prompt_is_prefilled_in_chunks_while_others_decode(target_dir, drafter_dir, speculative):
     expected = alone(target_dir, drafter_dir, speculative, [MANY_PROMPTS[0], LONG[1]], PARAMS)
@@ -105,11 +115,13 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(target_dir, draf
     engine.step()
     assert short.decoding
     long = engine.add_request(LONG[1], PARAMS[1])
+    forwards = count_target_forwards(engine)
     chunks = 0
     while not long.output_ids:
         before = len(short.output_ids)
         out = engine.step()
         chunks += 1
+        assert len(forwards) == chunks  # the chunk rode along the decode (or verify) forward
         assert long.num_cached <= 8 * chunks  # never more than the budget per step
         assert short.finished or len(short.output_ids) > before  # decoding went on during the prefill
         assert all(request is not long or tokens for request, tokens in out.committed)

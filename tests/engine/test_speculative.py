@@ -96,8 +96,8 @@ def test_rollback_leaves_cache_equal_to_fresh_prefill(target_dir):
     fresh = tiny_engine(target_dir, eos=())
     decode, checked = engine._decode, []
 
-    def checked_decode(running, on_commit):
-        decode(running, on_commit)
+    def checked_decode(running, on_commit, chunks=None):
+        decode(running, on_commit, chunks)
         for request in running:
             if request.finished:
                 continue

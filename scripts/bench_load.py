@@ -1,0 +1,162 @@
+"""Throughput under load, and where its time goes: delivered tokens/s, the decode-only step time and
+batch, and the share of wall time spent in steps that prefill, for plain decoding and DFlash.
+
+    python scripts/bench_load.py --model NAME --drafter PATH --out load.json   # GPU
+    python scripts/bench_load.py --quick --out /tmp/load.json                  # CPU smoke run, tiny model
+
+Each concurrency runs the same requests through the library: --requests chat prompts alternating
+math500 problems and everyday coding requests (scripts/bench/chat_prompts.py), --max-new-tokens each,
+greedy, answers of their natural length, with `max_num_seqs` = the concurrency, so arrivals keep
+coming while others decode. Every
+`Engine.step()` is timed and split by whether it prefilled (a prompt chunk of an admitted request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python scripts/bench_load.py`: the repo's packages and scripts.bench
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from scripts.bench.chat_prompts import load_prompts, take  # noqa: E402
+from scripts.bench.random_models import TINY_SHAPE, random_target, tiny_drafter  # noqa: E402
+from scripts.bench.runner import environment, release_memory  # noqa: E402
+from specdec import LLM, SamplingParams  # noqa: E402
+
+
+@dataclass
+class LoadRow:
+    system: str  # "AR" or "DFlash"
+    concurrency: int
+    requests: int
+    tokens: int  # generated tokens delivered
+    wall_s: float
+    tokens_per_s: float
+    decode_steps: int  # steps without a prefill
+    decode_step_ms: float  # their median
+    decode_batch: float  # their mean batch
+    prefill_steps: int
+    prefill_step_ms: float  # median of the steps that prefilled
+    prefill_share: float  # of the wall time, in steps that prefilled
+    tau: float | None
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="demo name or HF model directory (--quick: a tiny random one)")
+    p.add_argument("--drafter", help="DFlash drafter for the DFlash rows (omit: plain decoding only)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
+    p.add_argument("--out", help="JSON results file")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.requests, args.max_new_tokens, args.device = [1, 4], 6, 8, "cpu"
+    return args
+
+
+def chat_prompts(llm: LLM, count: int) -> list[list[int]]:
+    """`count` prompts alternating math500 and coding requests, through the model's chat template."""
+    math, code = load_prompts("math500", seed=0), load_prompts("code", seed=0)
+    chosen = [p for pair in zip(take(math, count), take(code, count)) for p in pair][:count]
+    return [llm.encode_chat([{"role": "user", "content": p.text}]) for p in chosen]
+
+
+def random_prompts(vocab_size: int, count: int) -> list[list[int]]:
+    """Seeded random ids of 8-40 tokens (the --quick model has no chat template)."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab_size - 3, (int(torch.randint(8, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(count)]
+
+
+def timed_steps(engine) -> list[tuple[bool, int, float]]:
+    """From now on, record (prefilled, decoding batch, seconds) of every engine step."""
+    records, schedule, step = [], engine.scheduler.schedule, engine.step
+    plans = []
+
+    def recording_schedule():
+        plans.append(schedule())
+        return plans[-1]
+
+    def timed_step(*args, **kwargs):
+        start = time.perf_counter()
+        out = step(*args, **kwargs)
+        plan = plans.pop()
+        records.append((bool(plan.prefill), len(plan.decode), time.perf_counter() - start))
+        return out
+
+    engine.scheduler.schedule, engine.step = recording_schedule, timed_step
+    return records
+
+
+def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, max_new_tokens: int) -> LoadRow:
+    engine = llm.engine
+    engine.scheduler.max_num_seqs = concurrency
+    records = timed_steps(engine)
+    params = SamplingParams(max_new_tokens=max_new_tokens)  # answers end where the model ends them: arrivals vary
+    start = time.perf_counter()
+    requests = engine.generate_ids(prompts, params)
+    wall = time.perf_counter() - start
+    del engine.step, engine.scheduler.schedule  # back to the class's methods
+    decode = [r for r in records if not r[0]]
+    prefill = [r for r in records if r[0]]
+    tokens = sum(len(r.output_ids) for r in requests)
+    taus = [r.stats.tau for r in requests if r.stats.tau is not None]
+    median_ms = lambda rows: 1e3 * statistics.median(r[2] for r in rows) if rows else 0.0  # noqa: E731
+    return LoadRow(system, concurrency, len(requests), tokens, wall, tokens / wall, len(decode), median_ms(decode),
+                   statistics.mean(r[1] for r in decode) if decode else 0.0, len(prefill), median_ms(prefill),
+                   sum(r[2] for r in prefill) / wall, statistics.mean(taus) if taus else None)
+
+
+def table(rows: list[LoadRow]) -> str:
+    lines = ["| system | concurrency | tokens/s | decode steps x median ms (mean batch) | steps with prefill x "
+             "median ms | share of wall in prefill steps | tau |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tau = f"{r.tau:.2f}" if r.tau is not None else "-"
+        lines.append(f"| {r.system} | {r.concurrency} | {r.tokens_per_s:,.0f} | {r.decode_steps} x "
+                     f"{r.decode_step_ms:.2f} ({r.decode_batch:.1f}) | {r.prefill_steps} x {r.prefill_step_ms:.2f} | "
+                     f"{100 * r.prefill_share:.0f}% | {tau} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, drafter = args.model, args.drafter
+        if args.quick and model is None:
+            model = str(random_target(Path(tmp) / "target", TINY_SHAPE, torch.device("cpu"), std=0.2))
+            drafter = drafter or str(tiny_drafter(Path(tmp) / "drafter", Path(model)))
+        systems = [("AR", None)] + ([("DFlash", drafter)] if drafter else [])
+        rows = []
+        for system, draft in systems:
+            llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency))
+            prompts = (random_prompts(llm.engine.model.config.vocab_size, args.requests) if args.quick
+                       else chat_prompts(llm, args.requests))
+            run_load(llm, system, prompts[:min(4, len(prompts))], 1, 4)  # warm-up: graphs, kernels, allocator
+            for concurrency in args.concurrency:
+                rows.append(run_load(llm, system, prompts, concurrency, args.max_new_tokens))
+                print(table(rows[-1:]).splitlines()[-1], flush=True)
+            del llm
+            release_memory(device)
+    print(table(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": sys.argv, "environment": environment(device),
+                                              "rows": [asdict(r) for r in rows]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
