@@ -55,10 +55,6 @@ register_backend("flashinfer", "attention.flashinfer_backend", "FlashInferBacken
 AUTO_ORDER = ("flashinfer", "torch")
 
 
-def backend_names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
 def _usable(entry: BackendEntry, device: torch.device) -> bool:
     return (device.type == "cuda" or not entry.needs_cuda) and entry.available()
 

@@ -8,11 +8,12 @@
 
 or, for a closed batch, `engine.run(requests, on_commit=callback)` (a loop over `step`).
 
-One step = at most one prefill forward (chunks of admitted requests' prompts, within a token
-budget) plus one decode phase for the requests whose prefill is complete: plain decoding (one token
+One step = one decode phase for the requests whose prefill is complete: plain decoding (one token
 per request, specdec/engine/decoding.py) or speculative decoding (a drafted block verified per
-request, specdec/engine/speculator.py). The phase returns the tokens each request commits; the
-engine commits them. The scheduler plans the step (specdec/engine/scheduler.py).
+request, specdec/engine/speculator.py), with the step's prompt chunks of admitted requests (within a
+token budget) riding along in its forward; a step with nothing to decode prefills alone. The phase
+returns the tokens each request commits; the engine commits them. The scheduler plans the step
+(specdec/engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -205,8 +206,9 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def step(self, on_commit: OnCommit | None = None) -> StepOutput:
-        """One step: prefill chunks for admitted requests, then one decode (or speculative) step for the
-        requests that have finished their prefill. Requests join and leave between steps."""
+        """One step: one decode (or speculative) step for the requests that have finished their prefill,
+        with prefill chunks for admitted requests in the same forward. Requests join and leave between
+        steps."""
         on_commit = on_commit or _ignore
         plan = self.scheduler.schedule()
         if self.drafter is not None:
@@ -309,35 +311,35 @@ class Engine:
     def ids_tensor(self, ids) -> torch.Tensor:
         return upload(np.asarray(ids, dtype=np.int64), self.device)
 
-    def _prefill_chunks(self, chunks: list[tuple[Request, int]]) -> PrefillChunks:
-        """The next `n` prefill tokens of each request; logits only where a fresh request's prompt ends
-        (it samples its first token; a recomputed one already has its pending token)."""
+    def _prefill_chunks(self, chunks: list[tuple[Request, int]]) -> tuple[PrefillChunks, list[Request]]:
+        """The next `n` prefill tokens of each request, and the fresh requests whose prompt they complete:
+        those get logits and sample their first token (a recomputed one already has its pending token)."""
         ids = np.concatenate([np.asarray(r.token_slice(r.num_cached, r.num_cached + n), dtype=np.int64)
                               for r, n in chunks])
         lens = [n for _, n in chunks]
         first = [i for i, (r, n) in enumerate(chunks) if not r.output_ids and r.num_cached + n == r.prefill_len]
-        return PrefillChunks([r.target_pages for r, _ in chunks], self.ids_tensor(ids), lens,
-                             (np.cumsum(lens) - 1)[first])
+        prefill = PrefillChunks([r.target_pages for r, _ in chunks], self.ids_tensor(ids), lens,
+                                (np.cumsum(lens) - 1)[first])
+        return prefill, [chunks[i][0] for i in first]
 
     def _prefill(self, chunks: list[tuple[Request, int]], on_commit: OnCommit) -> None:
         """A step with prompt chunks only: one forward over them."""
-        prefill = self._prefill_chunks(chunks)
-        feature_layers = self.drafter.target_layer_ids if self.drafter is not None else ()
-        rows = self.ids_tensor(prefill.logits_rows) if len(prefill.logits_rows) else None
+        prefill, starting = self._prefill_chunks(chunks)
+        rows = self.ids_tensor(prefill.logits_rows) if starting else None
         prefill.out = self.runner.forward(prefill.tables, prefill.token_ids, prefill.lens, logits_rows=rows,
-                                          feature_layers=feature_layers)
-        self._prefilled(chunks, prefill, on_commit)
+                                          feature_layers=self.runner.feature_layers)
+        self._prefilled(chunks, prefill, starting, on_commit)
 
-    def _prefilled(self, chunks: list[tuple[Request, int]], prefill: PrefillChunks, on_commit: OnCommit) -> None:
-        """After the chunks' forward: the drafter's context grows by their features, and a request whose
-        prompt is complete commits its first token."""
+    def _prefilled(self, chunks: list[tuple[Request, int]], prefill: PrefillChunks, starting: list[Request],
+                   on_commit: OnCommit) -> None:
+        """After the chunks' forward: the drafter's context grows by their features, and each request of
+        `starting` (its prompt now complete) commits its first token."""
         requests = [r for r, _ in chunks]
         if self.drafter is not None:
             for request in requests:
                 request.stats.block_size = self.drafter.block_size
             self.drafter.add_context(requests, list(prefill.out.features.split(prefill.lens)))
-        if len(prefill.logits_rows):
-            starting = [r for r, n in chunks if not r.output_ids and r.num_cached == r.prefill_len]
+        if starting:
             tokens = sample_batch(prefill.out.logits, [1] * len(starting), [r.params for r in starting],
                                   [r.generator for r in starting]).tolist()
             for request, token in zip(starting, tokens):
@@ -348,10 +350,10 @@ class Engine:
         """One decode phase for the running requests; prompt `chunks`, if any, ride along in its forward."""
         if self.use_graphs and self.graph_capture_seconds is None:
             self.capture_graphs()
-        prefill = self._prefill_chunks(chunks) if chunks else None
+        prefill, starting = self._prefill_chunks(chunks) if chunks else (None, [])
         tokens = self.decoding.step(running, prefill)
         if prefill is not None:  # arrivals first, as in a step that prefills alone
-            self._prefilled(chunks, prefill, on_commit)
+            self._prefilled(chunks, prefill, starting, on_commit)
         for request, committed in zip(running, tokens):
             taken = self.commit(request, committed, on_commit)
             # acceptance length: what the step committed (0: the request failed alone while committing)
