@@ -51,5 +51,6 @@ class AttentionBackend(ABC):
         """k, v: [layout.num_new_kv, num_kv_heads, head_dim] -> their cache slots."""
 
     @abstractmethod
-    def attend(self, q: torch.Tensor, layer: LayerKV) -> torch.Tensor:
-        """q: [layout.num_queries, num_qo_heads, head_dim] -> output of the same shape."""
+    def attend(self, q: torch.Tensor, layer: LayerKV, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [layout.num_queries, num_qo_heads, head_dim] -> output of the same shape (written into
+        `out` when given: a piecewise CUDA graph's static buffer)."""

@@ -119,7 +119,7 @@ class FlashInferBackend(AttentionBackend):
     def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
         layer.write(self.write_pages, self.write_offsets, k, v)
 
-    def attend(self, q: torch.Tensor, layer: LayerKV) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer: LayerKV, out: torch.Tensor | None = None) -> torch.Tensor:
         if layer.is_fp8:
-            return self.wrapper.run(q, layer.data, k_scale=layer.k_scale, v_scale=layer.v_scale)
-        return self.wrapper.run(q, layer.data)
+            return self.wrapper.run(q, layer.data, k_scale=layer.k_scale, v_scale=layer.v_scale, out=out)
+        return self.wrapper.run(q, layer.data, out=out)

@@ -51,7 +51,7 @@ class TorchBackend(AttentionBackend):
     def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
         layer.write(self.write_pages, self.write_offsets, k, v)
 
-    def attend(self, q: torch.Tensor, layer: LayerKV) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer: LayerKV, out: torch.Tensor | None = None) -> torch.Tensor:
         k, v = layer.read(self.read_pages, self.read_offsets, torch.float32)  # [B, max_kv, Hkv, D]
         group = self.num_qo_heads // self.num_kv_heads
         k = k.repeat_interleave(group, dim=2)
@@ -60,5 +60,6 @@ class TorchBackend(AttentionBackend):
         qp[self.q_batch, self.q_pos] = q.float()
         scores = torch.einsum("bqhd,bkhd->bhqk", qp, k) * self.sm_scale
         scores = scores.masked_fill(~self.visible[:, None], float("-inf"))
-        out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v)
-        return out[self.q_batch, self.q_pos].to(q.dtype)
+        out_padded = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v)
+        result = out_padded[self.q_batch, self.q_pos].to(q.dtype)
+        return result if out is None else out.copy_(result)

@@ -2,8 +2,10 @@
 
 Per request the drafter keeps a context cache (per draft layer, the K/V of the projected target
 features of every committed position whose features are known). The prompt's context is written
-chunk by chunk as the target prefills it (`add_context`), eagerly (its length varies). After a verify, the a + 1 committed positions' features are
-rows of the target's verify features (`extend` records which rows); the next draft step writes them.
+chunk by chunk as the target prefills it (`add_context`: a token step of any length, captured piecewise
+over token counts like the target's mixed steps). After a verify, the a + 1 committed positions'
+features are rows of the target's verify features (`extend` records which rows); the next draft step
+writes them.
 
 A draft step has a fixed shape, so it is captured as CUDA graphs over the batch ladder:
 
@@ -14,7 +16,7 @@ A draft step has a fixed shape, so it is captured as CUDA graphs over the batch 
 
 then the block's scratch slots are released, so the cache ends at start_i (the anchor's position),
 holding exactly the context positions 0 .. start_i - 1. Padding the context to block_size (a verify
-commits at most block_size positions) is what makes the shape fixed; prompt-sized context stays eager.
+commits at most block_size positions) is what makes the shape fixed.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ import torch
 
 from attention.batch_layout import BatchLayout, slots_on_device
 from attention.page_pool import PagePool, PageTable
-from attention.transfer import upload
 from drafters.dflash_model import DFlashDraftModel
 from specdec.engine.drafter import DraftContext, Drafter, DraftRequest
 from specdec.runtime.cuda_graphs import StaticInputs
-from specdec.runtime.model_runner import FixedStep, ModelRunner
+from specdec.runtime.model_runner import FixedStep, ModelRunner, TokenStep
+from specdec.runtime.piecewise_graphs import Cut
 
-DRAFT_STEP = "draft"  # the one fixed-shape step (its graph ladder's key)
+DRAFT_STEP = "draft"  # the fixed-shape step (its graph ladder's key)
+CONTEXT_STEP = "context"  # prompt chunks' context K/V (any token count)
 
 
 class DFlashDrafter(ModelRunner, Drafter):
@@ -56,6 +59,11 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.inputs = StaticInputs({"anchors": batch, "starts": batch, "counts": batch, "rows": batch}, self.device)
         self.drafts_out = torch.zeros(batch, bs - 1, dtype=torch.long, device=self.device)
         self.arange = torch.arange(max(batch, bs), device=self.device)
+        # a prompt chunk's context rows: at most the target's features buffer
+        rows = context.features.shape[0]
+        self.context_inputs = StaticInputs({name: rows for name in ("rows", "positions", "pages", "offsets")},
+                                           self.device)
+        self.context_step = TokenStep(CONTEXT_STEP, "drafter context", rows, self.context_inputs, self._context_body)
 
     def allocate_cache(self, num_pages: int) -> None:
         self.pool = PagePool(num_pages, self.page_size)
@@ -69,24 +77,48 @@ class DFlashDrafter(ModelRunner, Drafter):
 
         return [FixedStep(DRAFT_STEP, "draft", dummy, 2 * bs, self._draft_body)]
 
+    def token_steps(self) -> list[TokenStep]:
+        return [self.context_step] if self.attn.supports_graphs else []
+
     # ---- lifecycle ---------------------------------------------------------------------------
     @torch.no_grad()
-    def add_context(self, requests: list[DraftRequest], features: list[torch.Tensor]) -> None:
+    def add_context(self, requests: list[DraftRequest], features: torch.Tensor, lens: list[int]) -> None:
         """Write the context K/V of each prefill chunk now (positions length .. length + n - 1 of the
         request's context cache; a request's first chunk creates the cache)."""
         tables = [self.tables.setdefault(r.request_id, PageTable(self.pool)) for r in requests]
-        lens = [len(f) for f in features]
         ends = []
         for table, n in zip(tables, lens):
             table.grow(n)
             ends.append(table.length)
         layout = BatchLayout.for_tokens(lens, ends, [t.array for t in tables], self.page_size, causal=False)
-        pages, offsets = layout.new_kv_slots(self.device)
-        positions = upload(layout.new_kv_positions().astype(np.int64), self.device)
-        m = self.model
+        pages, offsets = layout.new_kv_pages()
+        first, total = self._feature_row(features), len(pages)
+        inputs = self.context_inputs
+        inputs.fill("rows", np.arange(first, first + total))
+        inputs.fill("positions", layout.new_kv_positions())
+        inputs.fill("pages", pages, pad=self.kv.scratch_page)
+        inputs.fill("offsets", offsets)
+        inputs.upload()
+        self.run_tokens(self.context_step, total)
+
+    def _feature_row(self, features: torch.Tensor) -> int:
+        """The row of the features buffer given at attach where `features` (a run of its rows) starts."""
+        base = self.context.features
+        row_bytes = base.stride(0) * base.element_size()
+        offset = features.data_ptr() - base.data_ptr()
+        if (features.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() or offset % row_bytes
+                or features.stride() != base.stride()):
+            raise ValueError("DFlash reads the prefill features from the buffer given at attach")
+        return offset // row_bytes
+
+    def _context_body(self, size: int, cut: Cut) -> None:
+        """Context K/V of `size` staged rows: the target features at `rows`, projected, written per draft
+        layer at (page, offset) (no attention, so never cut)."""
+        inputs, m = self.context_inputs, self.model
         dtype = m.fc.weight.dtype
-        context = m.project_context(torch.cat(features).to(dtype))
-        rope = m.rotary.at(positions, dtype)
+        context = m.project_context(self.context.features[inputs["rows"][:size]].to(dtype))
+        rope = m.rotary.at(inputs["positions"][:size], dtype)
+        pages, offsets = inputs["pages"][:size], inputs["offsets"][:size]
         for layer, layer_kv in zip(m.layers, self.kv.layers):
             k, v = layer.self_attn.project_kv(context, rope)
             layer_kv.write(pages, offsets, k, v)

@@ -42,7 +42,7 @@ class ScriptedDrafter(Drafter):
     def attach(self, engine):
         self.device = engine.device
 
-    def add_context(self, requests, features):
+    def add_context(self, requests, features, lens):
         self.live.update(r.request_id for r in requests)
 
     def extend(self, requests, features, rows, counts):

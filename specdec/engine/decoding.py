@@ -38,4 +38,15 @@ class PlainDecoding:
     def step(self, running: list[Request], prefill: PrefillChunks | None = None) -> list[list[int]]:
         out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], None, 1,
                                      prefill)
-        return [[token] for token in sample_block(out, running, 1).tolist()]
+        return to_host(sample_block(out, running, 1)[:, None], prefill)
+
+
+def to_host(rows: torch.Tensor, prefill: PrefillChunks | None) -> list[list[int]]:
+    """The step's one device-to-host transfer: `rows` [B, k] as lists and, when the step's chunks complete
+    prompts, their first tokens (into `prefill.first_tokens`)."""
+    if prefill is None or prefill.sample_first is None:
+        return rows.tolist()
+    n, k = rows.numel(), rows.shape[1]
+    host = torch.cat([rows.reshape(-1), prefill.sample_first(prefill.out.logits)]).tolist()
+    prefill.first_tokens = host[n:]
+    return [host[i:i + k] for i in range(0, n, k)]

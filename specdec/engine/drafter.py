@@ -42,7 +42,8 @@ class DraftContext:
     embed_tokens: nn.Module
     lm_head: nn.Module
     calibrate_fp8_scales: bool = False
-    # the target's verify features [max_batch * block_size, F] at a fixed address (None on request-less set-ups)
+    # the target's features at a fixed address [rows, F]: a verify's block rows first, then the step's prompt
+    # chunks (None on request-less set-ups)
     features: torch.Tensor | None = None
 
 
@@ -72,9 +73,10 @@ class Drafter(ABC):
         return 0.0
 
     @abstractmethod
-    def add_context(self, requests: list[DraftRequest], features: list[torch.Tensor]) -> None:
-        """A prefill chunk of request i produced `features[i]` [n_i, F]: the target features of its next
-        n_i positions (the first chunk starts at position 0)."""
+    def add_context(self, requests: list[DraftRequest], features: torch.Tensor, lens: list[int]) -> None:
+        """A prefill chunk of request i produced lens[i] rows of `features` [sum(lens), F], request by
+        request: the target features of its next lens[i] positions (the first chunk starts at position
+        0). `features` are rows of the buffer given at attach (`DraftContext.features`)."""
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> torch.Tensor:

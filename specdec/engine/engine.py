@@ -80,7 +80,7 @@ class Engine:
         # the runners' static buffers exist before the KV pool is sized from what memory is left
         self.runner = TargetRunner(self.model, backend_name=self.backend_name, kv_dtype=self.kv_dtype,
                                    page_size=config.page_size, max_batch=config.max_num_seqs, block_lens=(lookahead,),
-                                   feature_layers=drafter.target_layer_ids if drafter is not None else ())
+                                   max_prefill_tokens=config.max_prefill_tokens, feature_layers=drafter.target_layer_ids if drafter is not None else ())
         if drafter is not None:
             drafter.attach(DraftContext(self.device, self.dtype, self.drafter_kv_dtype, config.page_size, self.backend_name,
                                         config.max_num_seqs, self.max_context, self.model.model.embed_tokens,
@@ -318,16 +318,20 @@ class Engine:
                               for r, n in chunks])
         lens = [n for _, n in chunks]
         first = [i for i, (r, n) in enumerate(chunks) if not r.output_ids and r.num_cached + n == r.prefill_len]
-        prefill = PrefillChunks([r.target_pages for r, _ in chunks], self.ids_tensor(ids), lens,
-                                (np.cumsum(lens) - 1)[first])
-        return prefill, [chunks[i][0] for i in first]
+        starting = [chunks[i][0] for i in first]
+        prefill = PrefillChunks([r.target_pages for r, _ in chunks], ids, lens, (np.cumsum(lens) - 1)[first])
+        if starting:
+            prefill.sample_first = lambda logits: sample_batch(logits, [1] * len(starting),
+                                                               [r.params for r in starting],
+                                                               [r.generator for r in starting])
+        return prefill, starting
 
     def _prefill(self, chunks: list[tuple[Request, int]], on_commit: OnCommit) -> None:
         """A step with prompt chunks only: one forward over them."""
         prefill, starting = self._prefill_chunks(chunks)
-        rows = self.ids_tensor(prefill.logits_rows) if starting else None
-        prefill.out = self.runner.forward(prefill.tables, prefill.token_ids, prefill.lens, logits_rows=rows,
-                                          feature_layers=self.runner.feature_layers)
+        self.runner.run_prefill(prefill)
+        if starting:
+            prefill.first_tokens = prefill.sample_first(prefill.out.logits).tolist()
         self._prefilled(chunks, prefill, starting, on_commit)
 
     def _prefilled(self, chunks: list[tuple[Request, int]], prefill: PrefillChunks, starting: list[Request],
@@ -338,11 +342,9 @@ class Engine:
         if self.drafter is not None:
             for request in requests:
                 request.stats.block_size = self.drafter.block_size
-            self.drafter.add_context(requests, list(prefill.out.features.split(prefill.lens)))
+            self.drafter.add_context(requests, prefill.out.features, prefill.lens)
         if starting:
-            tokens = sample_batch(prefill.out.logits, [1] * len(starting), [r.params for r in starting],
-                                  [r.generator for r in starting]).tolist()
-            for request, token in zip(starting, tokens):
+            for request, token in zip(starting, prefill.first_tokens):
                 self.commit(request, [token], on_commit)
 
     def _decode(self, running: list[Request], on_commit: OnCommit,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from specdec.engine.acceptance import accept
+from specdec.engine.decoding import to_host
 from specdec.engine.drafter import Drafter
 from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
@@ -36,8 +37,7 @@ class SpeculativeDecoding:
         out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], drafts, bs,
                                      prefill)
         accepted, bonus = accept(drafts, sample_block(out, running, bs).view(batch, bs))
-        # the step's one device-to-host transfer
-        host = torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1).tolist()
+        host = to_host(torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1), prefill)
         tokens = []
         for row, request, start in zip(host, running, starts):
             a = row[bs - 1]

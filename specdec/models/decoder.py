@@ -49,6 +49,7 @@ class ForwardOutput:
 
 
 Attention = Callable[[AttentionProjections, torch.Tensor], torch.Tensor]
+LayerAttention = Callable[[int, Rope], Attention]  # (layer index, the forward's RoPE) -> that layer's attention
 
 
 class DecoderLayer(nn.Module):
@@ -146,17 +147,28 @@ class CausalLM(nn.Module):
         feature_layers: decoder layers whose outputs are returned, concatenated on the last dim, for
         every token. logits_out: a buffer the logits are written into.
         """
+        hidden, features = self.hidden_states(
+            input_ids, positions, lambda i, rope: paged_attention(rope, kv_cache.layers[i], attn),
+            feature_layers=feature_layers)
+        logits = None if logits_rows is None else self.logits(hidden[logits_rows], logits_out)
+        return ForwardOutput(logits, features)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: LayerAttention, *,
+                      feature_layers: tuple[int, ...] = (), features_out: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final-normed hidden states of every token, and the outputs of `feature_layers` (written into
+        `features_out` when given: a CUDA graph's static buffer). attention(i, rope) is layer i's
+        attention (the paged one in `forward`; a piecewise CUDA graph cuts the forward there)."""
         x = self.embed(input_ids)
         rope = self.rotary.at(positions, x.dtype, fused=self.fused_kernels)
         wanted = {layer: None for layer in feature_layers}
+        hidden_size = self.config.hidden_size
         residual = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, paged_attention(rope, kv_cache.layers[i], attn))
+            x, residual = layer(x, residual, attention(i, rope))
             if i in wanted:
                 wanted[i] = x + residual  # the output of decoder layer i
-        features = torch.cat([wanted[i] for i in feature_layers], dim=-1) if feature_layers else None
-        logits = None
-        if logits_rows is not None:
-            x, residual = x[logits_rows], residual[logits_rows]
-            logits = self.logits(self.model.norm.add_and_norm(x, residual)[0], logits_out)
-        return ForwardOutput(logits, features)
+        features = None
+        if feature_layers:
+            features = torch.cat([wanted[i] for i in feature_layers], dim=-1, out=features_out)
+        return self.model.norm.add_and_norm(x, residual)[0], features

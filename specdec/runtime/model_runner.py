@@ -1,17 +1,21 @@
 """What every model runner has: one network's attention backend, its paged KV cache, and the CUDA
-graph ladders of its fixed-shape steps with the graph/eager dispatch between them.
+graphs of its steps with the graph/eager dispatch between them.
 
     runner = ModelRunner(model, backend_name=..., kv_dtype=..., page_size=16, max_batch=64)
     runner.graph_memory()                               # before the pool is sized: what the graphs will hold
     runner.allocate_kv(num_pages)                       # once the engine has sized the pool
-    runner.capture(pool)                                # the graph ladder of every fixed step (CUDA only)
+    runner.capture(pool)                                # every step's graphs (CUDA only)
     ...fill the step's StaticInputs on the host...
-    runner.dispatch("step", batch, layout, inputs)      # graph replay of the next larger rung, or eager
+    runner.dispatch("step", batch, layout, inputs)      # a fixed step: replay of the next larger rung, or eager
+    runner.run_tokens(token_step, tokens)               # a token step: piecewise replay, or eager
 
-A subclass names its fixed-shape steps (`fixed_steps`) and keeps each step's body (`body(batch)`:
-reads only static inputs and the planned page metadata, writes static outputs), so the same function
-runs inside a graph and eagerly. The target runner (`target_runner.py`) and the DFlash drafter
-(`drafters/dflash.py`) are the two subclasses.
+Two kinds of step. A fixed step (`fixed_steps`: the same query count for every request, e.g. decode or
+verify) is captured whole over a ladder of batch sizes; its `body(batch)` reads only static inputs and
+the planned page metadata and writes static outputs. A token step (`token_steps`: ragged requests,
+e.g. prompt chunks riding along a decode) is captured over a ladder of token counts, cut at attention
+(`piecewise_graphs.py`); its `body(size, cut)` likewise. Either body runs inside a graph and eagerly.
+The target runner (`target_runner.py`) and the DFlash drafter (`drafters/dflash.py`) are the two
+subclasses.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from attention import make_backend
 from attention.batch_layout import BatchLayout
 from attention.kv_cache import KVCache
 from specdec.runtime.cuda_graphs import GraphLadder, StaticInputs, graph_max_pages, ladder_sizes
+from specdec.runtime.piecewise_graphs import Cut, PiecewiseGraphs, skip_gaps, token_sizes
 
 SLOT_INDEX_BYTES_PER_PAGE = 4  # a graph rung's page-index buffer holds an int32 for every KV page
 # what capturing takes beyond the eager peak: cuBLAS's workspace on the capture stream and the
@@ -40,6 +45,20 @@ class GraphMemory:
     pool: int = 0
     slots: int = 0
     per_page: int = 0
+
+
+@dataclass(frozen=True)
+class TokenStep:
+    """A step of any token count up to `max_tokens` (ragged requests), captured as piecewise graphs over
+    a ladder of token counts (`piecewise_graphs.py`). `body(size, cut)` reads `inputs` (staged per step;
+    their "pages" field, the K/V write pages, points at the scratch page while capturing) and writes
+    static buffers; eagerly it runs with the real token count and its gaps in place."""
+
+    key: object
+    name: str
+    max_tokens: int
+    inputs: StaticInputs
+    body: Callable[[int, Cut], None]
 
 
 @dataclass(frozen=True)
@@ -70,6 +89,7 @@ class ModelRunner:
             model.use_fused_kernels()  # FlashInfer's norm / rope / activation kernels on the same path
         self.kv: KVCache | None = None
         self.ladders: dict[object, GraphLadder] = {}
+        self.token_graphs: dict[object, PiecewiseGraphs] = {}
 
     # ---- the KV cache ------------------------------------------------------------------------
     def kv_bytes_per_page(self) -> int:
@@ -84,14 +104,26 @@ class ModelRunner:
         if calibrate_fp8_scales and self.kv.is_fp8:
             self.kv.calibrate_on_first_write()
 
-    # ---- fixed-shape steps -------------------------------------------------------------------
+    # ---- steps captured as CUDA graphs -------------------------------------------------------
     def fixed_steps(self) -> list[FixedStep]:
-        """The steps of a fixed shape, captured as CUDA graphs (none by default)."""
+        """The steps of a fixed shape, captured over the batch ladder (none by default)."""
+        return []
+
+    def token_steps(self) -> list[TokenStep]:
+        """The steps of a ragged shape, captured piecewise over token counts (none by default)."""
         return []
 
     def capture(self, pool) -> float:
-        """Capture every fixed step over the batch ladder into `pool`; returns seconds."""
-        return sum(self._capture_ladder(step, pool) for step in self.fixed_steps())
+        """Capture every step into `pool` (the token steps first: their activations are the largest, and
+        later graphs reuse that memory); returns seconds."""
+        seconds = 0.0
+        for step in self.token_steps():
+            step.inputs.fill("pages", [], pad=self.kv.scratch_page)  # capturing writes nothing real
+            step.inputs.upload()
+            graphs = PiecewiseGraphs(step.name, token_sizes(step.max_tokens), pool)
+            seconds += graphs.capture(step.body)
+            self.token_graphs[step.key] = graphs
+        return seconds + sum(self._capture_ladder(step, pool) for step in self.fixed_steps())
 
     def _capture_ladder(self, step: FixedStep, pool) -> float:
         scratch = self.kv.scratch_page
@@ -104,31 +136,39 @@ class ModelRunner:
         return seconds
 
     def graph_memory(self) -> GraphMemory:
-        """What the CUDA graphs of the fixed steps will hold, measured before the KV pool is sized (CUDA)."""
-        steps = self.fixed_steps()
-        if not steps:
+        """What the CUDA graphs of the steps will hold, measured before the KV pool is sized (CUDA)."""
+        steps, token_steps = self.fixed_steps(), self.token_steps()
+        if not steps and not token_steps:
             return GraphMemory()
+        pool = self._graph_pool_bytes(steps, token_steps) + CAPTURE_OVERHEAD_BYTES
+        if not steps:
+            return GraphMemory(pool)
         rungs = len(ladder_sizes(self.max_batch)) * len(steps)
-        pool = self._graph_pool_bytes(steps) + CAPTURE_OVERHEAD_BYTES
         return GraphMemory(pool, rungs * self._largest_slot_bytes(steps), rungs * SLOT_INDEX_BYTES_PER_PAGE)
 
-    def _graph_pool_bytes(self, steps: list[FixedStep]) -> int:
-        """The most that one step allocates at max_batch, run once eagerly over a one-page KV cache. The
-        graphs share one pool and are captured largest first, so the largest step decides."""
+    def _graph_pool_bytes(self, steps: list[FixedStep], token_steps: list[TokenStep]) -> int:
+        """The most that one step allocates at its largest shape, run once eagerly over a one-page KV
+        cache (token steps without their gaps, which run outside the graphs). The graphs share one pool
+        and are captured largest first, so the largest step decides."""
         self.allocate_kv(1)
-        peak = 0
         try:
-            for step in steps:
-                torch.cuda.synchronize(self.device)
-                torch.cuda.reset_peak_memory_stats(self.device)
-                before = torch.cuda.memory_allocated(self.device)
-                self.attn.plan(step.dummy_layout(self.max_batch, self.kv.scratch_page), write_slots=False)
-                step.body(self.max_batch)
-                torch.cuda.synchronize(self.device)
-                peak = max(peak, torch.cuda.max_memory_allocated(self.device) - before)
+            return max([self.peak_bytes(lambda s=step: self._run_dummy(s)) for step in steps]
+                       + [self.peak_bytes(lambda s=step: s.body(s.max_tokens, skip_gaps)) for step in token_steps])
         finally:
             self.kv = None
-        return peak
+
+    def _run_dummy(self, step: FixedStep) -> None:
+        self.attn.plan(step.dummy_layout(self.max_batch, self.kv.scratch_page), write_slots=False)
+        step.body(self.max_batch)
+
+    def peak_bytes(self, run: Callable[[], object]) -> int:
+        """GPU memory that `run` allocates at its peak beyond what was allocated before it."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        run()
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - before
 
     def _largest_slot_bytes(self, steps: list[FixedStep]) -> int:
         """The attention backend's buffers of one graph rung at max_batch (workspaces, index buffers),
@@ -158,3 +198,13 @@ class ModelRunner:
             ladder.replay(rung)
             return None
         return body(batch)
+
+    def run_tokens(self, step: TokenStep, tokens: int, *, eager: bool = False) -> None:
+        """Run token step `step` over its first `tokens` staged rows: the piecewise graphs of the smallest
+        captured count that fits, else its body eagerly (each gap in place)."""
+        graphs = self.token_graphs.get(step.key)
+        size = graphs.size_for(tokens) if graphs is not None and not eager else None
+        if size is None:
+            step.body(tokens, lambda gap: gap(tokens))
+        else:
+            graphs.replay(size, tokens)

@@ -1,21 +1,25 @@
 """Runs the target model: its KV cache, attention backend, static buffers and CUDA graphs.
 
-Two kinds of forward, both appending K/V at each request's end (tables grow here):
-- `forward(tables, token_ids, q_lens, ...)`: any number of new tokens per request (prompt prefill,
-  probes); always eager.
+Three kinds of forward, all appending K/V at each request's end (tables grow here):
 - `run_block(tables, first_tokens, rest, q)`: exactly q new tokens per request (q = 1: decode, q =
   block_size: verify). A fixed shape: replayed from the CUDA graph of the next larger batch size when
-  graphs are captured, else run eagerly through the same code (`_block_body`). With `prefill`
-  (`PrefillChunks`), the step also carries prompt chunks: one eager forward over the block rows and
-  the chunks (ragged queries), so an arrival never costs a forward of its own.
+  graphs are captured, else run eagerly through the same code (`_block_body`).
+- the same with `prefill` (`PrefillChunks`), or `run_prefill(prefill)` alone: the step also carries
+  prompt chunks, so one forward runs the block rows and the chunks (ragged queries), and an arrival
+  never costs a forward of its own. Replayed from piecewise graphs over token counts (everything but
+  attention captured; attention planned for the real layout and run between the pieces), else eager
+  through the same code (`_mixed_body`).
+- `forward(tables, token_ids, q_lens, ...)`: any tokens, always eager (probes).
 
 Block outputs live in static buffers shared by every batch size (logits in the model dtype, their
-argmax, and the drafter's features): they stay valid until the next `run_block`.
+argmax, and the drafter's features: block rows first, then a step's prompt chunks): they stay valid
+until the next forward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -23,9 +27,10 @@ import torch
 from attention.batch_layout import BatchLayout, slots_on_device
 from attention.page_pool import PageTable
 from attention.transfer import upload
-from specdec.models.decoder import CausalLM, ForwardOutput
+from specdec.models.decoder import Attention, CausalLM, ForwardOutput
 from specdec.runtime.cuda_graphs import StaticInputs
-from specdec.runtime.model_runner import FixedStep, ModelRunner
+from specdec.runtime.model_runner import FixedStep, ModelRunner, TokenStep
+from specdec.runtime.piecewise_graphs import Cut
 
 
 @dataclass
@@ -40,28 +45,40 @@ class PrefillChunks:
     """Prompt chunks that ride along a block step, so that one forward runs both."""
 
     tables: list[PageTable]
-    token_ids: torch.Tensor  # every chunk's tokens, flattened, on the device
+    token_ids: np.ndarray  # every chunk's tokens, flattened (int64)
     lens: list[int]
     logits_rows: np.ndarray  # rows (counted within the chunks) whose logits are wanted
+    # logits of logits_rows -> the first tokens of the prompts the chunks complete (on the device), so
+    # that they reach the host in the step's one transfer
+    sample_first: Callable[[torch.Tensor], torch.Tensor] | None = None
     out: ForwardOutput | None = None  # set by the step: features of every chunk row, logits of logits_rows
+    first_tokens: list[int] | None = None  # set by the step's transfer
 
 
 class TargetRunner(ModelRunner):
     def __init__(self, model: CausalLM, *, backend_name: str, kv_dtype: torch.dtype, page_size: int,
-                 max_batch: int, block_lens: tuple[int, ...], feature_layers: tuple[int, ...] = ()):
+                 max_batch: int, block_lens: tuple[int, ...], max_prefill_tokens: int,
+                 feature_layers: tuple[int, ...] = ()):
         dtype = model.model.embed_tokens.weight.dtype
         super().__init__(model, backend_name=backend_name, kv_dtype=kv_dtype, q_dtype=dtype, page_size=page_size,
                          max_batch=max_batch, device=next(model.parameters()).device)
         self.dtype = dtype
         self.feature_layers = feature_layers
+        c, q_max = model.config, max(block_lens)
         # static buffers of the fixed-shape steps, allocated before the KV pool is sized
-        rows = max_batch * max(block_lens)
+        rows = max_batch * q_max
         self.inputs = {q: StaticInputs({"ids": max_batch * q, "starts": max_batch}, self.device) for q in block_lens}
-        self.logits_out = torch.zeros(rows, model.config.vocab_size, dtype=dtype, device=self.device)
+        self.logits_out = torch.zeros(rows, c.vocab_size, dtype=dtype, device=self.device)
         self.greedy_out = torch.zeros(rows, dtype=torch.long, device=self.device)
-        feature_dim = len(feature_layers) * model.config.hidden_size
-        self.features_out = torch.zeros(rows, feature_dim, dtype=dtype, device=self.device) if feature_layers else None
         self.arange = torch.arange(rows, device=self.device)
+        # a mixed step's tokens: every request's block and the prefill budget (a multiple of the block, so
+        # the drafter can view the features block by block)
+        self.max_step_tokens = -(-(rows + max_prefill_tokens) // q_max) * q_max
+        feature_dim = len(feature_layers) * c.hidden_size
+        self.features_out = (torch.zeros(self.max_step_tokens, feature_dim, dtype=dtype, device=self.device)
+                             if feature_layers else None)
+        self.mixed = MixedStepBuffers(self.max_step_tokens, model, self.device)
+        self.mixed_step = TokenStep("mixed", "target mixed", self.max_step_tokens, self.mixed.inputs, self._mixed_body)
 
     def fixed_steps(self) -> list[FixedStep]:
         """One step per block length q: q new tokens per request (q = 1 decode, q = block size verify)."""
@@ -69,32 +86,37 @@ class TargetRunner(ModelRunner):
                           lambda batch, scratch, q=q: BatchLayout.dummy(batch, q, q, self.page_size, scratch, True),
                           q, lambda batch, q=q: self._block_body(q, batch)) for q in self.inputs]
 
+    def token_steps(self) -> list[TokenStep]:
+        """Steps that mix prompt chunks with decode / verify tokens (or prompt chunks alone)."""
+        return [self.mixed_step] if self.attn.supports_graphs else []
+
     # ---- forwards ----------------------------------------------------------------------------
     def forward(self, tables: list[PageTable], token_ids: torch.Tensor, q_lens: list[int], *,
                 logits_rows: torch.Tensor | None, feature_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        """q_lens[i] new tokens of request i (flattened in `token_ids`) at positions length.., causal."""
-        starts = np.array([t.length for t in tables], dtype=np.int32)
-        for table, n in zip(tables, q_lens):
-            table.grow(n)
-        layout = BatchLayout.for_tokens(q_lens, starts + np.asarray(q_lens, dtype=np.int32),
-                                        [t.array for t in tables], self.page_size, causal=True)
+        """q_lens[i] new tokens of request i (flattened in `token_ids`) at positions length.., causal;
+        always eager (probes)."""
+        layout = self._grow(tables, q_lens)
         self.attn.plan(layout)
         positions = upload(layout.new_kv_positions().astype(np.int64), self.device)
         return self.model(token_ids, positions, self.kv, self.attn, logits_rows=logits_rows,
                           feature_layers=feature_layers)
 
+    def _grow(self, tables: list[PageTable], q_lens: list[int]) -> BatchLayout:
+        """Append q_lens[i] tokens to request i's table; the causal layout of those new tokens."""
+        ends = np.array([t.length for t in tables], dtype=np.int32) + np.asarray(q_lens, dtype=np.int32)
+        for table, n in zip(tables, q_lens):
+            table.grow(n)
+        return BatchLayout.for_tokens(q_lens, ends, [t.array for t in tables], self.page_size, causal=True)
+
     def run_block(self, tables: list[PageTable], first_tokens: list[int], rest: torch.Tensor | None,
                   q: int, prefill: PrefillChunks | None = None) -> BlockOutput:
         """Each request gets [first_tokens[i], *rest[i]] (rest: [B, q - 1] on the device, or None for q = 1).
-        With `prefill`, its chunks run in the same forward (eagerly) and `prefill.out` is set."""
+        With `prefill`, its chunks run in the same forward and `prefill.out` is set."""
         if prefill is not None:
             return self._run_mixed(tables, first_tokens, rest, q, prefill)
         batch = len(tables)
         starts = np.array([t.length for t in tables], dtype=np.int64)
-        for table in tables:
-            table.grow(q)
-        layout = BatchLayout.for_tokens([q] * batch, starts + q, [t.array for t in tables], self.page_size,
-                                        causal=True)
+        layout = self._grow(tables, [q] * batch)
         inputs = self.inputs[q]
         ids = np.zeros((batch, q), dtype=np.int64)
         ids[:, 0] = first_tokens
@@ -106,30 +128,70 @@ class TargetRunner(ModelRunner):
 
         self.dispatch(q, batch, layout, inputs, lambda b: self._block_body(q, b),
                       after_upload=drafts_into_ids if rest is not None else None)
-        n = batch * q
+        return self._block_output(batch * q)
+
+    def run_prefill(self, prefill: PrefillChunks) -> None:
+        """Prompt chunks alone (a step with nothing to decode); sets `prefill.out`."""
+        self._run_mixed([], [], None, 1, prefill)
+
+    def _block_output(self, n: int) -> BlockOutput:
         features = self.features_out[:n] if self.features_out is not None else None
         return BlockOutput(self.logits_out[:n], self.greedy_out[:n], features)
 
     def _run_mixed(self, tables: list[PageTable], first_tokens: list[int], rest: torch.Tensor | None, q: int,
                    prefill: PrefillChunks) -> BlockOutput:
-        """The block step and the prompt chunks in one eager forward (ragged queries, causal): block rows
-        first, then the chunks. Block outputs land in the static buffers, as a block step's do."""
+        """The block step and the prompt chunks in one forward (ragged queries, causal): block rows first,
+        then the chunks. Replayed from the piecewise graphs of the next larger token count when they are
+        captured, else eager. Block outputs land in the static buffers, as a block step's do."""
         n = len(tables) * q
-        block_ids = upload(np.asarray(first_tokens, dtype=np.int64), self.device)[:, None]
-        if rest is not None:
-            block_ids = torch.cat([block_ids, rest], dim=1)
-        rows = np.concatenate([np.arange(n), n + prefill.logits_rows]).astype(np.int64)
-        out = self.forward([*tables, *prefill.tables], torch.cat([block_ids.reshape(-1), prefill.token_ids]),
-                           [q] * len(tables) + prefill.lens, logits_rows=upload(rows, self.device),
-                           feature_layers=self.feature_layers)
-        self.logits_out[:n].copy_(out.logits[:n])
-        torch.argmax(self.logits_out[:n], dim=-1, out=self.greedy_out[:n])
-        features = None
-        if self.features_out is not None:
-            features = self.features_out[:n]
-            features.copy_(out.features[:n])
-        prefill.out = ForwardOutput(out.logits[n:], out.features[n:] if out.features is not None else None)
-        return BlockOutput(self.logits_out[:n], self.greedy_out[:n], features)
+        block_ids = np.zeros((len(tables), q), dtype=np.int64)
+        block_ids[:, 0] = first_tokens
+        ids = np.concatenate([block_ids.reshape(-1), prefill.token_ids])
+        total = len(ids)
+        if total > self.max_step_tokens:
+            raise ValueError(f"a step of {total} tokens exceeds the {self.max_step_tokens} the runner was sized for")
+        layout = self._grow([*tables, *prefill.tables], [q] * len(tables) + prefill.lens)
+        self.attn.plan(layout, write_slots=False)  # the step writes K/V to the slots staged here
+        self.mixed.stage(ids, layout, self.kv.scratch_page)
+        if rest is not None:  # the drafts are already on the device
+            self.mixed.inputs["ids"][:n].view(-1, q)[:, 1:].copy_(rest)
+        self.run_tokens(self.mixed_step, total, eager=not self._graphs_usable())
+        hidden = self.mixed.hidden[:total]
+        if n:
+            self.model.logits(hidden[:n], self.logits_out[:n])
+            torch.argmax(self.logits_out[:n], dim=-1, out=self.greedy_out[:n])
+        rows = prefill.logits_rows
+        logits = self.model.logits(hidden[n + upload(rows.astype(np.int64), self.device)]) if len(rows) else None
+        features = self.features_out[n:total] if self.features_out is not None else None
+        prefill.out = ForwardOutput(logits, features)
+        return self._block_output(n)
+
+    def _graphs_usable(self) -> bool:
+        """An FP8 cache still calibrating its scales reads them back on the host: not capturable."""
+        return not any(layer.calibrate_next_write for layer in self.kv.layers)
+
+    def _mixed_body(self, size: int, cut: Cut) -> None:
+        """The mixed step over `size` token rows, cut at each layer's attention: reads the staged inputs,
+        writes the final hidden states and the features into static buffers."""
+        inputs, mixed = self.mixed.inputs, self.mixed
+        self.attn.set_write_slots(inputs["pages"][:size], inputs["offsets"][:size])
+
+        def layer_attention(i: int, rope) -> Attention:
+            layer_kv = self.kv.layers[i]
+
+            def attend(projections, h: torch.Tensor) -> torch.Tensor:
+                q, k, v = projections.project(h, rope)
+                self.attn.write_kv(layer_kv, k, v)
+                mixed.query[:size].copy_(q)
+                cut(lambda tokens: self.attn.attend(mixed.query[:tokens], layer_kv, out=mixed.attention[:tokens]))
+                return mixed.attention[:size]
+
+            return attend
+
+        hidden, _ = self.model.hidden_states(
+            inputs["ids"][:size], inputs["positions"][:size], layer_attention, feature_layers=self.feature_layers,
+            features_out=self.features_out[:size] if self.features_out is not None else None)
+        mixed.hidden[:size].copy_(hidden)
 
     def _block_body(self, q: int, batch: int) -> None:
         """The fixed-shape step: reads static inputs and the planned page metadata, writes static outputs."""
@@ -143,3 +205,24 @@ class TargetRunner(ModelRunner):
         torch.argmax(out.logits, dim=-1, out=self.greedy_out[:n])
         if self.features_out is not None:
             self.features_out[:n].copy_(out.features)
+
+
+class MixedStepBuffers:
+    """Static buffers of the mixed steps' piecewise graphs: the staged inputs (token ids, positions and
+    K/V write slots of every row; padding rows write to the scratch page), the attention's query and
+    output between the pieces, and the final hidden states."""
+
+    def __init__(self, max_tokens: int, model: CausalLM, device: torch.device):
+        c, dtype = model.config, model.model.embed_tokens.weight.dtype
+        self.inputs = StaticInputs({name: max_tokens for name in ("ids", "positions", "pages", "offsets")}, device)
+        self.query = torch.zeros(max_tokens, c.num_attention_heads, model.head_dim, dtype=dtype, device=device)
+        self.attention = torch.zeros_like(self.query)
+        self.hidden = torch.zeros(max_tokens, c.hidden_size, dtype=dtype, device=device)
+
+    def stage(self, ids: np.ndarray, layout: BatchLayout, scratch_page: int) -> None:
+        pages, offsets = layout.new_kv_pages()
+        self.inputs.fill("ids", ids)
+        self.inputs.fill("positions", layout.new_kv_positions())
+        self.inputs.fill("pages", pages, pad=scratch_page)
+        self.inputs.fill("offsets", offsets)
+        self.inputs.upload()

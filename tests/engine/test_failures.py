@@ -42,7 +42,7 @@ def inject(engine, point: str, after: int, interrupt: bool):
         return wrapped
 
     if point == "prefill":
-        engine.runner.forward = failing(engine.runner.forward)
+        engine.runner.run_prefill = failing(engine.runner.run_prefill)
     elif point == "draft":
         engine.drafter.propose = failing(engine.drafter.propose)
     elif point == "verify":
@@ -69,7 +69,7 @@ def test_exception_at_a_random_point_leaves_the_engine_clean(target_dir, tmp_pat
     for trial in range(25):
         point, after, interrupt = rng.choice(POINTS), rng.randint(1, 4), rng.random() < 0.5
         prompts = rng.sample(MANY_PROMPTS, rng.randint(1, len(MANY_PROMPTS)))
-        fresh_engine_methods = (engine.runner.forward, engine.drafter.propose, engine.runner.run_block,
+        fresh_engine_methods = (engine.runner.run_prefill, engine.drafter.propose, engine.runner.run_block,
                                 speculator.sample_block)
         on_commit = inject(engine, point, after, interrupt)
         requests = [engine.make_request(p, params) for p in prompts]
@@ -79,7 +79,7 @@ def test_exception_at_a_random_point_leaves_the_engine_clean(target_dir, tmp_pat
             assert all(r.finished for r in requests)
             assert any(r.finish_reason == "abort" for r in requests)
         finally:  # undo the injection
-            (engine.runner.forward, engine.drafter.propose, engine.runner.run_block,
+            (engine.runner.run_prefill, engine.drafter.propose, engine.runner.run_block,
              speculator.sample_block) = fresh_engine_methods
         assert_clean(engine)
         assert [r.output_ids for r in engine.generate_ids(probe, params)] == fresh, (trial, point, after)

@@ -1,4 +1,5 @@
-"""CUDA graphs on the GPU: replayed steps give the tokens of eager steps, and a step synchronizes the
+"""CUDA graphs on the GPU: replayed steps (fixed decode / verify / draft steps, and the piecewise graphs
+of steps that mix prompt chunks with them) give the tokens of eager steps, and a step synchronizes the
 host with the GPU exactly once.
 
 A random-weight Qwen2-style model and a random DFlash drafter, built in the test (no downloads).
@@ -94,6 +95,44 @@ def test_graphs_equal_eager(model_dirs, drafter, kv):
             json.dump(report, f, indent=1)
 
 
+def staggered(engine: Engine, ids: list[list[int]], params: SamplingParams, per_step: int):
+    """Requests arrive `per_step` at a time, one wave per step, while the earlier ones decode."""
+    requests = []
+    for start in range(0, len(ids), per_step):
+        requests += [engine.add_request(p, params) for p in ids[start:start + per_step]]
+        engine.step()
+    while engine.has_unfinished_requests:
+        engine.step()
+    return requests
+
+
+def count_calls(obj, name: str) -> list:
+    calls, real = [], getattr(obj, name)
+    setattr(obj, name, lambda *args, **kwargs: (calls.append(1), real(*args, **kwargs))[1])
+    return calls
+
+
+@pytest.mark.parametrize("drafter", [False, True], ids=["ar", "dflash"])
+def test_mixed_step_graphs_equal_eager(model_dirs, drafter):
+    """Arrivals ride along the decode / verify forward; replayed from the piecewise graphs, they give the
+    eager engine's tokens (near-ties aside: padding the step's rows may round differently)."""
+    eager, graphs = make_engine(model_dirs, drafter, "auto", True), make_engine(model_dirs, drafter, "auto", False)
+    replays = count_calls(graphs.runner.mixed_graphs, "replay")
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    report = {"drafter": drafter, "capture_s": graphs.graph_capture_seconds, "batches": {}}
+    for batch, per_step in ((4, 1), (24, 3), (96, 8)):
+        ids = prompts(batch)
+        before = len(replays)
+        want, got = staggered(eager, ids, params, per_step), staggered(graphs, ids, params, per_step)
+        diverged = divergences(eager, want, got)
+        report["batches"][batch] = {"mixed_replays": len(replays) - before, "divergences": diverged}
+        assert len(replays) > before  # the arrivals' steps ran from the piecewise graphs
+        assert all(d["logit_gap"] <= NEAR_TIE for d in diverged), diverged
+        for engine in (eager, graphs):
+            assert engine.pool.num_free == engine.pool.num_pages
+    print(json.dumps(report))
+
+
 @pytest.mark.parametrize("drafter", [False, True], ids=["ar", "dflash"])
 def test_graph_memory_is_counted_before_the_pool_is_sized(model_dirs, drafter):
     gc.collect()  # engines of earlier tests give their memory back first
@@ -137,6 +176,29 @@ def synchronizations_in_one_step(engine: Engine, batch: int, sampling: dict) -> 
     return [f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)]
 
 
+def synchronizations_in_a_step_with_an_arrival(engine: Engine, batch: int, sampling: dict) -> list[str]:
+    """A decoding batch, then a step in which a new request's whole prompt rides along."""
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=seed, **sampling)
+
+    admitted = [engine.add_request(p, params(i)) for i, p in enumerate(prompts(batch))]
+    engine.step()
+    engine.step()
+    arrival = engine.add_request(prompts(1)[0], params(batch))
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert arrival.output_ids  # its prompt was prefilled in that step and its first token sampled
+    for request in [*admitted, arrival]:
+        engine.abort(request.request_id)
+    return [f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)]
+
+
 @pytest.mark.parametrize("drafter", [False, True], ids=["ar", "dflash"])
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("sampling", list(SAMPLING))
@@ -144,5 +206,7 @@ def test_one_synchronization_per_step(model_dirs, drafter, eager, sampling):
     engine = make_engine(model_dirs, drafter, "auto", eager)
     for batch in (1, 5):
         syncs = synchronizations_in_one_step(engine, batch, SAMPLING[sampling])
+        assert len(syncs) == 1, syncs
+        syncs = synchronizations_in_a_step_with_an_arrival(engine, batch, SAMPLING[sampling])
         assert len(syncs) == 1, syncs
     assert engine.pool.num_free == engine.pool.num_pages
