@@ -57,6 +57,8 @@ def parse_args(argv):
     p.add_argument("--drafter", help="DFlash drafter for the DFlash rows (omit: plain decoding only)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--rounds", type=int, help="run at most rounds x concurrency of the requests at each "
+                                              "concurrency (low concurrencies in bounded time; default: all)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
@@ -147,7 +149,8 @@ def main(argv=None) -> int:
                        else chat_prompts(llm, args.requests))
             run_load(llm, system, prompts[:min(4, len(prompts))], 1, 4)  # warm-up: graphs, kernels, allocator
             for concurrency in args.concurrency:
-                rows.append(run_load(llm, system, prompts, concurrency, args.max_new_tokens))
+                count = len(prompts) if args.rounds is None else min(len(prompts), args.rounds * concurrency)
+                rows.append(run_load(llm, system, prompts[:count], concurrency, args.max_new_tokens))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
             del llm
             release_memory(device)

@@ -117,7 +117,7 @@ def test_mixed_step_graphs_equal_eager(model_dirs, drafter):
     """Arrivals ride along the decode / verify forward; replayed from the piecewise graphs, they give the
     eager engine's tokens (near-ties aside: padding the step's rows may round differently)."""
     eager, graphs = make_engine(model_dirs, drafter, "auto", True), make_engine(model_dirs, drafter, "auto", False)
-    replays = count_calls(graphs.runner.mixed_graphs, "replay")
+    replays = count_calls(graphs.runner.token_graphs["mixed"], "replay")
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     report = {"drafter": drafter, "capture_s": graphs.graph_capture_seconds, "batches": {}}
     for batch, per_step in ((4, 1), (24, 3), (96, 8)):
