@@ -7,8 +7,9 @@
     await engine.shutdown()
 
 Callers hand submissions and aborts to the engine loop (`specdec/server/engine_loop.py`), which applies
-them between steps, so requests join and leave the running batch there; the outputs of a step come
-back in one batch and are handed to each caller's asyncio queue on the event loop. A caller that
+them between steps, so requests join and leave the running batch there; the outputs of a step (token
+ids) come back in one batch and are handed to each caller's asyncio queue on the event loop, where
+each caller turns its tokens into text and matches its stop strings (`request_text.py`). A caller that
 stops listening (a client that disconnected, a cancelled task) aborts its request: its pages are back
 in the pool before the next step.
 """
@@ -25,6 +26,7 @@ from typing import AsyncIterator
 from specdec.engine.request_limits import RequestLimits
 from specdec.engine.sampling_params import SamplingParams
 from specdec.server.engine_loop import STOP, Abort, EngineLoop, Outputs, RequestOutput, Submit, serve
+from specdec.server.request_text import RequestText, engine_params
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +65,20 @@ class AsyncEngine:
         sid = next(self._ids)
         outputs: asyncio.Queue = asyncio.Queue()
         self._queues[sid] = outputs
-        self._send(Submit(sid, list(prompt_ids), params))
-        finished = False
+        text = RequestText(prompt_ids, params, self.tokenizer)
+        self._send(Submit(sid, list(prompt_ids), engine_params(params)))
+        engine_done = False
         try:
-            while not finished:
-                out = merge([await outputs.get(), *drain(outputs)])
-                finished = out.finished
+            while True:
+                raw = merge([await outputs.get(), *drain(outputs)])
+                engine_done = raw.finished
+                out = text.update(raw)
                 yield out
+                if out.finished:
+                    break
         finally:
             self._queues.pop(sid, None)
-            if not finished:
+            if not engine_done:  # the caller left, or a stop string ended the request first
                 self._send(Abort(sid))
 
     def bind_event_loop(self) -> None:
@@ -121,7 +127,7 @@ class ThreadedEngine(AsyncEngine):
 
     def __init__(self, llm):
         super().__init__(llm.engine.limits, llm.tokenizer)
-        self.loop = EngineLoop(llm.engine, llm.tokenizer)
+        self.loop = EngineLoop(llm.engine)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self.error: BaseException | None = None  # what stopped the engine thread, if anything did

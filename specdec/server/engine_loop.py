@@ -3,7 +3,9 @@
 Whoever hosts it (a thread of the server's process, or a process of its own) owns it alone and
 calls it from one thread: `apply` a command between steps, `step` while `busy`, `end_all` at
 shutdown. Submissions are named by the caller's ids (`sid`), so that outputs can travel between
-processes as plain data: a list of `(sid, RequestOutput)` per call.
+processes as plain data: a list of `(sid, RequestOutput)` per call. Outputs carry token ids only:
+text and stop strings are the callers' side's (`specdec/server/request_text.py`), so the engine's
+host time goes to steps alone.
 
 A failure of one request fails that request alone (the engine contains it); a failure of a whole
 step fails the requests of that step, and the loop goes on serving.
@@ -19,7 +21,6 @@ from typing import Callable, Iterable
 from specdec.engine.engine import Engine
 from specdec.engine.request import Request
 from specdec.engine.sampling_params import SamplingParams
-from specdec.engine.text_stream import TextStream, final_text
 from specdec.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ STOP = "stop"  # the command that ends `serve`
 class RequestOutput:
     """What one request produced since its last output."""
 
-    text: str  # new text (pieces add up to the whole text)
+    text: str  # new text (pieces add up to the whole text); "" from the engine loop, which ships tokens
     token_ids: list[int]  # new tokens
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "error" | "abort" once finished
@@ -57,7 +58,6 @@ class Abort:
 class _Live:
     sid: int
     request: Request
-    stream: TextStream
     tokens_sent: int = 0
 
 
@@ -65,9 +65,8 @@ Outputs = list[tuple[int, RequestOutput]]
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, tokenizer, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None):
         self.engine = engine
-        self.tokenizer = tokenizer
         self.metrics = metrics or ServerMetrics(block_size=engine.drafter.block_size if engine.drafter else 0)
         self._live: dict[int, _Live] = {}  # request id -> submission
         self._by_sid: dict[int, _Live] = {}
@@ -84,8 +83,7 @@ class EngineLoop:
 
     def _submit(self, command: Submit) -> Outputs:
         request = self.engine.add_request(command.prompt_ids, command.params)
-        request.use_detokenizer(self.tokenizer)  # streaming text
-        live = _Live(command.sid, request, TextStream(request))
+        live = _Live(command.sid, request)
         if request.finished:  # refused up front (e.g. the pool can never hold it)
             return [self._finish(live)]
         self._live[request.request_id] = live
@@ -111,7 +109,7 @@ class EngineLoop:
         for request, tokens in out.committed:
             live = self._live.get(request.request_id)
             if live is not None and not request.finished:
-                outputs.append(self._output(live, RequestOutput(live.stream.take(), tokens)))
+                outputs.append(self._output(live, RequestOutput("", tokens)))
         return outputs + self._finish_all(out.finished)
 
     def end_all(self, message: str = "the server is shutting down") -> Outputs:
@@ -133,10 +131,9 @@ class EngineLoop:
 
     def _finish(self, live: _Live) -> tuple[int, RequestOutput]:
         request = live.request
-        text = live.stream.take(final_text(self.tokenizer, request))
         self.metrics.on_finish(request)
-        return self._output(live, RequestOutput(text, request.output_ids[live.tokens_sent:], True,
-                                                request.finish_reason, request.error))
+        return self._output(live, RequestOutput("", request.output_ids[live.tokens_sent:], True, request.finish_reason,
+                                                request.error))
 
     def _output(self, live: _Live, out: RequestOutput) -> tuple[int, RequestOutput]:
         live.tokens_sent += len(out.token_ids)

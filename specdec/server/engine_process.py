@@ -2,8 +2,9 @@
 
 The engine is host-bound (Python around every GPU step); in one process, handlers serializing
 thousands of stream chunks a second would share its interpreter lock and slow every step. Here
-the engine process loads the model and runs `EngineLoop` alone; the server's process keeps only the
-tokenizer (for prompts) and the request limits (to refuse bad input before it travels).
+the engine process loads the model and runs `EngineLoop` alone, shipping token ids; the server's
+process keeps the tokenizer (for prompts, and for the outputs' text and stop strings) and the request
+limits (to refuse bad input before it travels).
 
     parent -> child   Submit / Abort commands, ("metrics",), ("stop",)
     child -> parent   ("ready", limits, model_dir) once; ("outputs", [(sid, RequestOutput)]) per step;
@@ -139,7 +140,7 @@ def run_engine_process(conn, build: Callable, log_level: str) -> None:
     except Exception as err:  # noqa: BLE001 - reported to the server, which exits with the message
         conn.send(("failed", " ".join(str(err).split()) or type(err).__name__))
         return
-    loop = EngineLoop(loaded.engine, loaded.tokenizer)
+    loop = EngineLoop(loaded.engine)
     conn.send(("ready", loaded.engine.limits, str(loaded.model_dir)))
 
     def receive(wait_s: float) -> list:

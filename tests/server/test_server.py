@@ -121,14 +121,19 @@ def test_streamed_and_whole_answers_equal_the_library(server, client, reference,
 
 
 def test_stop_strings_end_the_answer_where_the_library_does(server, client, reference):
+    """The server matches stop strings on its side of the engine (which ships token ids): same text and
+    token count as the library, and the engine's request, which ran on past the stop, is aborted."""
     free, _, _ = library_text(reference, PROMPTS[1], False, max_new_tokens=30)
     stop = next(free[i:i + 2] for i in range(len(free) // 2, len(free) - 1) if free[i:i + 2].strip())
-    want, reason, _ = library_text(reference, PROMPTS[1], False, max_new_tokens=30, stop=[stop])
+    want, reason, tokens = library_text(reference, PROMPTS[1], False, max_new_tokens=30, stop=[stop])
     assert reason == "stop" and stop not in want
     whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0, stop=[stop])
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0, stop=stop, stream=True))
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0, stop=stop,
+                                            stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert whole.choices[0].text == streamed == want and whole.choices[0].finish_reason == "stop"
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == tokens
+    assert_pools_full(server)
 
 
 def test_models_health_and_metrics(server, client):
