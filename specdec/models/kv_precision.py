@@ -1,0 +1,97 @@
+"""How much an FP8 (e4m3) KV cache changes each layer's attention, measured against the model's own
+attention on a text.
+
+    errors = fp8_layer_errors(model, token_ids)     # one LayerError per decoder layer
+
+The model runs once as a plain causal LM over `token_ids` (fp32 on CPU is the reference), keeping
+each layer's queries, keys and values (after RoPE). Each layer's attention output is then recomputed
+with K and V rounded through e4m3 (scale 1.0, as the cache stores them by default; and with a scale
+from the layer's own max |K|, |V|), with only K or only V rounded, with K and V rounded to bf16, and
+with the keys smoothed (per RoPE-pair factors divided out of K and multiplied into Q, the folding
+proposed for FP8 caches); the error is |out' - out| / |out| over the whole sequence. A layer whose
+FP8 error is far above the others' is one whose cache should stay in the model dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from attention.kv_cache import CALIBRATION_HEADROOM, FP8_DTYPE, FP8_MAX
+from specdec.models.decoder import CausalLM
+
+
+@dataclass(frozen=True)
+class LayerError:
+    layer: int
+    max_k: float  # max |K| over the text (after RoPE)
+    max_v: float
+    fp8: float  # K and V in e4m3, scale 1.0
+    fp8_calibrated: float  # K and V in e4m3, scales max |x| * headroom / 448
+    fp8_k_only: float
+    fp8_v_only: float
+    fp8_smoothed_keys: float  # K divided by per-pair factors (and Q multiplied by them), then e4m3
+    bf16: float
+
+
+def capture_attention(model: CausalLM, token_ids: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer (q, k, v) [tokens, heads, head_dim] of one causal forward over `token_ids`."""
+    captured = []
+
+    def layer_attention(i, rope):
+        def attend(projections, h):
+            q, k, v = projections.project(h, rope)
+            captured.append((q.float().clone(), k.float().clone(), v.float().clone()))
+            return causal_attention(q, k, v).to(q.dtype)
+
+        return attend
+
+    with torch.no_grad():
+        positions = torch.arange(len(token_ids), device=token_ids.device)
+        model.hidden_states(token_ids, positions, layer_attention)
+    return captured
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One sequence, causal, grouped-query: [tokens, heads, head_dim] in, the same shape out."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    return out.transpose(0, 1)
+
+
+def round_fp8(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """x as the cache would store and return it: divided by scale, saturated, e4m3, times scale."""
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale
+
+
+def pair_smoothing(k: torch.Tensor) -> torch.Tensor:
+    """Per kv head and channel factors >= 1 that bring each RoPE pair's max norm down to the head's
+    median (the two channels of a pair share one: RoPE rotates them together). [kv_heads, head_dim]"""
+    half = k.shape[-1] // 2
+    pair = (k[..., :half] ** 2 + k[..., half:] ** 2).sqrt().amax(dim=0)
+    factors = (pair / pair.median(dim=-1, keepdim=True).values).clamp(min=1.0)
+    return torch.cat([factors, factors], dim=-1)
+
+
+def fp8_layer_errors(model: CausalLM, token_ids: torch.Tensor) -> list[LayerError]:
+    errors = []
+    for i, (q, k, v) in enumerate(capture_attention(model, token_ids)):
+        reference = causal_attention(q, k, v)
+        max_k, max_v = k.abs().max().item(), v.abs().max().item()
+        k_scale, v_scale = (max(m * CALIBRATION_HEADROOM / FP8_MAX, 1e-6) for m in (max_k, max_v))
+        smooth = pair_smoothing(k)
+        q_smooth = q * smooth.repeat_interleave(q.shape[1] // k.shape[1], dim=0)
+        errors.append(LayerError(
+            i, max_k, max_v, relative_error(reference, q, round_fp8(k), round_fp8(v)),
+            relative_error(reference, q, round_fp8(k, k_scale), round_fp8(v, v_scale)),
+            relative_error(reference, q, round_fp8(k), v), relative_error(reference, q, k, round_fp8(v)),
+            relative_error(reference, q_smooth, round_fp8(k / smooth), round_fp8(v)),
+            relative_error(reference, q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float())))
+    return errors
+
+
+def relative_error(reference: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+    return ((causal_attention(q, k, v) - reference).norm() / reference.norm()).item()
