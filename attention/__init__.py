@@ -5,7 +5,7 @@ imports flashinfer:
 
     name = resolve_backend_name("auto", device)      # flashinfer on CUDA when importable, else torch
     backend = make_backend(name, num_qo_heads=..., num_kv_heads=..., head_dim=..., sm_scale=...,
-                           device=device, kv_dtype=kv_dtype, q_dtype=dtype)
+                           device=device, kv_dtypes=(kv_dtype,), q_dtype=dtype)
 
 A new backend subclasses `attention.backend.AttentionBackend` and calls `register_backend`.
 """
@@ -75,9 +75,9 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 
 def make_backend(name: str, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float,
-                 device: torch.device, kv_dtype: torch.dtype, q_dtype: torch.dtype):
-    """Build the backend `name` (already resolved) for one model."""
+                 device: torch.device, kv_dtypes: tuple[torch.dtype, ...], q_dtype: torch.dtype):
+    """Build the backend `name` (already resolved) for one model whose cache layers use `kv_dtypes`."""
     entry = _REGISTRY[name]
     backend_class = getattr(importlib.import_module(entry.module), entry.class_name)
-    return backend_class(num_qo_heads, num_kv_heads, head_dim, sm_scale, device=device, kv_dtype=kv_dtype,
+    return backend_class(num_qo_heads, num_kv_heads, head_dim, sm_scale, device=device, kv_dtypes=kv_dtypes,
                          q_dtype=q_dtype)

@@ -11,6 +11,8 @@ Kernels: "auto" (fa3 on Hopper) for bf16/fp16 caches, "fa2" for FP8 (fa3 needs F
 would stick to the choice of its first plan). fa3 computes a query row the same way whether its
 request has 1 query (decode) or block_size queries (verify), so greedy speculation reproduces greedy
 decoding token for token; fa2 picks its tiles by query count, and the two drift apart at near-ties.
+A cache whose layers mix dtypes (FP8 with a few layers kept in the model dtype) has one wrapper per
+dtype, planned together for the same layout; each layer runs the wrapper of its own dtype.
 fa2 is the faster kernel once a request's KV passes ~1,000 tokens or the batch is large (measured on
 an H200: 9-15 us a layer against fa3's 20-50 us). Eager and graphed steps use the same kernels.
 fa2 graph slots are planned with `uniform_q_len` (every request has the same query count), so the
@@ -48,10 +50,12 @@ class GraphSlot:
         self.host = {name: torch.zeros(size, dtype=torch.int32, pin_memory=True) for name, size in (
             ("qo_indptr", batch_size + 1), ("kv_indptr", batch_size + 1), ("kv_indices", max_pages),
             ("last_page_len", batch_size))}
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+        # one wrapper per cache dtype over the same index buffers (each plan writes the same values)
+        self.wrappers = {dtype: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr,
             paged_kv_indptr_buf=self.kv_indptr, paged_kv_indices_buf=self.kv_indices,
-            paged_kv_last_page_len_buf=self.last_page_len, backend=backend.kernel_backend)
+            paged_kv_last_page_len_buf=self.last_page_len, backend=kernel_backend(dtype))
+            for dtype in backend.kv_dtypes}
 
     def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
         """values in the pinned host buffer `name`; returns that slice."""
@@ -64,16 +68,15 @@ class FlashInferBackend(AttentionBackend):
     supports_graphs = True
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float, *,
-                 device: torch.device, kv_dtype: torch.dtype, q_dtype: torch.dtype = torch.bfloat16):
+                 device: torch.device, kv_dtypes: tuple[torch.dtype, ...], q_dtype: torch.dtype = torch.bfloat16):
         super().__init__(num_qo_heads, num_kv_heads, head_dim, sm_scale)
         self.device = device
-        self.kv_dtype = kv_dtype
+        self.kv_dtypes = tuple(dict.fromkeys(kv_dtypes))  # a cache whose layers mix dtypes plans once per dtype
         self.q_dtype = q_dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.kernel_backend = "fa2" if kv_dtype == FP8_DTYPE else "auto"
-        self.eager_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                            backend=self.kernel_backend)
-        self.wrapper = self.eager_wrapper
+        self.eager_wrappers = {dtype: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=kernel_backend(dtype)) for dtype in self.kv_dtypes}
+        self.wrappers = self.eager_wrappers  # those of the planned step
 
     def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
         """An eager step of any layout; write_slots=False leaves the write slots to the caller."""
@@ -87,9 +90,9 @@ class FlashInferBackend(AttentionBackend):
         if write_slots:
             self.set_write_slots(*slots_on_device(self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu,
                                                   layout.page_size))
-        self.wrapper = self.eager_wrapper
-        self._plan_wrapper(layout, pinned(layout.qo_indptr()), pinned(kv_indptr), self.kv_indices,
-                           pinned(layout.last_page_lens()))
+        self.wrappers = self.eager_wrappers
+        self._plan_wrappers(layout, pinned(layout.qo_indptr()), pinned(kv_indptr), self.kv_indices,
+                            pinned(layout.last_page_lens()))
 
     def graph_slot(self, batch_size: int, max_pages: int) -> GraphSlot:
         return GraphSlot(self, batch_size, max_pages)
@@ -101,25 +104,32 @@ class FlashInferBackend(AttentionBackend):
         self.layout = layout
         n = len(layout.kv_indices)
         slot.kv_indices[:n].copy_(slot.stage("kv_indices", layout.kv_indices), non_blocking=True)
-        self.wrapper = slot.wrapper
+        self.wrappers = slot.wrappers
         self.kv_indices, self.kv_indptr = slot.kv_indices, slot.kv_indptr
-        self._plan_wrapper(layout, slot.stage("qo_indptr", layout.qo_indptr()), slot.stage("kv_indptr", layout.kv_indptr()),
-                           slot.kv_indices[:n], slot.stage("last_page_len", layout.last_page_lens()),
-                           uniform_q_len=int(layout.q_lens[0]))
+        self._plan_wrappers(layout, slot.stage("qo_indptr", layout.qo_indptr()),
+                            slot.stage("kv_indptr", layout.kv_indptr()), slot.kv_indices[:n],
+                            slot.stage("last_page_len", layout.last_page_lens()), uniform_q_len=int(layout.q_lens[0]))
 
-    def _plan_wrapper(self, layout: BatchLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-                      kv_indices_gpu: torch.Tensor, last_page_len: torch.Tensor, uniform_q_len: int | None = None) -> None:
+    def _plan_wrappers(self, layout: BatchLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                       kv_indices_gpu: torch.Tensor, last_page_len: torch.Tensor, uniform_q_len: int | None = None) -> None:
         # indptr and last_page_len are pinned CPU tensors: plan reads them on the host, and its copies of
         # them to the GPU stay asynchronous
-        self.wrapper.plan(qo_indptr, kv_indptr, kv_indices_gpu, last_page_len, self.num_qo_heads, self.num_kv_heads,
-                          self.head_dim, layout.page_size, causal=layout.causal, sm_scale=self.sm_scale,
-                          q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, non_blocking=True,
-                          uniform_q_len=uniform_q_len)
+        for kv_dtype, wrapper in self.wrappers.items():
+            wrapper.plan(qo_indptr, kv_indptr, kv_indices_gpu, last_page_len, self.num_qo_heads, self.num_kv_heads,
+                         self.head_dim, layout.page_size, causal=layout.causal, sm_scale=self.sm_scale,
+                         q_data_type=self.q_dtype, kv_data_type=kv_dtype, non_blocking=True,
+                         uniform_q_len=uniform_q_len)
 
     def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
         layer.write(self.write_pages, self.write_offsets, k, v)
 
     def attend(self, q: torch.Tensor, layer: LayerKV, out: torch.Tensor | None = None) -> torch.Tensor:
+        wrapper = self.wrappers[layer.data.dtype]
         if layer.is_fp8:
-            return self.wrapper.run(q, layer.data, k_scale=layer.k_scale, v_scale=layer.v_scale, out=out)
-        return self.wrapper.run(q, layer.data, out=out)
+            return wrapper.run(q, layer.data, k_scale=layer.k_scale, v_scale=layer.v_scale, out=out)
+        return wrapper.run(q, layer.data, out=out)
+
+
+def kernel_backend(kv_dtype: torch.dtype) -> str:
+    """fa2 for FP8 caches (fa3 needs FP8 queries), "auto" (fa3 on Hopper) otherwise."""
+    return "fa2" if kv_dtype == FP8_DTYPE else "auto"

@@ -2,7 +2,9 @@
 
 Layer tensor shape: [num_pages, 2, page_size, num_kv_heads, head_dim] (index 0 = K, 1 = V).
 With an FP8 (e4m3) cache every layer carries a K and a V scale: write stores value / scale
-quantized to e4m3, read returns stored * scale. Page bookkeeping lives in `page_pool.py`.
+quantized to e4m3, read returns stored * scale. Layers may differ in dtype (an FP8 cache that keeps
+the layers e4m3 cannot hold well in the model dtype: `layer_dtypes`). Page bookkeeping lives in
+`page_pool.py`.
 """
 
 from __future__ import annotations
@@ -91,6 +93,12 @@ def _to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def layer_dtypes(num_layers: int, dtype: torch.dtype, full_precision_layers=(), full_dtype: torch.dtype | None = None
+                 ) -> tuple[torch.dtype, ...]:
+    """Each layer's cache dtype: `dtype`, except `full_precision_layers`, which keep `full_dtype`."""
+    return tuple(full_dtype if i in full_precision_layers else dtype for i in range(num_layers))
+
+
 class KVCache:
     """The K/V tensors of every layer of one model, sharing one page geometry.
 
@@ -104,29 +112,35 @@ class KVCache:
         page_size: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype | tuple[torch.dtype, ...],
         device: torch.device | str,
     ):
+        """dtype: one for every layer, or each layer's (`layer_dtypes`)."""
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.layer_dtypes = dtype if isinstance(dtype, tuple) else (dtype,) * num_layers
+        if len(self.layer_dtypes) != num_layers:
+            raise ValueError(f"{len(self.layer_dtypes)} layer dtypes for {num_layers} layers")
         self.scratch_page = num_pages
         shape = (num_pages + 1, 2, page_size, num_kv_heads, head_dim)
-        self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        self.layers = [LayerKV(torch.zeros(shape, dtype=d, device=device)) for d in self.layer_dtypes]
 
     @property
     def is_fp8(self) -> bool:
-        return self.dtype == FP8_DTYPE
+        """Some layer stores e4m3."""
+        return FP8_DTYPE in self.layer_dtypes
 
     @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype | tuple[torch.dtype, ...]) -> int:
+        dtypes = dtype if isinstance(dtype, tuple) else (dtype,) * num_layers
+        return sum(2 * page_size * num_kv_heads * head_dim * torch.empty((), dtype=d).element_size() for d in dtypes)
 
     def calibrate_on_first_write(self) -> None:
         for layer in self.layers:
-            layer.calibrate_next_write = True
+            layer.calibrate_next_write = layer.is_fp8
 
     def set_scales(self, k_scales: list[float], v_scales: list[float]) -> None:
         for layer, ks, vs in zip(self.layers, k_scales, v_scales, strict=True):

@@ -8,6 +8,7 @@ from drafters import load_drafter
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import Engine
 from specdec.models.loader import LoadedTarget, load_causal_lm
+from tests.conftest import build_tiny_model
 from tests.drafter_helpers import build_random_drafter
 
 
@@ -43,3 +44,18 @@ def assert_no_leak(engine):
     drafter_pool = getattr(engine.drafter, "pool", None)
     if drafter_pool is not None:
         assert drafter_pool.num_free == drafter_pool.num_pages
+
+
+PLANTED = 300.0  # a k_proj bias this large in a few channels, as Qwen2's layer 0 has (~360)
+
+
+def planted_model(tmp_path):
+    """A tiny Qwen2 target whose layer 0 has a k_proj bias of PLANTED in one RoPE pair per KV head."""
+    hf = build_tiny_model("qwen2", tmp_path, seed=3)
+    head_dim = hf.config.hidden_size // hf.config.num_attention_heads
+    with torch.no_grad():
+        bias = hf.model.layers[0].self_attn.k_proj.bias
+        for head in range(hf.config.num_key_value_heads):
+            bias[head * head_dim + 1], bias[head * head_dim + 1 + head_dim // 2] = PLANTED, -0.7 * PLANTED
+    hf.save_pretrained(tmp_path)
+    return tiny_target(tmp_path, ()).model

@@ -19,6 +19,7 @@ returns the tokens each request commits; the engine commits them. The scheduler 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,10 +28,10 @@ import numpy as np
 import torch
 
 from attention import resolve_backend_name
-from attention.kv_cache import FP8_DTYPE, KVCache
+from attention.kv_cache import FP8_DTYPE, KVCache, layer_dtypes
 from attention.page_pool import PagePool, PageTable
 from attention.transfer import upload
-from specdec.engine.config import EngineConfig
+from specdec.engine.config import EngineConfig, full_precision_layer_list
 from specdec.engine.decoding import DecodePhase, PlainDecoding
 from specdec.engine.drafter import DraftContext
 from specdec.engine.request import Request
@@ -39,6 +40,7 @@ from specdec.engine.sampler import make_generator, sample_batch
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.speculator import SpeculativeDecoding
+from specdec.models.kv_precision import calibration_ids, fp8_errors, full_precision_layers
 from specdec.models.loader import LoadedTarget
 from specdec.runtime.cuda_graphs import ladder_sizes
 from specdec.runtime.model_runner import GraphMemory
@@ -71,14 +73,18 @@ class Engine:
         self.dtype = self.model.model.embed_tokens.weight.dtype
         self.backend_name = resolve_backend_name(config.attention_backend, self.device)
         self.kv_dtype = self._kv_dtype(config.fp8_kv)
-        self.drafter_kv_dtype = self._kv_dtype(config.drafter_kv_cache_dtype.startswith("fp8"))
         mc = self.model.config
+        # with an FP8 cache, the layers it would hold too coarsely keep the model dtype
+        self.full_precision_layers = self._full_precision_layers(target) if self.kv_dtype == FP8_DTYPE else ()
+        layer_kv_dtypes = layer_dtypes(mc.num_hidden_layers, self.kv_dtype, self.full_precision_layers, self.dtype)
+        self.drafter_kv_dtype = self._kv_dtype(config.drafter_kv_cache_dtype.startswith("fp8"))
         self.max_context = mc.max_position_embeddings
         self.drafter = drafter
         lookahead = drafter.block_size if drafter is not None else 1
         self.model.rotary.max_positions = self.max_context + lookahead  # RoPE table size on the fused path
         # the runners' static buffers exist before the KV pool is sized from what memory is left
-        self.runner = TargetRunner(self.model, backend_name=self.backend_name, kv_dtype=self.kv_dtype,
+        self.runner = TargetRunner(self.model, backend_name=self.backend_name,
+                                   kv_dtype=layer_kv_dtypes if self.full_precision_layers else self.kv_dtype,
                                    page_size=config.page_size, max_batch=config.max_num_seqs, block_lens=(lookahead,),
                                    max_prefill_tokens=config.max_prefill_tokens, feature_layers=drafter.target_layer_ids if drafter is not None else ())
         if drafter is not None:
@@ -138,6 +144,25 @@ class Engine:
                              f"{', '.join(str(d).removeprefix('torch.') for d in allowed)} with the "
                              f"{self.backend_name} backend, got {self.dtype}; pass --dtype bfloat16")
         return FP8_DTYPE
+
+    def _full_precision_layers(self, target: LoadedTarget) -> tuple[int, ...]:
+        """The layers an FP8 cache leaves in the model dtype: as configured, or (auto) those whose FP8
+        attention error on the calibration text stands out (specdec/models/kv_precision.py)."""
+        chosen = full_precision_layer_list(self.config.kv_cache_full_precision_layers)
+        num_layers = self.model.config.num_hidden_layers
+        if chosen != "auto":
+            if any(i >= num_layers for i in chosen):
+                raise ValueError(f"kv_cache_full_precision_layers {list(chosen)} names layers the model does not have "
+                                 f"(it has {num_layers}: 0 to {num_layers - 1})")
+            return chosen
+        errors = fp8_errors(self.model, calibration_ids(self.model, target.tokenizer, self.device))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the calibration's activations must not count as used when the pool is sized
+        chosen = full_precision_layers(errors)
+        log.info("FP8 KV cache: layers %s kept in %s (FP8 attention error %s; median layer %.3f)",
+                 list(chosen), str(self.dtype).removeprefix("torch."),
+                 ", ".join(f"{errors[i]:.3f}" for i in chosen) or "-", statistics.median(errors))
+        return chosen
 
     def _graph_memory(self, drafter) -> GraphMemory:
         """What the CUDA graphs of the target and the drafter will hold: their pools (one shared pool, but

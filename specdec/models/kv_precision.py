@@ -9,18 +9,31 @@ with K and V rounded through e4m3 (scale 1.0, as the cache stores them by defaul
 from the layer's own max |K|, |V|), with only K or only V rounded, with K and V rounded to bf16, and
 with the keys smoothed (per RoPE-pair factors divided out of K and multiplied into Q, the folding
 proposed for FP8 caches); the error is |out' - out| / |out| over the whole sequence. A layer whose
-FP8 error is far above the others' is one whose cache should stay in the model dtype.
+FP8 error is far above the others' is one whose cache should stay in the model dtype:
+
+    layers = full_precision_layers(fp8_errors(model, calibration_ids(model, tokenizer)))
+
+(measured on the default target: layers 0, 1 and 15 lose 16-51% of their attention output to e4m3 keys,
+the others 2-9%; scales and smoothing do not help, keeping layers 0 and 1 in full precision restores
+greedy outputs: BENCHMARKS.md, "FP8 KV error per layer").
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from attention.kv_cache import CALIBRATION_HEADROOM, FP8_DTYPE, FP8_MAX
 from specdec.models.decoder import CausalLM
+
+CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")  # prose, code and arithmetic, ~400 tokens
+CALIBRATION_TOKENS = 512
+# a layer keeps the model dtype when its FP8 error is over twice the median layer's and over 12%
+OUTLIER_FACTOR, OUTLIER_FLOOR = 2.0, 0.12
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,29 @@ def fp8_layer_errors(model: CausalLM, token_ids: torch.Tensor) -> list[LayerErro
             relative_error(reference, q_smooth, round_fp8(k / smooth), round_fp8(v)),
             relative_error(reference, q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float())))
     return errors
+
+
+def fp8_errors(model: CausalLM, token_ids: torch.Tensor) -> list[float]:
+    """Each layer's attention error with K and V in e4m3 at scale 1.0 (the cache's default)."""
+    return [relative_error(causal_attention(q, k, v), q, round_fp8(k), round_fp8(v))
+            for q, k, v in capture_attention(model, token_ids)]
+
+
+def full_precision_layers(errors: list[float]) -> tuple[int, ...]:
+    """The layers whose FP8 error stands out (over OUTLIER_FACTOR x the median and OUTLIER_FLOOR)."""
+    limit = max(OUTLIER_FACTOR * statistics.median(errors), OUTLIER_FLOOR)
+    return tuple(i for i, error in enumerate(errors) if error > limit)
+
+
+def calibration_ids(model: CausalLM, tokenizer, device: torch.device) -> torch.Tensor:
+    """The shipped calibration text through the model's tokenizer, within the model's context; fixed
+    spread-out ids where there is no tokenizer (or it makes too few ids of the model's vocabulary)."""
+    config = model.config
+    length = min(CALIBRATION_TOKENS, config.max_position_embeddings)
+    ids = tokenizer(CALIBRATION_TEXT.read_text())["input_ids"][:length] if tokenizer is not None else []
+    if len(ids) < length // 2 or max(ids) >= config.vocab_size:
+        ids = ((torch.arange(length) * 7919) % (config.vocab_size - 3) + 3).tolist()
+    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 def relative_error(reference: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:

@@ -74,8 +74,9 @@ class ModelRunner:
     """`model` has a transformers-style `config` (heads, layers), `head_dim`, `rotary` and the
     `fused_kernels` switch (`specdec.models.decoder.CausalLM` and the DFlash draft network do)."""
 
-    def __init__(self, model, *, backend_name: str, kv_dtype: torch.dtype, q_dtype: torch.dtype,
-                 page_size: int, max_batch: int, device: torch.device):
+    def __init__(self, model, *, backend_name: str, kv_dtype: torch.dtype | tuple[torch.dtype, ...],
+                 q_dtype: torch.dtype, page_size: int, max_batch: int, device: torch.device):
+        """kv_dtype: the cache's dtype, or each layer's (`attention.kv_cache.layer_dtypes`)."""
         self.model = model
         self.device = device
         self.kv_dtype = kv_dtype
@@ -84,7 +85,7 @@ class ModelRunner:
         c = model.config
         self.attn = make_backend(backend_name, num_qo_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                                  head_dim=model.head_dim, sm_scale=model.head_dim ** -0.5, device=device,
-                                 kv_dtype=kv_dtype, q_dtype=q_dtype)
+                                 kv_dtypes=kv_dtype if isinstance(kv_dtype, tuple) else (kv_dtype,), q_dtype=q_dtype)
         if backend_name == "flashinfer" and not model.fused_kernels:
             model.use_fused_kernels()  # FlashInfer's norm / rope / activation kernels on the same path
         self.kv: KVCache | None = None

@@ -56,8 +56,8 @@ class PrefillChunks:
 
 
 class TargetRunner(ModelRunner):
-    def __init__(self, model: CausalLM, *, backend_name: str, kv_dtype: torch.dtype, page_size: int,
-                 max_batch: int, block_lens: tuple[int, ...], max_prefill_tokens: int,
+    def __init__(self, model: CausalLM, *, backend_name: str, kv_dtype: torch.dtype | tuple[torch.dtype, ...],
+                 page_size: int, max_batch: int, block_lens: tuple[int, ...], max_prefill_tokens: int,
                  feature_layers: tuple[int, ...] = ()):
         dtype = model.model.embed_tokens.weight.dtype
         super().__init__(model, backend_name=backend_name, kv_dtype=kv_dtype, q_dtype=dtype, page_size=page_size,

@@ -19,7 +19,7 @@ KV_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 def flashinfer_backend(kv_dtype):
     from attention.flashinfer_backend import FlashInferBackend
 
-    return FlashInferBackend(HQ, HKV, D, D ** -0.5, device=torch.device("cuda"), kv_dtype=kv_dtype,
+    return FlashInferBackend(HQ, HKV, D, D ** -0.5, device=torch.device("cuda"), kv_dtypes=(kv_dtype,),
                              q_dtype=torch.bfloat16)
 
 

@@ -5,21 +5,7 @@ import statistics
 import torch
 
 from specdec.models.kv_precision import capture_attention, causal_attention, fp8_layer_errors, pair_smoothing
-from tests.conftest import build_tiny_model
-from tests.engine_helpers import tiny_target
-
-PLANTED = 300.0  # a k_proj bias this large in a few channels, as Qwen2's layer 0 has (~360)
-
-
-def planted_model(tmp_path):
-    hf = build_tiny_model("qwen2", tmp_path, seed=3)
-    head_dim = hf.config.hidden_size // hf.config.num_attention_heads
-    with torch.no_grad():
-        bias = hf.model.layers[0].self_attn.k_proj.bias
-        for head in range(hf.config.num_key_value_heads):
-            bias[head * head_dim + 1], bias[head * head_dim + 1 + head_dim // 2] = PLANTED, -0.7 * PLANTED
-    hf.save_pretrained(tmp_path)
-    return tiny_target(tmp_path, ()).model
+from tests.engine_helpers import planted_model
 
 
 def test_a_layer_with_large_key_channels_stands_out(tmp_path):
