@@ -16,10 +16,10 @@ REL_BOUND = 1e-2
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 
 
-def flashinfer_backend(kv_dtype):
+def flashinfer_backend(*kv_dtypes):
     from attention.flashinfer_backend import FlashInferBackend
 
-    return FlashInferBackend(HQ, HKV, D, D ** -0.5, device=torch.device("cuda"), kv_dtypes=(kv_dtype,),
+    return FlashInferBackend(HQ, HKV, D, D ** -0.5, device=torch.device("cuda"), kv_dtypes=kv_dtypes,
                              q_dtype=torch.bfloat16)
 
 
@@ -74,3 +74,15 @@ def test_rollback_and_reappend(kv):
         backend.write_kv(case.layer, k, v)
         outs.append(backend.attend(q, case.layer))
     assert rel_error(outs[0], outs[1]) <= REL_BOUND
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_cache_mixing_dtypes_runs_each_layer_as_a_cache_of_its_own_dtype(name):
+    """One backend for a cache whose layers are bf16 and e4m3 (an FP8 cache with kept layers): each
+    layer's attention is bit for bit what a backend of that layer's dtype alone computes."""
+    history, new_kv, q_lens, causal = CASES[name]
+    mixed = flashinfer_backend(torch.bfloat16, FP8_DTYPE)
+    for kv in KV_DTYPES.values():
+        cases = [PagedCase(history, new_kv, q_lens, causal, page_size=16, kv_dtype=kv, device="cuda",
+                           dtype=torch.bfloat16) for _ in range(2)]
+        assert torch.equal(run(mixed, cases[0]), run(flashinfer_backend(kv), cases[1]))
