@@ -273,13 +273,17 @@ class Engine:
             self.abort_all(requests)
             raise
 
-    def abort(self, request_id: int) -> Request | None:
-        """Finish a waiting or running request as aborted and give back its pages at once; None if no
-        such request is unfinished. Call between steps."""
+    def abort(self, request_id: int, reason: str = "abort") -> Request | None:
+        """Finish a waiting or running request as aborted (or with `reason`: "stop" when its caller found
+        a stop string) and give back its pages at once; None if no such request is unfinished. Call
+        between steps."""
         request = self.scheduler.find(request_id)
         if request is None or request.finished:
             return None
-        self.abort_all([request])
+        if reason == "abort":
+            self.abort_all([request])
+        else:
+            self.abort_all([request], reason=reason, message=None)
         return request
 
     def abort_all(self, requests: list[Request] | None = None, reason: str = "abort",

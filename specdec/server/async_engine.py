@@ -79,7 +79,7 @@ class AsyncEngine:
         finally:
             self._queues.pop(sid, None)
             if not engine_done:  # the caller left, or a stop string ended the request first
-                self._send(Abort(sid))
+                self._send(Abort(sid, "stop" if text.stopped_early else "abort"))
 
     def bind_event_loop(self) -> None:
         """Outputs are handed to callers on the running event loop (the server's)."""

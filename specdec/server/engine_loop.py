@@ -52,6 +52,7 @@ class Submit:
 @dataclass(frozen=True)
 class Abort:
     sid: int  # the caller stopped listening: nothing more is sent for it
+    reason: str = "abort"  # or "stop": the caller matched a stop string (metrics count it as a stop)
 
 
 @dataclass(eq=False)
@@ -78,7 +79,7 @@ class EngineLoop:
     def apply(self, command: Submit | Abort) -> Outputs:
         if isinstance(command, Submit):
             return self._submit(command)
-        self._abort(command.sid)
+        self._abort(command.sid, command.reason)
         return []
 
     def _submit(self, command: Submit) -> Outputs:
@@ -90,10 +91,10 @@ class EngineLoop:
         self._by_sid[command.sid] = live
         return []
 
-    def _abort(self, sid: int) -> None:
+    def _abort(self, sid: int, reason: str) -> None:
         live = self._by_sid.pop(sid, None)
         if live is not None and self._live.pop(live.request.request_id, None) is not None:
-            self.engine.abort(live.request.request_id)
+            self.engine.abort(live.request.request_id, reason)
             self.metrics.on_finish(live.request)
 
     def step(self) -> Outputs:

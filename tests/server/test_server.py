@@ -123,6 +123,7 @@ def test_streamed_and_whole_answers_equal_the_library(server, client, reference,
 def test_stop_strings_end_the_answer_where_the_library_does(server, client, reference):
     """The server matches stop strings on its side of the engine (which ships token ids): same text and
     token count as the library, and the engine's request, which ran on past the stop, is aborted."""
+    aborts_before = finished_count(server, "abort")
     free, _, _ = library_text(reference, PROMPTS[1], False, max_new_tokens=30)
     stop = next(free[i:i + 2] for i in range(len(free) // 2, len(free) - 1) if free[i:i + 2].strip())
     want, reason, tokens = library_text(reference, PROMPTS[1], False, max_new_tokens=30, stop=[stop])
@@ -134,6 +135,15 @@ def test_stop_strings_end_the_answer_where_the_library_does(server, client, refe
     assert whole.choices[0].text == streamed == want and whole.choices[0].finish_reason == "stop"
     assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == tokens
     assert_pools_full(server)
+    assert finished_count(server, "abort") == aborts_before  # the metrics count those as stops
+
+
+def finished_count(server, reason: str) -> float:
+    """specdec_requests_total for one finish reason, from /metrics."""
+    for line in httpx.get(f"{server.base_url}/metrics").text.splitlines():
+        if line.startswith(f'specdec_requests_total{{finish_reason="{reason}"}}'):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def test_models_health_and_metrics(server, client):
