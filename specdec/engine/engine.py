@@ -40,7 +40,7 @@ from specdec.engine.sampler import make_generator, sample_batch
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.speculator import SpeculativeDecoding
-from specdec.models.kv_precision import calibration_ids, fp8_errors, full_precision_layers
+from specdec.models.kv_precision import calibrated_fp8_errors, full_precision_layers
 from specdec.models.loader import LoadedTarget
 from specdec.runtime.cuda_graphs import ladder_sizes
 from specdec.runtime.model_runner import GraphMemory
@@ -155,7 +155,7 @@ class Engine:
                 raise ValueError(f"kv_cache_full_precision_layers {list(chosen)} names layers the model does not have "
                                  f"(it has {num_layers}: 0 to {num_layers - 1})")
             return chosen
-        errors = fp8_errors(self.model, calibration_ids(self.model, target.tokenizer, self.device))
+        errors = calibrated_fp8_errors(self.model, target.tokenizer, target.path, self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the calibration's activations must not count as used when the pool is sized
         chosen = full_precision_layers(errors)

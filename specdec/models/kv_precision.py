@@ -11,7 +11,8 @@ with the keys smoothed (per RoPE-pair factors divided out of K and multiplied in
 proposed for FP8 caches); the error is |out' - out| / |out| over the whole sequence. A layer whose
 FP8 error is far above the others' is one whose cache should stay in the model dtype:
 
-    layers = full_precision_layers(fp8_errors(model, calibration_ids(model, tokenizer)))
+    layers = full_precision_layers(fp8_errors(model, calibration_ids(model, tokenizer, device)))
+    errors = calibrated_fp8_errors(model, tokenizer, model_dir, device)   # the same, cached in model_dir
 
 (measured on the default target: layers 0, 1 and 15 lose 16-51% of their attention output to e4m3 keys,
 the others 2-9%; scales and smoothing do not help, keeping layers 0 and 1 in full precision restores
@@ -20,6 +21,8 @@ greedy outputs: BENCHMARKS.md, "FP8 KV error per layer").
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +35,7 @@ from specdec.models.decoder import CausalLM
 
 CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")  # prose, code and arithmetic, ~400 tokens
 CALIBRATION_TOKENS = 512
+CACHE_FILE = "specdec_kv_calibration.json"  # beside the model's weights
 # a layer keeps the model dtype when its FP8 error is over twice the median layer's and over 12%
 OUTLIER_FACTOR, OUTLIER_FLOOR = 2.0, 0.12
 
@@ -127,6 +131,39 @@ def calibration_ids(model: CausalLM, tokenizer, device: torch.device) -> torch.T
     if len(ids) < length // 2 or max(ids) >= config.vocab_size:
         ids = ((torch.arange(length) * 7919) % (config.vocab_size - 3) + 3).tolist()
     return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def calibrated_fp8_errors(model: CausalLM, tokenizer, model_dir: Path | None, device: torch.device) -> list[float]:
+    """`fp8_errors` on the calibration text, read from CACHE_FILE in `model_dir` when it was computed for
+    the same weights, text, dtype and device type, else computed (and written there if it can be)."""
+    key = _calibration_key(model, model_dir, device)
+    cache = Path(model_dir) / CACHE_FILE if model_dir is not None else None
+    if cache is not None and cache.is_file():
+        try:
+            stored = json.loads(cache.read_text())
+            if stored.get("key") == key:
+                return stored["errors"]
+        except (OSError, ValueError, KeyError):
+            pass  # unreadable: computed again below
+    errors = fp8_errors(model, calibration_ids(model, tokenizer, device))
+    if cache is not None:
+        try:
+            cache.write_text(json.dumps({"key": key, "errors": errors}))
+        except OSError:
+            pass  # a read-only model directory: computed again next time
+    return errors
+
+
+def _calibration_key(model: CausalLM, model_dir: Path | None, device: torch.device) -> str:
+    """What the errors depend on: the weight files (names, sizes, times), the text, the dtype, the device."""
+    digest = hashlib.sha256(CALIBRATION_TEXT.read_bytes())
+    digest.update(f"{model.model.embed_tokens.weight.dtype} {device.type} {CALIBRATION_TOKENS}".encode())
+    if model_dir is not None:
+        for path in sorted(Path(model_dir).glob("*")):
+            if path.suffix in (".safetensors", ".bin", ".json") and path.name != CACHE_FILE:
+                stat = path.stat()
+                digest.update(f"{path.name} {stat.st_size} {stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
 
 
 def relative_error(reference: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:

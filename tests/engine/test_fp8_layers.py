@@ -71,3 +71,15 @@ def test_speculative_equals_autoregressive_with_kept_layers(target_dir, tmp_path
     assert spec.full_precision_layers == (0,)
     assert [r.output_ids for r in spec.generate_ids(MANY_PROMPTS, params)] == expected
     assert_no_leak(spec)
+
+
+def test_the_calibration_is_cached_beside_the_weights(target_dir, monkeypatch):
+    from specdec.models import kv_precision
+
+    calls, real = [], kv_precision.fp8_errors
+    monkeypatch.setattr(kv_precision, "fp8_errors", lambda *args: (calls.append(1), real(*args))[1])
+    (target_dir / kv_precision.CACHE_FILE).unlink(missing_ok=True)
+    layers = [engine(target_dir, kv_cache_dtype="fp8").full_precision_layers for _ in range(2)]
+    assert layers == [(0,), (0,)] and len(calls) == 1  # the second engine read the cache
+    (target_dir / "config.json").touch()  # the model directory changed: computed again
+    assert engine(target_dir, kv_cache_dtype="fp8").full_precision_layers == (0,) and len(calls) == 2
