@@ -98,6 +98,8 @@ class Engine:
         self.num_pages = self._num_pages(drafter)
         self.pool = PagePool(self.num_pages, config.page_size)
         self.runner.allocate_kv(self.num_pages, config.calibrate_fp8_scales)
+        if self.kv.is_fp8 and target.kv_scales is not None and not config.calibrate_fp8_scales:
+            self.kv.set_scales(target.kv_scales.k, target.kv_scales.v)  # the checkpoint's own
         if drafter is not None:
             drafter.allocate_cache(self.num_pages)
             self.decoding: DecodePhase = SpeculativeDecoding(self.runner, drafter)

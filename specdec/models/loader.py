@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from specdec.models.decoder import SUPPORTED_MODEL_TYPES, CausalLM
+from specdec.models.kv_scales import KVScales, read_kv_scales
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -25,6 +26,7 @@ class LoadedTarget:
     tokenizer: object
     eos_token_ids: frozenset[int]
     path: Path
+    kv_scales: KVScales | None = None  # FP8 KV scales the checkpoint carries
 
 
 def read_config(model_dir: Path):
@@ -80,7 +82,8 @@ def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
 def load_target(model_dir: Path, device: torch.device, dtype: torch.dtype) -> LoadedTarget:
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir, device, dtype)
-    return LoadedTarget(model, tokenizer, eos_token_ids(model_dir, tokenizer), model_dir)
+    return LoadedTarget(model, tokenizer, eos_token_ids(model_dir, tokenizer), model_dir,
+                        read_kv_scales(model_dir, model.config.num_hidden_layers))
 
 
 def load_tokenizer(model_dir: Path):
