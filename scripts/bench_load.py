@@ -9,11 +9,17 @@ math500 problems and everyday coding requests (scripts/bench/chat_prompts.py), -
 greedy, answers of their natural length, with `max_num_seqs` = the concurrency, so arrivals keep
 coming while others decode. Every
 `Engine.step()` is timed and split by whether it prefilled (a prompt chunk of an admitted request).
+
+--profile C adds one level at concurrency C under the torch profiler (not counted in the table above):
+for steps with and without prefill, the median wall time against the GPU's busy time in the step
+(kernels, copies and sets that start inside the step's host range; a step ends with its device-to-host
+transfer, so its work has run by then), which says how host-bound each kind of step is.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import statistics
 import sys
@@ -31,6 +37,7 @@ import torch  # noqa: E402
 from scripts.bench.chat_prompts import load_prompts, take  # noqa: E402
 from scripts.bench.random_models import TINY_SHAPE, random_target, tiny_drafter  # noqa: E402
 from scripts.bench.runner import environment, release_memory  # noqa: E402
+from scripts.bench_steps import event_kind  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 
 
@@ -61,6 +68,8 @@ def parse_args(argv):
                                               "concurrency (low concurrencies in bounded time; default: all)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--profile", type=int, metavar="C", help="one more level at concurrency C under the profiler: "
+                                                            "wall vs GPU busy time per kind of step")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
     p.add_argument("--out", help="JSON results file")
     args = p.parse_args(argv)
@@ -84,7 +93,8 @@ def random_prompts(vocab_size: int, count: int) -> list[list[int]]:
 
 
 def timed_steps(engine) -> list[tuple[bool, int, float]]:
-    """From now on, record (prefilled, decoding batch, seconds) of every engine step."""
+    """From now on, record (prefilled, decoding batch, seconds) of every engine step (each step is also a
+    profiler range named STEP_RANGE)."""
     records, schedule, step = [], engine.scheduler.schedule, engine.step
     plans = []
 
@@ -94,7 +104,8 @@ def timed_steps(engine) -> list[tuple[bool, int, float]]:
 
     def timed_step(*args, **kwargs):
         start = time.perf_counter()
-        out = step(*args, **kwargs)
+        with torch.profiler.record_function(STEP_RANGE):
+            out = step(*args, **kwargs)
         plan = plans.pop()
         records.append((bool(plan.prefill), len(plan.decode), time.perf_counter() - start))
         return out
@@ -122,6 +133,62 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
                    sum(r[2] for r in prefill) / wall, statistics.mean(taus) if taus else None)
 
 
+STEP_RANGE = "specdec_step"
+GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+@dataclass
+class StepProfile:
+    system: str
+    concurrency: int
+    kind: str  # "decode only" or "with prefill"
+    steps: int
+    wall_ms: float  # medians over the steps of this kind
+    gpu_busy_ms: float
+
+
+def profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, max_new_tokens: int,
+                 cuda: bool) -> list[StepProfile]:
+    """One level under the profiler: per kind of step, median wall time and GPU busy time."""
+    engine = llm.engine
+    engine.scheduler.max_num_seqs = concurrency
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    records = timed_steps(engine)
+    with torch.profiler.profile(activities=activities) as prof:
+        engine.generate_ids(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+    del engine.step, engine.scheduler.schedule
+    # raw kineto events: the profiler's event tree is not built (slow for thousands of steps)
+    events = list(prof.profiler.kineto_results.events())
+    ranges = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == STEP_RANGE)
+    if len(ranges) != len(records):
+        raise RuntimeError(f"the profiler recorded {len(ranges)} step ranges for {len(records)} steps")
+    busy = [0] * len(ranges)
+    starts = [r[0] for r in ranges]
+    for e in events:
+        if event_kind(e) in GPU_ACTIVITIES:
+            i = bisect.bisect_right(starts, e.start_ns()) - 1
+            if i >= 0 and e.start_ns() < ranges[i][1]:
+                busy[i] += e.duration_ns()
+    profiles = []
+    for kind, prefilled in (("decode only", False), ("with prefill", True)):
+        chosen = [(r[2], b / 1e9) for r, b in zip(records, busy) if r[0] == prefilled]
+        if chosen:
+            profiles.append(StepProfile(system, concurrency, kind, len(chosen),
+                                        1e3 * statistics.median(w for w, _ in chosen),
+                                        1e3 * statistics.median(b for _, b in chosen)))
+    return profiles
+
+
+def profile_table(profiles: list[StepProfile]) -> str:
+    lines = ["| system | concurrency | steps | count | wall ms (median) | GPU busy ms (median) | busy / wall |",
+             "|---|---|---|---|---|---|---|"]
+    for p in profiles:
+        share = p.gpu_busy_ms / p.wall_ms if p.wall_ms else 0.0
+        lines.append(f"| {p.system} | {p.concurrency} | {p.kind} | {p.steps} | {p.wall_ms:.2f} | {p.gpu_busy_ms:.2f} | "
+                     f"{100 * share:.0f}% |")
+    return "\n".join(lines)
+
+
 def table(rows: list[LoadRow]) -> str:
     lines = ["| system | concurrency | tokens/s | decode steps x median ms (mean batch) | steps with prefill x "
              "median ms | share of wall in prefill steps | tau |", "|---|---|---|---|---|---|---|"]
@@ -142,7 +209,7 @@ def main(argv=None) -> int:
             model = str(random_target(Path(tmp) / "target", TINY_SHAPE, torch.device("cpu"), std=0.2))
             drafter = drafter or str(tiny_drafter(Path(tmp) / "drafter", Path(model)))
         systems = [("AR", None)] + ([("DFlash", drafter)] if drafter else [])
-        rows = []
+        rows, profiles = [], []
         for system, draft in systems:
             llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency))
             prompts = (random_prompts(llm.engine.model.config.vocab_size, args.requests) if args.quick
@@ -152,12 +219,19 @@ def main(argv=None) -> int:
                 count = len(prompts) if args.rounds is None else min(len(prompts), args.rounds * concurrency)
                 rows.append(run_load(llm, system, prompts[:count], concurrency, args.max_new_tokens))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
+            if args.profile:
+                count = min(len(prompts), 2 * args.profile)  # the profiler's own cost grows with the run
+                profiles += profile_load(llm, system, prompts[:count], args.profile, args.max_new_tokens,
+                                         device.type == "cuda")
             del llm
             release_memory(device)
     print(table(rows))
+    if profiles:
+        print(profile_table(profiles))
     if args.out:
         Path(args.out).write_text(json.dumps({"command": sys.argv, "environment": environment(device),
-                                              "rows": [asdict(r) for r in rows]}, indent=1))
+                                              "rows": [asdict(r) for r in rows],
+                                              "profiles": [asdict(p) for p in profiles]}, indent=1))
     return 0
 
 

@@ -25,7 +25,7 @@ load() {  # load NAME DIR [ARGS...]: the load benchmark of the checkout in DIR (
     --out "$out/$name.json" "$@") 2>&1 | grep -v "Loading weights" | tee "$out/$name.md"
 }
 python3 -c "from specdec.weights.demo_models import resolve_model; print(resolve_model('$target'))" || exit 1
-load new-1 "$here" --concurrency 64
+load new-1 "$here" --concurrency 64 --profile 64
 [ -n "$baseline" ] && load old-1 "$baseline" --concurrency 64
 load sweep "$here" --concurrency 1 8 32 64 128 256 --rounds 4
 echo "=== $(date +%T) server vs library, concurrency 64"

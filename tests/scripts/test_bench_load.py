@@ -16,3 +16,13 @@ def test_quick_run_reports_every_system_and_concurrency(tmp_path, capsys):
         assert 0 < row["prefill_share"] < 1 and row["decode_batch"] <= row["concurrency"]
         assert (row["tau"] is None) == (row["system"] == "AR")
     assert "| DFlash | 4 |" in capsys.readouterr().out
+
+
+def test_profile_level_splits_steps_by_kind(tmp_path, capsys):
+    out = tmp_path / "load.json"
+    assert main(["--quick", "--profile", "4", "--out", str(out)]) == 0
+    profiles = json.loads(out.read_text())["profiles"]
+    assert {(p["system"], p["kind"]) for p in profiles} == {(s, k) for s in ("AR", "DFlash")
+                                                             for k in ("decode only", "with prefill")}
+    assert all(p["steps"] >= 1 and p["wall_ms"] > 0 and p["gpu_busy_ms"] == 0 for p in profiles)  # CPU: no GPU
+    assert "| busy / wall |" in capsys.readouterr().out
