@@ -36,9 +36,9 @@ WORKSPACE_BYTES = 256 << 20
 
 
 class GraphSlot:
-    """The wrapper and index buffers of one CUDA-graph batch size (their addresses never change), and
-    pinned host buffers to plan from (a slot is planned at most once per step, so they are free again
-    once the step's one synchronization has passed)."""
+    """The wrappers (one per cache dtype) and index buffers of one CUDA-graph batch size (their addresses
+    never change), and pinned host buffers to plan from (a slot is planned at most once per step, so they
+    are free again once the step's one synchronization has passed)."""
 
     def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int):
         dev = backend.device
