@@ -68,6 +68,7 @@ def parse_args(argv):
                                               "concurrency (low concurrencies in bounded time; default: all)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="the target's KV cache")
     p.add_argument("--profile", type=int, metavar="C", help="one more level at concurrency C under the profiler: "
                                                             "wall vs GPU busy time per kind of step")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
@@ -211,7 +212,8 @@ def main(argv=None) -> int:
         systems = [("AR", None)] + ([("DFlash", drafter)] if drafter else [])
         rows, profiles = [], []
         for system, draft in systems:
-            llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency))
+            llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency),
+                      kv_cache_dtype=args.kv_cache_dtype)
             prompts = (random_prompts(llm.engine.model.config.vocab_size, args.requests) if args.quick
                        else chat_prompts(llm, args.requests))
             run_load(llm, system, prompts[:min(4, len(prompts))], 1, 4)  # warm-up: graphs, kernels, allocator
