@@ -154,7 +154,8 @@ class ModelRunner:
         self.allocate_kv(1)
         try:
             return max([self.peak_bytes(lambda s=step: self._run_dummy(s)) for step in steps]
-                       + [self.peak_bytes(lambda s=step: s.body(s.max_tokens, skip_gaps)) for step in token_steps])
+                       + [self.peak_bytes(lambda s=step: s.body(token_sizes(s.max_tokens)[-1], skip_gaps))
+                          for step in token_steps])
         finally:
             self.kv = None
 

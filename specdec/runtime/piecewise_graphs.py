@@ -31,10 +31,14 @@ Cut = Callable[[Gap], None]
 # dense where steps are small (decode batches with a short prompt), then steps of 128 tokens up to 2048
 # (a verify batch of 64 x 16 plus a prompt: padding costs compute there), coarser above
 SMALL_SIZES = (8, 16, 32, 64, 128, 256)
+# larger steps run eagerly: their GPU work dwarfs the host's, and their pieces' activations would hold
+# GiBs of graph memory (a 32k-token step's MLP alone takes 1.2 GB on the default target)
+MAX_CAPTURED_TOKENS = 8192
 
 
 def token_sizes(max_tokens: int) -> tuple[int, ...]:
-    """The captured token counts up to max_tokens, with max_tokens itself the largest."""
+    """The captured token counts up to max_tokens (at most MAX_CAPTURED_TOKENS), the top one included."""
+    max_tokens = min(max_tokens, MAX_CAPTURED_TOKENS)
     sizes = {*SMALL_SIZES, *range(384, 2049, 128), *range(2560, 4097, 512), *range(5120, max_tokens, 1024)}
     return tuple(sorted({s for s in sizes if s < max_tokens} | {max_tokens}))
 
