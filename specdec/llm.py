@@ -21,7 +21,7 @@ from specdec.engine.request import Request
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.text_stream import TextStream, final_text
 from specdec.models.loader import load_target
-from specdec.weights.demo_models import DEFAULT_TARGET, resolve_model
+from specdec.weights.demo_models import DEFAULT_TARGET, default_cache_dir, resolve_model
 
 
 @dataclass
@@ -50,6 +50,7 @@ class LLM:
                                    **engine_options)
         device_obj = self.config.torch_device()
         loaded = load_target(resolve_model(target), device_obj, self.config.torch_dtype(device_obj))
+        loaded.cache_dir = default_cache_dir() / "calibration"
         # a Drafter object (any implementation of specdec.engine.drafter.Drafter) is used as is
         draft_model = drafter if drafter is None or isinstance(drafter, Drafter) else load_drafter(drafter,
                                                                                                    loaded.model)

@@ -157,7 +157,7 @@ class Engine:
                 raise ValueError(f"kv_cache_full_precision_layers {list(chosen)} names layers the model does not have "
                                  f"(it has {num_layers}: 0 to {num_layers - 1})")
             return chosen
-        errors = calibrated_fp8_errors(self.model, target.tokenizer, target.path, self.device)
+        errors = calibrated_fp8_errors(self.model, target.tokenizer, target.path, target.cache_dir, self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the calibration's activations must not count as used when the pool is sized
         chosen = full_precision_layers(errors)

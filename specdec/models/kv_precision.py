@@ -12,7 +12,7 @@ proposed for FP8 caches); the error is |out' - out| / |out| over the whole seque
 FP8 error is far above the others' is one whose cache should stay in the model dtype:
 
     layers = full_precision_layers(fp8_errors(model, calibration_ids(model, tokenizer, device)))
-    errors = calibrated_fp8_errors(model, tokenizer, model_dir, device)   # the same, cached in model_dir
+    errors = calibrated_fp8_errors(model, tokenizer, model_dir, cache_dir, device)   # the same, cached
 
 (measured on the default target: layers 0, 1 and 15 lose 16-51% of their attention output to e4m3 keys,
 the others 2-9%; scales and smoothing do not help, keeping layers 0 and 1 in full precision restores
@@ -35,7 +35,7 @@ from specdec.models.decoder import CausalLM
 
 CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")  # prose, code and arithmetic, ~400 tokens
 CALIBRATION_TOKENS = 512
-CACHE_FILE = "specdec_kv_calibration.json"  # beside the model's weights
+
 # a layer keeps the model dtype when its FP8 error is over twice the median layer's and over 12%
 OUTLIER_FACTOR, OUTLIER_FLOOR = 2.0, 0.12
 
@@ -133,11 +133,15 @@ def calibration_ids(model: CausalLM, tokenizer, device: torch.device) -> torch.T
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
-def calibrated_fp8_errors(model: CausalLM, tokenizer, model_dir: Path | None, device: torch.device) -> list[float]:
-    """`fp8_errors` on the calibration text, read from CACHE_FILE in `model_dir` when it was computed for
-    the same weights, text, dtype and device type, else computed (and written there if it can be)."""
+def calibrated_fp8_errors(model: CausalLM, tokenizer, model_dir: Path | None, cache_dir: Path | None,
+                          device: torch.device) -> list[float]:
+    """`fp8_errors` on the calibration text, read from `cache_dir` when it was computed there for the same
+    model directory, weights, text, dtype and device type, else computed (and kept there if it can be)."""
     key = _calibration_key(model, model_dir, device)
-    cache = Path(model_dir) / CACHE_FILE if model_dir is not None else None
+    cache = None
+    if cache_dir is not None and model_dir is not None:
+        name = hashlib.sha256(str(Path(model_dir).resolve()).encode()).hexdigest()[:16]
+        cache = Path(cache_dir) / f"kv-fp8-errors-{name}.json"
     if cache is not None and cache.is_file():
         try:
             stored = json.loads(cache.read_text())
@@ -148,9 +152,10 @@ def calibrated_fp8_errors(model: CausalLM, tokenizer, model_dir: Path | None, de
     errors = fp8_errors(model, calibration_ids(model, tokenizer, device))
     if cache is not None:
         try:
-            cache.write_text(json.dumps({"key": key, "errors": errors}))
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps({"model_dir": str(model_dir), "key": key, "errors": errors}))
         except OSError:
-            pass  # a read-only model directory: computed again next time
+            pass  # a read-only cache: computed again next time
     return errors
 
 
@@ -160,7 +165,7 @@ def _calibration_key(model: CausalLM, model_dir: Path | None, device: torch.devi
     digest.update(f"{model.model.embed_tokens.weight.dtype} {device.type} {CALIBRATION_TOKENS}".encode())
     if model_dir is not None:
         for path in sorted(Path(model_dir).glob("*")):
-            if path.suffix in (".safetensors", ".bin", ".json") and path.name != CACHE_FILE:
+            if path.suffix in (".safetensors", ".bin", ".json"):
                 stat = path.stat()
                 digest.update(f"{path.name} {stat.st_size} {stat.st_mtime_ns}".encode())
     return digest.hexdigest()

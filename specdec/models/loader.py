@@ -27,6 +27,7 @@ class LoadedTarget:
     eos_token_ids: frozenset[int]
     path: Path
     kv_scales: KVScales | None = None  # FP8 KV scales the checkpoint carries
+    cache_dir: Path | None = None  # where facts measured on this model may be kept (None: nowhere)
 
 
 def read_config(model_dir: Path):

@@ -73,13 +73,19 @@ def test_speculative_equals_autoregressive_with_kept_layers(target_dir, tmp_path
     assert_no_leak(spec)
 
 
-def test_the_calibration_is_cached_beside_the_weights(target_dir, monkeypatch):
+def test_the_calibration_is_cached(target_dir, tmp_path, monkeypatch):
     from specdec.models import kv_precision
 
     calls, real = [], kv_precision.fp8_errors
     monkeypatch.setattr(kv_precision, "fp8_errors", lambda *args: (calls.append(1), real(*args))[1])
-    (target_dir / kv_precision.CACHE_FILE).unlink(missing_ok=True)
-    layers = [engine(target_dir, kv_cache_dtype="fp8").full_precision_layers for _ in range(2)]
+
+    def cached_engine() -> Engine:
+        target = tiny_target(target_dir, ())
+        target.cache_dir = tmp_path / "cache"
+        return Engine(target, EngineConfig(device="cpu", num_kv_pages=64, page_size=4, kv_cache_dtype="fp8"), None)
+
+    layers = [cached_engine().full_precision_layers for _ in range(2)]
     assert layers == [(0,), (0,)] and len(calls) == 1  # the second engine read the cache
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 1
     (target_dir / "config.json").touch()  # the model directory changed: computed again
-    assert engine(target_dir, kv_cache_dtype="fp8").full_precision_layers == (0,) and len(calls) == 2
+    assert cached_engine().full_precision_layers == (0,) and len(calls) == 2
