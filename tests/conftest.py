@@ -55,6 +55,18 @@ def build_tiny_model_with_tokenizer(path, chat_template: str | None = None):
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def calibration_cache_in_tmp(tmp_path_factory):
+    """Measurements the library caches about a model (FP8 layer errors) go to a temporary directory, not
+    the user's cache: the tests' models are temporary. Session-wide, so module fixtures see it too."""
+    import specdec.llm
+
+    cache = tmp_path_factory.getbasetemp() / "specdec-cache"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(specdec.llm, "default_cache_dir", lambda: cache)
+        yield
+
+
 @pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])
 def tiny_model_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"tiny-{request.param}")
