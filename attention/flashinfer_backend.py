@@ -111,7 +111,8 @@ class FlashInferBackend(AttentionBackend):
                             slot.stage("last_page_len", layout.last_page_lens()), uniform_q_len=int(layout.q_lens[0]))
 
     def _plan_wrappers(self, layout: BatchLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-                       kv_indices_gpu: torch.Tensor, last_page_len: torch.Tensor, uniform_q_len: int | None = None) -> None:
+                       kv_indices_gpu: torch.Tensor, last_page_len: torch.Tensor,
+                       uniform_q_len: int | None = None) -> None:
         # indptr and last_page_len are pinned CPU tensors: plan reads them on the host, and its copies of
         # them to the GPU stay asynchronous
         for kv_dtype, wrapper in self.wrappers.items():

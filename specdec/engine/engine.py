@@ -86,7 +86,8 @@ class Engine:
         self.runner = TargetRunner(self.model, backend_name=self.backend_name,
                                    kv_dtype=layer_kv_dtypes if self.full_precision_layers else self.kv_dtype,
                                    page_size=config.page_size, max_batch=config.max_num_seqs, block_lens=(lookahead,),
-                                   max_prefill_tokens=config.max_prefill_tokens, feature_layers=drafter.target_layer_ids if drafter is not None else ())
+                                   max_prefill_tokens=config.max_prefill_tokens,
+                                   feature_layers=drafter.target_layer_ids if drafter is not None else ())
         if drafter is not None:
             drafter.attach(DraftContext(self.device, self.dtype, self.drafter_kv_dtype, config.page_size, self.backend_name,
                                         config.max_num_seqs, self.max_context, self.model.model.embed_tokens,

@@ -46,8 +46,8 @@ def read_kv_scales(model_dir: Path, num_layers: int) -> KVScales | None:
     for which, scales in found.items():
         missing = sorted(set(range(num_layers)) - set(scales))
         if missing:
-            raise ValueError(f"{model_dir} has FP8 KV scales for some layers but no {which}_scale for layers {missing}; "
-                             f"give every layer its scales or none")
+            raise ValueError(f"{model_dir} has FP8 KV scales for some layers but no {which}_scale for layers "
+                             f"{missing}; give every layer its scales or none")
         if any(s <= 0 for s in scales.values()):
             raise ValueError(f"{model_dir} has a non-positive {which}_scale: {min(scales.values())}")
     return KVScales(tuple(found["k"][i] for i in range(num_layers)), tuple(found["v"][i] for i in range(num_layers)))
