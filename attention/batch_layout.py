@@ -109,15 +109,15 @@ class BatchLayout:
     def new_kv_positions(self) -> np.ndarray:
         return self.new_kv_rows()[1]
 
-    def new_kv_pages(self) -> tuple[np.ndarray, np.ndarray]:
-        """(page, offset) of every written token, flattened, on the host."""
+    def new_kv_places(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(position, page, offset) of every written token, flattened, on the host."""
         requests, positions = self.new_kv_rows()
         pages = self.kv_indices[self.kv_indptr()[requests] + positions // self.page_size]
-        return pages, positions % self.page_size
+        return positions, pages, positions % self.page_size
 
     def new_kv_slots(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(page, offset) of every written token, flattened, as int64 tensors on `device`."""
-        pages, offsets = self.new_kv_pages()
+        _, pages, offsets = self.new_kv_places()
         return upload(pages.astype(np.int64), device), upload(offsets.astype(np.int64), device)
 
 

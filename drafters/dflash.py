@@ -91,14 +91,10 @@ class DFlashDrafter(ModelRunner, Drafter):
             table.grow(n)
             ends.append(table.length)
         layout = BatchLayout.for_tokens(lens, ends, [t.array for t in tables], self.page_size, causal=False)
-        pages, offsets = layout.new_kv_pages()
-        first, total = self._feature_row(features), len(pages)
-        inputs = self.context_inputs
-        inputs.fill("rows", np.arange(first, first + total))
-        inputs.fill("positions", layout.new_kv_positions())
-        inputs.fill("pages", pages, pad=self.kv.scratch_page)
-        inputs.fill("offsets", offsets)
-        inputs.upload()
+        total = self.stage_token_rows(self.context_step, layout)
+        first = self._feature_row(features)
+        self.context_inputs.fill("rows", np.arange(first, first + total))
+        self.context_inputs.upload()
         self.run_tokens(self.context_step, total)
 
     def _feature_row(self, features: torch.Tensor) -> int:

@@ -61,6 +61,7 @@ class StepOutput:
     finished: list[Request] = field(default_factory=list)  # retired in this step: their pages are back
     preempted: list[Request] = field(default_factory=list)  # gave their pages back; requeued to recompute
 ACTIVATION_RESERVE_BYTES = 2 << 30  # GPU memory kept free for activations and workspaces
+INTERRUPTED = "generation was interrupted before this request finished"  # an aborted request's error
 
 
 class Engine:
@@ -283,14 +284,11 @@ class Engine:
         request = self.scheduler.find(request_id)
         if request is None or request.finished:
             return None
-        if reason == "abort":
-            self.abort_all([request])
-        else:
-            self.abort_all([request], reason=reason, message=None)
+        self.abort_all([request], reason, INTERRUPTED if reason == "abort" else None)
         return request
 
     def abort_all(self, requests: list[Request] | None = None, reason: str = "abort",
-                  message: str = "generation was interrupted before this request finished") -> list[Request]:
+                  message: str | None = INTERRUPTED) -> list[Request]:
         """Finish every unfinished request of `requests` (default: all the engine holds) with `reason` and
         give back all they hold; returns the requests it finished."""
         if requests is None:

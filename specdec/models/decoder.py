@@ -162,7 +162,6 @@ class CausalLM(nn.Module):
         x = self.embed(input_ids)
         rope = self.rotary.at(positions, x.dtype, fused=self.fused_kernels)
         wanted = {layer: None for layer in feature_layers}
-        hidden_size = self.config.hidden_size
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, attention(i, rope))

@@ -30,6 +30,13 @@ def ladder_sizes(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted({s for s in DEFAULT_LADDER if s < max_batch} | {max_batch}))
 
 
+def captured_size_for(sizes: tuple[int, ...], graphs: dict, n: int) -> int | None:
+    """The smallest of the ascending `sizes` that holds `n`, once `graphs` are captured (None: run eagerly)."""
+    if not graphs:
+        return None
+    return next((s for s in sizes if s >= n), None)
+
+
 def graph_max_pages(num_pages: int, max_batch: int, new_rows_per_request: int, page_size: int) -> int:
     """Page-index room a graph slot needs: every real page at most once, plus the scratch pages of
     padding requests that each write `new_rows_per_request` K/V rows."""
@@ -100,9 +107,7 @@ class GraphLadder:
         return time.perf_counter() - start
 
     def rung_for(self, batch: int) -> int | None:
-        if not self.graphs:
-            return None
-        return next((s for s in self.sizes if s >= batch), None)
+        return captured_size_for(self.sizes, self.graphs, batch)
 
     def slot(self, rung: int):
         return self.slots[rung]

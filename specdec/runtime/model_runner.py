@@ -51,8 +51,8 @@ class GraphMemory:
 class TokenStep:
     """A step of any token count up to `max_tokens` (ragged requests), captured as piecewise graphs over
     a ladder of token counts (`piecewise_graphs.py`). `body(size, cut)` reads `inputs` (staged per step;
-    their "pages" field, the K/V write pages, points at the scratch page while capturing) and writes
-    static buffers; eagerly it runs with the real token count and its gaps in place."""
+    their "positions", "pages" and "offsets" by `stage_token_rows`, "pages" pointing at the scratch page
+    while capturing) and writes static buffers; eagerly it runs with the real token count and its gaps in place."""
 
     key: object
     name: str
@@ -200,6 +200,16 @@ class ModelRunner:
             ladder.replay(rung)
             return None
         return body(batch)
+
+    def stage_token_rows(self, step: TokenStep, layout: BatchLayout) -> int:
+        """Stage the positions and K/V write slots of `layout`'s new tokens in the step's inputs (rows past
+        them write to the scratch page); returns how many rows that is. The caller fills the rest of its
+        inputs and uploads them."""
+        positions, pages, offsets = layout.new_kv_places()
+        step.inputs.fill("positions", positions)
+        step.inputs.fill("pages", pages, pad=self.kv.scratch_page)
+        step.inputs.fill("offsets", offsets)
+        return len(positions)
 
     def run_tokens(self, step: TokenStep, tokens: int, *, eager: bool = False) -> None:
         """Run token step `step` over its first `tokens` staged rows: the piecewise graphs of the smallest

@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from specdec.runtime.cuda_graphs import captured_size_for
+
 Gap = Callable[[int], None]  # eager work between two pieces, given the step's real token count
 Cut = Callable[[Gap], None]
 
@@ -101,9 +103,7 @@ class PiecewiseGraphs:
         return time.perf_counter() - start
 
     def size_for(self, tokens: int) -> int | None:
-        if not self.graphs:
-            return None
-        return next((s for s in self.sizes if s >= tokens), None)
+        return captured_size_for(self.sizes, self.graphs, tokens)
 
     def replay(self, size: int, tokens: int) -> None:
         self.graphs[size].replay(tokens)

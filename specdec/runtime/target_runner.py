@@ -152,7 +152,9 @@ class TargetRunner(ModelRunner):
             raise ValueError(f"a step of {total} tokens exceeds the {self.max_step_tokens} the runner was sized for")
         layout = self._grow([*tables, *prefill.tables], [q] * len(tables) + prefill.lens)
         self.attn.plan(layout, write_slots=False)  # the step writes K/V to the slots staged here
-        self.mixed.stage(ids, layout, self.kv.scratch_page)
+        self.stage_token_rows(self.mixed_step, layout)
+        self.mixed.inputs.fill("ids", ids)
+        self.mixed.inputs.upload()
         if rest is not None:  # the drafts are already on the device
             self.mixed.inputs["ids"][:n].view(-1, q)[:, 1:].copy_(rest)
         self.run_tokens(self.mixed_step, total, eager=not self._graphs_usable())
@@ -218,11 +220,3 @@ class MixedStepBuffers:
         self.query = torch.zeros(max_tokens, c.num_attention_heads, model.head_dim, dtype=dtype, device=device)
         self.attention = torch.zeros_like(self.query)
         self.hidden = torch.zeros(max_tokens, c.hidden_size, dtype=dtype, device=device)
-
-    def stage(self, ids: np.ndarray, layout: BatchLayout, scratch_page: int) -> None:
-        pages, offsets = layout.new_kv_pages()
-        self.inputs.fill("ids", ids)
-        self.inputs.fill("positions", layout.new_kv_positions())
-        self.inputs.fill("pages", pages, pad=scratch_page)
-        self.inputs.fill("offsets", offsets)
-        self.inputs.upload()
