@@ -99,6 +99,11 @@ def layer_dtypes(num_layers: int, dtype: torch.dtype, full_precision_layers=(), 
     return tuple(full_dtype if i in full_precision_layers else dtype for i in range(num_layers))
 
 
+def _per_layer(dtype: torch.dtype | tuple[torch.dtype, ...], num_layers: int) -> tuple[torch.dtype, ...]:
+    """One dtype for every layer, or each layer's already."""
+    return dtype if isinstance(dtype, tuple) else (dtype,) * num_layers
+
+
 class KVCache:
     """The K/V tensors of every layer of one model, sharing one page geometry.
 
@@ -120,7 +125,7 @@ class KVCache:
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.layer_dtypes = dtype if isinstance(dtype, tuple) else (dtype,) * num_layers
+        self.layer_dtypes = _per_layer(dtype, num_layers)
         if len(self.layer_dtypes) != num_layers:
             raise ValueError(f"{len(self.layer_dtypes)} layer dtypes for {num_layers} layers")
         self.scratch_page = num_pages
@@ -135,8 +140,8 @@ class KVCache:
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype | tuple[torch.dtype, ...]) -> int:
-        dtypes = dtype if isinstance(dtype, tuple) else (dtype,) * num_layers
-        return sum(2 * page_size * num_kv_heads * head_dim * torch.empty((), dtype=d).element_size() for d in dtypes)
+        return sum(2 * page_size * num_kv_heads * head_dim * torch.empty((), dtype=d).element_size()
+                   for d in _per_layer(dtype, num_layers))
 
     def calibrate_on_first_write(self) -> None:
         for layer in self.layers:

@@ -84,8 +84,7 @@ class Engine:
         lookahead = drafter.block_size if drafter is not None else 1
         self.model.rotary.max_positions = self.max_context + lookahead  # RoPE table size on the fused path
         # the runners' static buffers exist before the KV pool is sized from what memory is left
-        self.runner = TargetRunner(self.model, backend_name=self.backend_name,
-                                   kv_dtype=layer_kv_dtypes if self.full_precision_layers else self.kv_dtype,
+        self.runner = TargetRunner(self.model, backend_name=self.backend_name, kv_dtype=layer_kv_dtypes,
                                    page_size=config.page_size, max_batch=config.max_num_seqs, block_lens=(lookahead,),
                                    max_prefill_tokens=config.max_prefill_tokens,
                                    feature_layers=drafter.target_layer_ids if drafter is not None else ())
