@@ -123,7 +123,7 @@ def describe(problem_set: ProblemSet, args, argv, llm: LLM, drafter, problems, f
         "data": problem_set.data_label(args.data), "limit": args.limit, "seed": args.seed,
         "num_problems": len(problems), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "concurrency": args.concurrency, "kv_cache_dtype": args.kv_cache_dtype, "kv_dtype": str(engine.kv_dtype),
-        "drafter_kv_dtype": str(engine.drafter_kv_dtype), "cuda_graphs": engine.graph_capture_seconds is not None,
+        "kv_full_precision_layers": list(engine.full_precision_layers), "drafter_kv_dtype": str(engine.drafter_kv_dtype), "cuda_graphs": engine.graph_capture_seconds is not None,
         "graph_capture_s": engine.graph_capture_seconds,
         "device": str(engine.device), "device_name": device_name(engine.device), "dtype": str(engine.dtype),
         "attention_backend": engine.backend_name, "num_kv_pages": engine.num_pages,

@@ -136,6 +136,7 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
 
 STEP_RANGE = "specdec_step"
 GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_RANGES = ("user_annotation", "host")
 
 
 @dataclass
@@ -160,16 +161,19 @@ def profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: i
     del engine.step, engine.scheduler.schedule
     # raw kineto events: the profiler's event tree is not built (slow for thousands of steps)
     events = list(prof.profiler.kineto_results.events())
-    ranges = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == STEP_RANGE)
+    # the host's range of each step (the profiler mirrors it on the GPU timeline as a gpu_user_annotation)
+    ranges = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
+                    if e.name() == STEP_RANGE and event_kind(e) in HOST_RANGES)
     if len(ranges) != len(records):
         raise RuntimeError(f"the profiler recorded {len(ranges)} step ranges for {len(records)} steps")
-    busy = [0] * len(ranges)
+    activity = [[] for _ in ranges]
     starts = [r[0] for r in ranges]
     for e in events:
         if event_kind(e) in GPU_ACTIVITIES:
             i = bisect.bisect_right(starts, e.start_ns()) - 1
             if i >= 0 and e.start_ns() < ranges[i][1]:
-                busy[i] += e.duration_ns()
+                activity[i].append((e.start_ns(), e.start_ns() + e.duration_ns()))
+    busy = [covered_ns(intervals) for intervals in activity]
     profiles = []
     for kind, prefilled in (("decode only", False), ("with prefill", True)):
         chosen = [(r[2], b / 1e9) for r, b in zip(records, busy) if r[0] == prefilled]
@@ -178,6 +182,18 @@ def profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: i
                                         1e3 * statistics.median(w for w, _ in chosen),
                                         1e3 * statistics.median(b for _, b in chosen)))
     return profiles
+
+
+def covered_ns(intervals: list[tuple[int, int]]) -> int:
+    """The time the GPU was busy: the union of its activities' intervals (a graph's kernels can be reported
+    more than once, and copies overlap kernels)."""
+    total, end = 0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            total, end = total + stop - start, stop
+        elif stop > end:
+            total, end = total + stop - end, stop
+    return total
 
 
 def profile_table(profiles: list[StepProfile]) -> str:
@@ -210,7 +226,7 @@ def main(argv=None) -> int:
             model = str(random_target(Path(tmp) / "target", TINY_SHAPE, torch.device("cpu"), std=0.2))
             drafter = drafter or str(tiny_drafter(Path(tmp) / "drafter", Path(model)))
         systems = [("AR", None)] + ([("DFlash", drafter)] if drafter else [])
-        rows, profiles = [], []
+        rows, profiles, engines = [], [], []
         for system, draft in systems:
             llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency),
                       kv_cache_dtype=args.kv_cache_dtype)
@@ -221,6 +237,8 @@ def main(argv=None) -> int:
                 count = len(prompts) if args.rounds is None else min(len(prompts), args.rounds * concurrency)
                 rows.append(run_load(llm, system, prompts[:count], concurrency, args.max_new_tokens))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
+            engines.append({"system": system, "kv_cache_dtype": args.kv_cache_dtype, "num_kv_pages": llm.engine.num_pages,
+                            "kv_full_precision_layers": list(llm.engine.full_precision_layers)})
             if args.profile:
                 count = min(len(prompts), 2 * args.profile)  # the profiler's own cost grows with the run
                 profiles += profile_load(llm, system, prompts[:count], args.profile, args.max_new_tokens,
@@ -232,7 +250,7 @@ def main(argv=None) -> int:
         print(profile_table(profiles))
     if args.out:
         Path(args.out).write_text(json.dumps({"command": sys.argv, "environment": environment(device),
-                                              "rows": [asdict(r) for r in rows],
+                                              "engines": engines, "rows": [asdict(r) for r in rows],
                                               "profiles": [asdict(p) for p in profiles]}, indent=1))
     return 0
 
