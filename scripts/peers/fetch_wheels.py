@@ -1,6 +1,6 @@
 """Download the wheels a peer engine (vLLM or SGLang) needs on the GPU machine, and pack them for transfer.
 
-    python scripts/peers/fetch_wheels.py vllm|sglang [--resolve] [--piece-mb 40]
+    python scripts/peers/fetch_wheels.py vllm|sglang [--resolve] [--piece-mb 30]
 
 The GPU machine has torch 2.11 (CUDA 13), transformers and many other packages (image_packages.txt),
 and no network. This resolves the peer's dependency closure for that machine (CPython 3.12, manylinux
@@ -126,7 +126,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("peer", choices=sorted(PEERS))
     p.add_argument("--resolve", action="store_true", help="resolve again and rewrite scripts/peers/<peer>.lock")
-    p.add_argument("--piece-mb", type=int, default=40, help="piece size; the repo's tracked files travel too")
+    p.add_argument("--piece-mb", type=int, default=30,
+                   help="piece size: a piece, the repo's tracked files (~25 MiB) and nothing else fit one call's 64 MiB")
     args = p.parse_args(argv)
     lock = HERE / f"{args.peer}.lock"
     if args.resolve or not lock.exists():
