@@ -38,6 +38,8 @@ for kv in $kvs; do
 done
 echo "=== $(date +%T) steps, batch 1 (bf16 and fp8 rows)"
 python3 scripts/bench_steps.py --model "$target" --out "$out/steps.json" 2>&1 | tail -20
+# the same batch-1 rows from an engine sized for one request (max_num_seqs 1, as bench_peers runs batch 1)
+python3 scripts/bench_steps.py --model "$target" --batches 1 --fp8-batches 1 --out "$out/steps-b1.json" 2>&1 | tail -8
 for kv in auto fp8; do
   echo "=== $(date +%T) load, concurrency 64, $kv"
   python3 scripts/bench_load.py --model "$target" --drafter "$(pwd)/drafters/checkpoints/qwen2.5-coder-1.5b-dflash-b16" \
