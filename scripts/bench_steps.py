@@ -16,6 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +32,7 @@ from drafters.dflash_model import DFlashDraftModel, read_dflash_config  # noqa: 
 from scripts.bench.random_models import TARGET_SHAPE, TINY_SHAPE, random_target, tiny_drafter  # noqa: E402
 from scripts.bench.runner import environment, release_memory  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
+from specdec.engine import decoding, speculator  # noqa: E402
 from specdec.weights.demo_models import resolve_model  # noqa: E402
 
 SHIPPED_DRAFTER = "qwen2.5-coder-1.5b-dflash-b16"
@@ -130,6 +132,49 @@ def event_kind(event) -> str:
         return "gpu_memcpy" if event.name().startswith(("Memcpy", "Memset")) else "kernel"
 
 
+@contextmanager
+def host_timers(llm):
+    """Host seconds spent, inside the block, planning attention (every plan / plan_graph of the target's and
+    the drafter's backends: FlashInfer's plans included) and in the step's one device-to-host transfer
+    (where the host waits for the GPU)."""
+    spent = {"plan": 0.0, "transfer": 0.0}
+
+    def timed(key, fn):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - start
+        return call
+
+    runners = [llm.engine.runner, llm.engine.drafter]
+    backends = [r.attn for r in runners if getattr(r, "attn", None) is not None]
+    patched = [(b, name) for b in backends for name in ("plan", "plan_graph") if hasattr(b, name)]
+    for backend, name in patched:  # instance attributes shadow the class's methods until deleted
+        setattr(backend, name, timed("plan", getattr(backend, name)))
+    original = decoding.to_host
+    decoding.to_host = speculator.to_host = timed("transfer", original)
+    try:
+        yield spent
+    finally:
+        decoding.to_host = speculator.to_host = original
+        for backend, name in patched:
+            delattr(backend, name)
+
+
+def host_split(llm, prompts, max_new: int) -> dict:
+    """Per decode step of one generate: host ms planning attention, ms waiting in the step's transfer, and
+    the rest of the wall time (scheduling, staging, launches, sampling, commits). The sums include the
+    generate's one prefill step, a small share over its decode steps."""
+    with host_timers(llm) as spent:
+        results = llm.generate(prompts, greedy(max_new))
+    run = longest(results)
+    per_step = lambda seconds: seconds / run["steps"] * 1e3  # noqa: E731
+    return {"plan_ms": per_step(spent["plan"]), "transfer_wait_ms": per_step(spent["transfer"]),
+            "other_host_ms": per_step(run["decode_s"] - spent["plan"] - spent["transfer"])}
+
+
 def device_time(llm, prompts, max_new: int, cuda: bool) -> tuple[float, float, int]:
     """(kernel s, memcpy + memset s, steps) of one profiled generate. The raw kineto events are read:
     this skips the profiler's costly event-tree building, and CUDA-graph replays show as their kernels."""
@@ -162,6 +207,7 @@ def bench_config(model: str, drafter, batches: list[int], prompts, args, **engin
     rows = []
     for b in batches:
         rows.append({"batch": b, **step_wall(llm, prompts[:b], args.max_new_tokens, args.repeats),
+                     **host_split(llm, prompts[:b], args.max_new_tokens),
                      **step_kernels(llm, prompts[:b], args.profile_tokens, args.device.type == "cuda")})
         print(f"  batch {b}: {rows[-1]['step_wall_ms']:.2f} ms/step", file=sys.stderr, flush=True)
     capture = getattr(llm.engine, "graph_capture_seconds", None)  # read late: capture may wait for a first step
@@ -242,13 +288,17 @@ def report(info: dict) -> str:
              f"prefill-only one, per step; memcpy + memset apart. n/a: no CUDA, or the kernels were not visible.",
              f"CUDA-graph capture: {captures or 'not reported by the engine'}."
              + (" CPU: the engine runs eager whatever 'graphs' says." if env["device"] == "cpu" else ""), "",
+             "Host split (one more generate, per step of the longest request): plan = attention planning "
+             "(FlashInfer's plans included), wait = the step's device-to-host transfer (the host waiting for the "
+             "GPU), other = the rest of the step's wall time.", "",
              "| system | KV | graphs | batch | step wall ms | GPU kernel ms | memcpy ms | busy % | bound ms | "
-             "wall/kernel | tok/step | TPOT ms |", "|" + "---|" * 12]
+             "wall/kernel | tok/step | TPOT ms | plan / wait / other ms |", "|" + "---|" * 13]
     for r in info["rows"]:
         lines.append(f"| {r['system']} | {r['kv']} | {'yes' if r['graphs'] else 'no'} | {r['batch']} | "
                      f"{r['step_wall_ms']:.2f} | {fmt(r['kernel_ms'])} | {fmt(r['memcpy_ms'], '.3f')} | "
                      f"{fmt(r['busy_pct'], '.0f')} | {r['bound_ms']:.2f} | {fmt(r['wall_over_kernel'])} | "
-                     f"{r['tokens_per_step']:.2f} | {r['tpot_ms']:.2f} |")
+                     f"{r['tokens_per_step']:.2f} | {r['tpot_ms']:.2f} | {r['plan_ms']:.2f} / "
+                     f"{r['transfer_wait_ms']:.2f} / {r['other_host_ms']:.2f} |")
     return "\n".join(lines)
 
 

@@ -1,6 +1,6 @@
 """scripts/bench_steps.py on CPU: the quick run end to end (tiny random target and drafter), the
-weight-byte count of the default target's shape, how kernel times turn into busy % or n/a, and how
-profiler events are sorted."""
+weight-byte count of the default target's shape, how kernel times turn into busy % or n/a, how
+profiler events are sorted, and the host timers leaving the engine as they found it."""
 
 import json
 from types import SimpleNamespace
@@ -13,7 +13,8 @@ from drafters import DEFAULT_DRAFTERS, resolve_drafter_path
 from drafters.dflash_model import read_dflash_config
 from drafters.training.drafter_config import parameter_counts
 from scripts.bench.random_models import TARGET_SHAPE
-from scripts.bench_steps import derive, event_kind, main, weight_bytes
+from scripts.bench_steps import derive, event_kind, host_timers, main, weight_bytes
+from specdec.engine import decoding, speculator
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,8 @@ def test_quick_run_has_every_row_with_positive_times(quick):
         assert r["step_wall_ms"] > 0 and r["tpot_ms"] > 0 and r["bound_ms"] > 0
         assert r["steps"] >= 1 and 1 <= r["tokens_per_step"] <= 4  # the tiny drafter's block is 4
         assert r["kernel_ms"] is None and r["busy_pct"] is None  # no CUDA: n/a, not a number
+        assert r["plan_ms"] > 0 and r["transfer_wait_ms"] >= 0  # the torch backend plans on the host too
+        assert r["plan_ms"] + r["transfer_wait_ms"] < r["step_wall_ms"] * 1.5
     assert quick["copy_bandwidth"] > 0 and quick["skipped"] is None
     w = quick["weight_bytes"]
     assert w["dflash"] == w["target"] + w["drafter"] + w["lm_head"] and w["drafter"] > 0
@@ -69,3 +72,21 @@ def test_event_kinds_without_activity_type():
     assert event_kind(event(cuda, "Memcpy DtoD (Device -> Device)")) == "gpu_memcpy"
     assert event_kind(event(cpu, "aten::mm")) == "host"
     assert event_kind(SimpleNamespace(activity_type=lambda: "gpu_memset")) == "gpu_memset"
+
+
+def test_host_timers_count_plans_and_transfers_and_then_leave_no_trace():
+    calls = []
+
+    class Backend:
+        def plan(self, layout):
+            calls.append(layout)
+
+    backend = Backend()
+    llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(attn=backend), drafter=None))
+    to_host = decoding.to_host
+    with host_timers(llm) as spent:
+        backend.plan("layout")
+        assert decoding.to_host is not to_host and speculator.to_host is decoding.to_host
+        assert decoding.to_host(torch.tensor([[1, 2]]), None) == [[1, 2]]
+    assert calls == ["layout"] and spent["plan"] > 0 and spent["transfer"] > 0
+    assert "plan" not in vars(backend) and decoding.to_host is to_host and speculator.to_host is to_host
