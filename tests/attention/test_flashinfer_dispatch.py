@@ -16,11 +16,13 @@ class RecordingWrapper:
     instances = []
 
     def __init__(self, workspace, layout, backend="auto", **kwargs):
-        self.backend, self.plans, self.runs = backend, [], []
+        self.backend, self.plans, self.lengths, self.runs = backend, [], [], []
         RecordingWrapper.instances.append(self)
 
-    def plan(self, *args, kv_data_type=None, **kwargs):
+    def plan(self, *args, kv_data_type=None, seq_lens=None, max_token_per_sequence=None, max_sequence_kv=None,
+             **kwargs):
         self.plans.append(kv_data_type)
+        self.lengths.append((seq_lens.tolist(), max_token_per_sequence, max_sequence_kv))
 
     def run(self, q, data, out=None, **scales):
         self.runs.append((data.dtype, sorted(scales)))
@@ -55,3 +57,15 @@ def test_each_layer_runs_the_wrapper_of_its_dtype(backend_class):
         backend.attend(q, layer)
     assert bf16.runs == [(torch.bfloat16, [])]
     assert fp8.runs == [(FP8_DTYPE, ["k_scale", "v_scale"])] * 2
+
+
+def test_plans_get_the_layouts_lengths(backend_class):
+    """The KV lengths and maxima FlashInfer would otherwise derive from the indptrs, as the layout has them."""
+    FlashInferBackend = backend_class  # noqa: N806
+
+    RecordingWrapper.instances = []
+    backend = FlashInferBackend(4, 2, 8, 8 ** -0.5, device=torch.device("cpu"), kv_dtypes=(torch.bfloat16,),
+                                q_dtype=torch.bfloat16)
+    (wrapper,) = RecordingWrapper.instances
+    backend.plan(BatchLayout.for_tokens([3, 1, 2], [3, 9, 5], [[0], [1, 2, 3], [4, 5]], 4, causal=True))
+    assert wrapper.lengths == [([3, 9, 5], 3, 9)]
