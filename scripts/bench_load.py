@@ -69,6 +69,8 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--device", default="cuda")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="the target's KV cache")
+    p.add_argument("--overlap-steps", action="store_true", help="also plain decoding with overlapped steps "
+                                                                "(rows 'AR overlapped')")
     p.add_argument("--profile", type=int, metavar="C", help="one more level at concurrency C under the profiler: "
                                                             "wall vs GPU busy time per kind of step")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
@@ -135,6 +137,7 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
 
 
 STEP_RANGE = "specdec_step"
+OVERLAPPED = "AR overlapped"  # plain decoding with overlapped steps (--overlap-steps)
 GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_RANGES = ("user_annotation", "host")
 
@@ -225,11 +228,12 @@ def main(argv=None) -> int:
         if args.quick and model is None:
             model = str(random_target(Path(tmp) / "target", TINY_SHAPE, torch.device("cpu"), std=0.2))
             drafter = drafter or str(tiny_drafter(Path(tmp) / "drafter", Path(model)))
-        systems = [("AR", None)] + ([("DFlash", drafter)] if drafter else [])
+        systems = ([("AR", None)] + ([(OVERLAPPED, None)] if args.overlap_steps else [])
+                   + ([("DFlash", drafter)] if drafter else []))
         rows, profiles, engines = [], [], []
         for system, draft in systems:
             llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency),
-                      kv_cache_dtype=args.kv_cache_dtype)
+                      kv_cache_dtype=args.kv_cache_dtype, overlap_steps=system == OVERLAPPED)
             prompts = (random_prompts(llm.engine.model.config.vocab_size, args.requests) if args.quick
                        else chat_prompts(llm, args.requests))
             run_load(llm, system, prompts[:min(4, len(prompts))], 1, 4)  # warm-up: graphs, kernels, allocator

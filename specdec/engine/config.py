@@ -71,6 +71,10 @@ class EngineConfig:
                                            choices=KV_CACHE_DTYPES)
     # CUDA graphs for the decode, verify and draft steps (CUDA only; CPU is always eager)
     enforce_eager: bool = _setting(False, "run every step eagerly (no CUDA graphs; CPU is always eager)")
+    # plain decoding: queue step N + 1 before reading step N's tokens back (specdec/engine/flight.py); off
+    # until measured on a GPU
+    overlap_steps: bool = _setting(False, "plain decoding: the host prepares and queues the next step before "
+                                          "waiting for this one's tokens (speculative steps stay in order)")
 
     def __post_init__(self):
         problems = []

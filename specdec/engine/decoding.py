@@ -3,6 +3,7 @@
     decoding = PlainDecoding(runner)                  # one token per request per step
     decoding = SpeculativeDecoding(runner, drafter)   # a drafted block verified per request (speculator.py)
     tokens = decoding.step(running)                   # list[list[int]], in the order of `running`
+    launched = plain.launch(running, prefill, carried)  # plain decoding, overlapped: tokens read back later
 
 A phase never sees the engine. The engine commits each request's tokens in order and may take fewer
 (EOS, a stop string or max_new_tokens end the request; so does a failure of that request alone):
@@ -17,7 +18,7 @@ import torch
 
 from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
-from specdec.runtime.target_runner import PrefillChunks, TargetRunner
+from specdec.runtime.target_runner import Carried, PrefillChunks, TargetRunner
 
 
 class DecodePhase(Protocol):
@@ -39,6 +40,43 @@ class PlainDecoding:
         out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], None, 1,
                                      prefill)
         return to_host(sample_block(out, running, 1)[:, None], prefill)
+
+    @torch.no_grad()
+    def launch(self, running: list[Request], prefill: PrefillChunks | None, carried: Carried | None) -> "Launched":
+        """The same step without waiting for its tokens (overlapped steps): they stay on the device, where
+        the next step can read them (`carried`: this step's first tokens that are still there), and are
+        on their way to the host, where `Launched.tokens` reads them."""
+        parts = []
+        if running:
+            out = self.runner.run_block([r.target_pages for r in running],
+                                        [0 if r.in_flight else r.pending_token for r in running], None, 1, prefill,
+                                        carried)
+            parts.append(sample_block(out, running, 1).view(-1).long())
+        else:
+            self.runner.run_prefill(prefill)
+        if prefill is not None and prefill.sample_first is not None:
+            parts.append(prefill.sample_first(prefill.out.logits).view(-1).long())
+        return Launched(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.runner.device))
+
+
+class Launched:
+    """A step's sampled tokens on the device (a tensor of their own: the next step overwrites the static
+    buffers) and their copy on its way to pinned host memory, started as soon as the step's work is queued."""
+
+    def __init__(self, on_device: torch.Tensor):
+        self.on_device = on_device
+        cuda = on_device.device.type == "cuda"
+        self._host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=cuda)
+        self._host.copy_(on_device, non_blocking=cuda)
+        self._ready = torch.cuda.Event() if cuda else None
+        if self._ready is not None:
+            self._ready.record()
+
+    def tokens(self) -> list[int]:
+        """The step's one wait for the GPU: its tokens on the host."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 def to_host(rows: torch.Tensor, prefill: PrefillChunks | None) -> list[list[int]]:

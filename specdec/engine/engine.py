@@ -34,6 +34,7 @@ from attention.transfer import upload
 from specdec.engine.config import EngineConfig, full_precision_layer_list
 from specdec.engine.decoding import DecodePhase, PlainDecoding
 from specdec.engine.drafter import DraftContext
+from specdec.engine.flight import Flight
 from specdec.engine.request import Request
 from specdec.engine.request_limits import RequestLimits
 from specdec.engine.sampler import make_generator, sample_batch
@@ -106,6 +107,9 @@ class Engine:
             self.decoding: DecodePhase = SpeculativeDecoding(self.runner, drafter)
         else:
             self.decoding = PlainDecoding(self.runner)
+        # overlapped steps: plain decoding only (a speculative step's plans need the previous acceptance)
+        self.overlap = config.overlap_steps and drafter is None
+        self.flight: Flight | None = None  # the launched step whose tokens are not committed yet
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, lookahead)
         self.limits = RequestLimits(self.max_context, mc.vocab_size, self.num_pages, config.page_size, lookahead)
         self._next_id = 0
@@ -228,7 +232,7 @@ class Engine:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.idle
+        return not self.scheduler.idle or self.flight is not None
 
     @property
     def num_waiting(self) -> int:
@@ -244,7 +248,7 @@ class Engine:
         if self.drafter is not None:
             for request in plan.preempted:
                 self.drafter.release(request)
-        if plan.empty and self.scheduler.waiting:
+        if plan.empty and self.scheduler.waiting and self.flight is None:
             raise RuntimeError("scheduler stalled with waiting requests and nothing to run")
         out = StepOutput(preempted=plan.preempted)
 
@@ -252,7 +256,9 @@ class Engine:
             out.committed.append((request, tokens))
             on_commit(request, tokens)
 
-        if plan.decode:  # prompt chunks ride along in the decode forward: an arrival never stalls the batch
+        if self.overlap:
+            self._overlapped(plan.decode, plan.prefill, commit)
+        elif plan.decode:  # prompt chunks ride along in the decode forward: an arrival never stalls the batch
             self._decode(plan.decode, commit, plan.prefill)
         elif plan.prefill:
             self._prefill(plan.prefill, commit)
@@ -270,10 +276,13 @@ class Engine:
                 if not request.finished:
                     self._prepare(request)
                     self.scheduler.add(request)
-            while not self.scheduler.idle:
+            while self.has_unfinished_requests:
                 self.step(on_commit)
         except BaseException:
-            self.abort_all(requests)
+            in_flight = self.flight.drop() if self.flight is not None else []
+            self.flight = None
+            called = {id(r) for r in requests}
+            self.abort_all([*requests, *(r for r in in_flight if id(r) not in called)])
             raise
 
     def abort(self, request_id: int, reason: str = "abort") -> Request | None:
@@ -292,6 +301,9 @@ class Engine:
         give back all they hold; returns the requests it finished."""
         if requests is None:
             requests = [*self.scheduler.running, *self.scheduler.waiting]
+            if self.flight is not None:  # every request ends: the step in flight has nothing left to commit
+                self.flight.drop()
+                self.flight = None
         ended = [r for r in requests if not r.finished]
         for request in ended:
             request.finish(reason, message)
@@ -377,6 +389,20 @@ class Engine:
         if starting:
             for request, token in zip(starting, prefill.first_tokens):
                 self.commit(request, [token], on_commit)
+
+    def _overlapped(self, running: list[Request], chunks: list[tuple[Request, int]], on_commit: OnCommit) -> None:
+        """Queue this step (plain decoding, prompt chunks riding along), then commit the previous step's
+        tokens while the GPU runs it (specdec/engine/flight.py)."""
+        launched = None
+        if running or chunks:
+            if self.use_graphs and self.graph_capture_seconds is None:
+                self.capture_graphs()
+            prefill, starting = self._prefill_chunks(chunks) if chunks else (None, [])
+            launched = Flight.launch(self.decoding, running, prefill, starting, self.flight, self.device)
+        previous, self.flight = self.flight, launched
+        if previous is not None:
+            previous.land(lambda request, token: self.commit(request, [token], on_commit))
+            self.scheduler.drop_finished_waiting()  # a request preempted with a token in flight may have ended
 
     def _decode(self, running: list[Request], on_commit: OnCommit,
                 chunks: list[tuple[Request, int]] | None = None) -> None:

@@ -25,7 +25,11 @@ class Request:
     committed (`pending_token`), which the next forward feeds in at position `num_cached`.
 
     Before that the request is prefilling: its `prefill_len` tokens (the prompt; after a preemption,
-    the prompt and all output but the pending token) go into the cache chunk by chunk."""
+    the prompt and all output but the pending token) go into the cache chunk by chunk.
+
+    With overlapped steps (plain decoding) a request may have a token `in_flight`: sampled on the device
+    by a step whose results the host has not read back yet. It counts as output already (the pending
+    token is then that one, on the device); the host commits it one step later."""
 
     request_id: int
     prompt_ids: list[int]
@@ -44,6 +48,8 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     stop_tail: str = field(default="", repr=False)  # the last (longest stop - 1) characters searched
     max_total_tokens: int | None = None  # the model's context: prompt + output never exceed it
+    in_flight: int = 0  # overlapped steps: tokens sampled on the device, not yet committed (1 between steps)
+    flight_row: int = -1  # where that token sits in its step's device tokens
 
     def __post_init__(self):
         self.stats.prompt_tokens = len(self.prompt_ids)
@@ -68,11 +74,19 @@ class Request:
     @property
     def prefill_len(self) -> int:
         """Tokens whose K/V the target cache must hold before the request decodes."""
-        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+        return len(self.prompt_ids) + max(len(self.output_ids) + self.in_flight - 1, 0)
 
     @property
     def decoding(self) -> bool:
-        return bool(self.output_ids) and self.target_pages.length == self.prefill_len
+        return (bool(self.output_ids) or self.in_flight) and self.target_pages.length == self.prefill_len
+
+    @property
+    def can_take_more(self) -> bool:
+        """Whether one more token fits its length limits once the token in flight is counted (EOS and
+        stop strings are only known when the tokens are)."""
+        generated = len(self.output_ids) + self.in_flight
+        return not self.finished and generated < self.params.max_new_tokens and (
+            self.max_total_tokens is None or len(self.prompt_ids) + generated < self.max_total_tokens)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens start .. end - 1 of prompt + output, without building the whole list."""

@@ -73,7 +73,9 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             request = self.running[i]
-            if request.finished:  # retired at the end of the step that finished it
+            # retired at the end of the step that finished it; a token in flight that will end it (its
+            # length limit) gets no further step
+            if request.finished or (request.in_flight and not request.can_take_more):
                 i += 1
                 continue
             tokens = self.lookahead if request.decoding else min(request.prefill_len - request.num_cached, budget)
@@ -106,6 +108,8 @@ class Scheduler:
         """Waiting requests join while their whole prefill (and one step after it) fits beside the plan."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.in_flight:  # preempted with a token on its way back: it recomputes once that has landed
+                break
             whole = self.pool.pages_for(request.prefill_len + self.lookahead)
             if whole > self.pool.num_free - planned:
                 break

@@ -41,6 +41,19 @@ class BlockOutput:
 
 
 @dataclass
+class Carried:
+    """First tokens still on the device (overlapped steps): request `rows[i]` of a block starts with
+    `values[i]`, a token the previous step sampled and the host has not read back yet."""
+
+    rows: torch.Tensor  # int64, on the device
+    values: torch.Tensor  # int64, on the device
+
+    def write(self, block_ids: torch.Tensor) -> None:
+        """Into the first column of the block's [B, q] input ids (in place, on the device)."""
+        block_ids[:, 0].index_copy_(0, self.rows, self.values)
+
+
+@dataclass
 class PrefillChunks:
     """Prompt chunks that ride along a block step, so that one forward runs both."""
 
@@ -109,11 +122,12 @@ class TargetRunner(ModelRunner):
         return BatchLayout.for_tokens(q_lens, ends, [t.array for t in tables], self.page_size, causal=True)
 
     def run_block(self, tables: list[PageTable], first_tokens: list[int], rest: torch.Tensor | None,
-                  q: int, prefill: PrefillChunks | None = None) -> BlockOutput:
-        """Each request gets [first_tokens[i], *rest[i]] (rest: [B, q - 1] on the device, or None for q = 1).
+                  q: int, prefill: PrefillChunks | None = None, carried: Carried | None = None) -> BlockOutput:
+        """Each request gets [first_tokens[i], *rest[i]] (rest: [B, q - 1] on the device, or None for q = 1);
+        `carried` replaces some first tokens with ones still on the device (overlapped steps).
         With `prefill`, its chunks run in the same forward and `prefill.out` is set."""
         if prefill is not None:
-            return self._run_mixed(tables, first_tokens, rest, q, prefill)
+            return self._run_mixed(tables, first_tokens, rest, q, prefill, carried)
         batch = len(tables)
         starts = np.array([t.length for t in tables], dtype=np.int64)
         layout = self._grow(tables, [q] * batch)
@@ -123,11 +137,15 @@ class TargetRunner(ModelRunner):
         inputs.fill("ids", ids)
         inputs.fill("starts", starts)
 
-        def drafts_into_ids() -> None:  # the drafts are already on the device: no round trip
-            inputs["ids"].view(-1, q)[:batch, 1:].copy_(rest)
+        def device_tokens_into_ids() -> None:  # drafts and carried tokens are already on the device: no round trip
+            block = inputs["ids"].view(-1, q)[:batch]
+            if rest is not None:
+                block[:, 1:].copy_(rest)
+            if carried is not None:
+                carried.write(block)
 
         self.dispatch(q, batch, layout, inputs, lambda b: self._block_body(q, b),
-                      after_upload=drafts_into_ids if rest is not None else None)
+                      after_upload=device_tokens_into_ids if rest is not None or carried is not None else None)
         return self._block_output(batch * q)
 
     def run_prefill(self, prefill: PrefillChunks) -> None:
@@ -139,7 +157,7 @@ class TargetRunner(ModelRunner):
         return BlockOutput(self.logits_out[:n], self.greedy_out[:n], features)
 
     def _run_mixed(self, tables: list[PageTable], first_tokens: list[int], rest: torch.Tensor | None, q: int,
-                   prefill: PrefillChunks) -> BlockOutput:
+                   prefill: PrefillChunks, carried: Carried | None = None) -> BlockOutput:
         """The block step and the prompt chunks in one forward (ragged queries, causal): block rows first,
         then the chunks. Replayed from the piecewise graphs of the next larger token count when they are
         captured, else eager. Block outputs land in the static buffers, as a block step's do."""
@@ -157,6 +175,8 @@ class TargetRunner(ModelRunner):
         self.mixed.inputs.upload()
         if rest is not None:  # the drafts are already on the device
             self.mixed.inputs["ids"][:n].view(-1, q)[:, 1:].copy_(rest)
+        if carried is not None:
+            carried.write(self.mixed.inputs["ids"][:n].view(-1, q))
         self.run_tokens(self.mixed_step, total, eager=not self._graphs_usable())
         hidden = self.mixed.hidden[:total]
         if n:

@@ -22,14 +22,22 @@ def drafter_dir(target_dir, tmp_path_factory):
     return tmp_path_factory.mktemp("scheduling-drafter")
 
 
-def make_engine(target_dir, drafter_dir, speculative: bool, **config):
+OVERLAP = "overlap"  # plain decoding with overlapped steps (specdec/engine/flight.py)
+MODES = pytest.mark.parametrize("speculative", [False, True, OVERLAP], ids=["ar", "dflash", "ar-overlapped"])
+
+
+def make_engine(target_dir, drafter_dir, speculative, **config):
+    """speculative: False (plain decoding), True (DFlash) or OVERLAP (plain decoding, overlapped steps)."""
+    if speculative == OVERLAP:
+        return spec_engine(target_dir, None, overlap_steps=True, **config)
     drafter = dflash_drafter(target_dir, drafter_dir, 4) if speculative else None
     return spec_engine(target_dir, drafter, **config)
 
 
 def alone(target_dir, drafter_dir, speculative, prompts, params_list):
-    """Each request run by itself on a roomy engine: what every schedule must reproduce."""
-    engine = make_engine(target_dir, drafter_dir, speculative)
+    """Each request run by itself on a roomy engine, one step after the other: what every schedule must
+    reproduce (overlapped steps included)."""
+    engine = make_engine(target_dir, drafter_dir, speculative is True)
     return [engine.generate_ids([p], params)[0].output_ids for p, params in zip(prompts, params_list)]
 
 
@@ -52,7 +60,7 @@ LONG = [list(range(3, 60)), [(7 * i) % (VOCAB - 3) + 3 for i in range(90)]]
 PARAMS = [SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=25, temperature=0.9, seed=4)]
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["ar", "dflash"])
+@MODES
 def test_requests_join_between_steps_and_match_running_alone(target_dir, drafter_dir, speculative):
     prompts = MANY_PROMPTS[:6]
     params = [PARAMS[i % 2] for i in range(len(prompts))]
@@ -76,7 +84,7 @@ def test_requests_join_between_steps_and_match_running_alone(target_dir, drafter
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["ar", "dflash"])
+@MODES
 def test_full_pool_preempts_and_recomputes_with_identical_output(target_dir, drafter_dir, speculative):
     prompts = MANY_PROMPTS + LONG
     params = [SamplingParams(max_new_tokens=40)] * 5 + [PARAMS[1]] * (len(prompts) - 5)
@@ -170,12 +178,12 @@ def test_one_request_failing_while_committing_fails_alone(target_dir, drafter_di
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["ar", "dflash"])
+@MODES
 def test_random_schedules_are_exact_and_leak_nothing(target_dir, drafter_dir, speculative):
     """Random arrivals, aborts, pool sizes and prefill budgets: every finished request equals its solo run,
     every aborted one holds a prefix of it, and the pools are full again at the end."""
-    rng = random.Random(7 if speculative else 8)
-    reference = make_engine(target_dir, drafter_dir, speculative)
+    rng = random.Random({True: 7, False: 8, OVERLAP: 9}[speculative])
+    reference = make_engine(target_dir, drafter_dir, speculative is True)
     for trial in range(4):
         engine = make_engine(target_dir, drafter_dir, speculative, num_kv_pages=rng.randint(30, 60),
                              max_num_seqs=rng.randint(2, 6), max_prefill_tokens=rng.randint(3, 40))

@@ -147,6 +147,39 @@ def test_mixed_step_graphs_equal_eager(model_dirs, drafter):
     print(json.dumps(report))
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_overlapped_steps_equal_steps_in_order(model_dirs, eager):
+    """Plain decoding with the next step queued before this one's tokens are read back: the same tokens as
+    steps run one after the other (the same batches, so the same kernels), staggered arrivals included,
+    and at most one wait for the GPU per step."""
+    ordered = make_engine(model_dirs, False, "auto", eager)
+    overlapped = make_engine(model_dirs, False, "auto", eager, overlap_steps=True)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    for batch, per_step in ((1, 1), (5, 5), (24, 3)):
+        ids = prompts(batch)
+        want, got = staggered(ordered, ids, params, per_step), staggered(overlapped, ids, params, per_step)
+        assert [r.output_ids for r in got] == [r.output_ids for r in want], batch
+        assert overlapped.pool.num_free == overlapped.pool.num_pages and overlapped.flight is None
+    requests = [overlapped.add_request(p, params) for p in prompts(5)]
+    overlapped.step()
+    overlapped.step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            overlapped.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    # the step's one wait is an event's; the sync debug mode may not report it at all
+    assert len([w for w in caught if "called a synchronizing" in str(w.message)]) <= 1
+    for request in requests:
+        overlapped.abort(request.request_id)
+    while overlapped.has_unfinished_requests:
+        overlapped.step()
+    assert overlapped.pool.num_free == overlapped.pool.num_pages
+
+
 @pytest.mark.parametrize("drafter", [False, True], ids=["ar", "dflash"])
 def test_graph_memory_is_counted_before_the_pool_is_sized(model_dirs, drafter):
     gc.collect()  # engines of earlier tests give their memory back first
