@@ -163,16 +163,8 @@ def test_overlapped_steps_equal_steps_in_order(model_dirs, eager):
     requests = [overlapped.add_request(p, params) for p in prompts(5)]
     overlapped.step()
     overlapped.step()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            overlapped.step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
     # the step's one wait is an event's; the sync debug mode may not report it at all
-    assert len([w for w in caught if "called a synchronizing" in str(w.message)]) <= 1
+    assert len(synchronizing_calls(overlapped.step)) <= 1
     for request in requests:
         overlapped.abort(request.request_id)
     while overlapped.has_unfinished_requests:
@@ -209,16 +201,22 @@ def synchronizations_in_one_step(engine: Engine, batch: int, sampling: dict) -> 
     engine.step()  # warm-up decode step
     assert all(r.decoding for r in admitted)
     noop = lambda request, tokens: None  # noqa: E731
+    syncs = synchronizing_calls(lambda: engine._decode(admitted, noop))
+    for request in admitted:
+        engine.abort(request.request_id)
+    return syncs
+
+
+def synchronizing_calls(run) -> list[str]:
+    """Where `run()` made the host wait for the GPU, as torch's sync debug mode reports it."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            engine._decode(admitted, noop)
+            run()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    for request in admitted:
-        engine.abort(request.request_id)
     # the message of a sync; the one-time "debug mode is a prototype" notice is not one
     return [f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)]
 
@@ -232,18 +230,11 @@ def synchronizations_in_a_step_with_an_arrival(engine: Engine, batch: int, sampl
     engine.step()
     engine.step()
     arrival = engine.add_request(prompts(1)[0], params(batch))
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            engine.step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    syncs = synchronizing_calls(engine.step)
     assert arrival.output_ids  # its prompt was prefilled in that step and its first token sampled
     for request in [*admitted, arrival]:
         engine.abort(request.request_id)
-    return [f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)]
+    return syncs
 
 
 @pytest.mark.parametrize("drafter", [False, True], ids=["ar", "dflash"])
