@@ -11,6 +11,7 @@ import random
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -136,6 +137,38 @@ def test_stop_strings_end_the_answer_where_the_library_does(server, client, refe
     assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == tokens
     assert_pools_full(server)
     assert finished_count(server, "abort") == aborts_before  # the metrics count those as stops
+
+
+def test_a_server_with_overlapped_steps_answers_as_the_library_does(model_dirs):
+    """Plain decoding with overlapped steps behind the server (tokens reach the API a step late): the same
+    answers as the library stepping in order, concurrent requests and a stop string included, and every
+    page back afterwards."""
+    target, _ = model_dirs
+    reference = LLM(target, None, device="cpu", num_kv_pages=512, page_size=4)
+    llm = LLM(target, None, device="cpu", overlap_steps=True, **SMALL_POOL)
+    assert llm.engine.overlap
+    free, _, _ = library_text(reference, PROMPTS[1], False, max_new_tokens=30)
+    stop = next(free[i:i + 2] for i in range(len(free) // 2, len(free) - 1) if free[i:i + 2].strip())
+    cases = [(prompt, dict(max_new_tokens=10 + 3 * i, temperature=0.8 if i % 2 else 0.0, seed=i))
+             for i, prompt in enumerate(PROMPTS)] + [(PROMPTS[1], dict(max_new_tokens=30, temperature=0.0, stop=[stop]))]
+    expected = [library_text(reference, prompt, False, **params)[:2] for prompt, params in cases]
+    with ThreadServer(build_app(ThreadedEngine(llm), MODEL)) as running:
+        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+
+        def ask(case):
+            prompt, params = case
+            out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=params["max_new_tokens"],
+                                            temperature=params["temperature"], seed=params.get("seed"),
+                                            stop=params.get("stop"))
+            return out.choices[0].text, out.choices[0].finish_reason
+
+        with ThreadPoolExecutor(4) as pool:  # several requests in the engine at once
+            assert list(pool.map(ask, cases)) == expected
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (llm.engine.has_unfinished_requests
+                                               or llm.engine.pool.num_free != llm.engine.pool.num_pages):
+            time.sleep(0.05)
+        assert llm.engine.pool.num_free == llm.engine.pool.num_pages and llm.engine.flight is None
 
 
 def finished_count(server, reason: str) -> float:
