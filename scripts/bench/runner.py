@@ -29,7 +29,7 @@ from scripts.bench.peers import PEER_SYSTEMS, why_skip_peer
 from scripts.bench.systems import (HFSystem, OursSystem, ZLabSystem, convert_drafter_for_zlab, dflash_import_error,
                                    drafter_directory, load_hf_model)
 
-SYSTEMS = ("ours-dflash-bf16", "ours-dflash-fp8", "ours-ar", *PEER_SYSTEMS, "hf-generate", "hf-assisted",
+SYSTEMS = ("ours-dflash-bf16", "ours-dflash-fp8", "ours-ar", "ours-ar-overlapped", *PEER_SYSTEMS, "hf-generate", "hf-assisted",
            "zlab-dflash")
 DRAFTER_SYSTEMS = {"ours-dflash-bf16", "ours-dflash-fp8", "zlab-dflash",
                    *(name for name, (_, speculative) in PEER_SYSTEMS.items() if speculative)}
@@ -153,10 +153,11 @@ class Context:
             return self._peer_problems[engine]
         return None
 
-    def ours(self, drafter: bool, kv_cache_dtype: str = "auto", max_num_seqs: int = 1) -> OursSystem:
+    def ours(self, drafter: bool, kv_cache_dtype: str = "auto", max_num_seqs: int = 1,
+             overlap_steps: bool = False) -> OursSystem:
         return OursSystem(str(self.target_dir), str(self.drafter_dir) if drafter else None, device=str(self.device),
                           kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
-                          num_kv_pages=self.args.num_kv_pages)
+                          num_kv_pages=self.args.num_kv_pages, overlap_steps=overlap_steps)
 
     def build(self, name: str):
         hf = dict(device=self.device, dtype=self.hf_dtype, eos_ids=self.eos_ids, pad_id=self.pad_id)
@@ -166,6 +167,8 @@ class Context:
             return self.ours(drafter=True, kv_cache_dtype="fp8")
         if name == "ours-ar":
             return self.ours(drafter=False)
+        if name == "ours-ar-overlapped":
+            return self.ours(drafter=False, overlap_steps=True)
         if name == "hf-generate":
             return HFSystem(self.target_dir, target_model=self.shared_hf_target(), **hf)
         if name == "hf-assisted":
@@ -232,6 +235,8 @@ def run_throughput(ctx: Context, batch, warm_prompt, clock: Clock, batch1: dict[
     variants = [("ours-ar", False)]
     if ctx.drafter_dir is not None:
         variants.insert(0, ("ours-dflash-bf16", True))
+    if "ours-ar-overlapped" in args.systems:
+        variants.append(("ours-ar-overlapped", False))
     rows, skipped = [], {}
     for concurrency in sorted(set(args.concurrency), reverse=True):
         for name, drafter in variants:
@@ -242,7 +247,8 @@ def run_throughput(ctx: Context, batch, warm_prompt, clock: Clock, batch1: dict[
                 log(f"[throughput C={concurrency}] {name} skipped: {skipped[f'C={concurrency} {name}']}")
                 continue
             with PeakGpuMemory() as memory:
-                system = ctx.ours(drafter=drafter, max_num_seqs=concurrency)
+                system = ctx.ours(drafter=drafter, max_num_seqs=concurrency,
+                                  overlap_steps=name == "ours-ar-overlapped")
                 try:
                     system.generate_many([warm_prompt] * min(concurrency, len(batch)), args.warmup_tokens)
                     results, summary, wall = system.generate_many(batch, args.max_new_tokens)
