@@ -13,7 +13,8 @@ per request, specdec/engine/decoding.py) or speculative decoding (a drafted bloc
 request, specdec/engine/speculator.py), with the step's prompt chunks of admitted requests (within a
 token budget) riding along in its forward; a step with nothing to decode prefills alone. The phase
 returns the tokens each request commits; the engine commits them. The scheduler plans the step
-(specdec/engine/scheduler.py).
+(specdec/engine/scheduler.py). With `overlap_steps` (plain decoding) a step queues its forward and then
+commits the previous step's tokens, so each token is committed one step later (specdec/engine/flight.py).
 """
 
 from __future__ import annotations
