@@ -39,6 +39,20 @@ def dflash_drafter(path, tmp_path, block_size, seed=0, **shape):
     return load_drafter(tmp_path / f"drafter-{block_size}-{seed}", target.model)
 
 
+def failing_at(after: int, error: BaseException):
+    """A wrapper for functions (their calls counted together) that raises `error` at the `after`-th call."""
+    calls = {"n": 0}
+
+    def failing(fn):
+        def wrapped(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == after:
+                raise error
+            return fn(*args, **kwargs)
+        return wrapped
+    return failing
+
+
 def assert_no_leak(engine):
     assert engine.pool.num_free == engine.pool.num_pages
     drafter_pool = getattr(engine.drafter, "pool", None)

@@ -391,13 +391,17 @@ class Engine:
             for request, token in zip(starting, prefill.first_tokens):
                 self.commit(request, [token], on_commit)
 
+    def _capture_graphs_if_due(self) -> None:
+        """Graphs not captured at start-up (FP8 scales calibrated by the first prefill) before the first decode."""
+        if self.use_graphs and self.graph_capture_seconds is None:
+            self.capture_graphs()
+
     def _overlapped(self, running: list[Request], chunks: list[tuple[Request, int]], on_commit: OnCommit) -> None:
         """Queue this step (plain decoding, prompt chunks riding along), then commit the previous step's
         tokens while the GPU runs it (specdec/engine/flight.py)."""
         launched = None
         if running or chunks:
-            if self.use_graphs and self.graph_capture_seconds is None:
-                self.capture_graphs()
+            self._capture_graphs_if_due()
             prefill, starting = self._prefill_chunks(chunks) if chunks else (None, [])
             launched = Flight.launch(self.decoding, running, prefill, starting, self.flight, self.device)
         previous, self.flight = self.flight, launched
@@ -408,8 +412,7 @@ class Engine:
     def _decode(self, running: list[Request], on_commit: OnCommit,
                 chunks: list[tuple[Request, int]] | None = None) -> None:
         """One decode phase for the running requests; prompt `chunks`, if any, ride along in its forward."""
-        if self.use_graphs and self.graph_capture_seconds is None:
-            self.capture_graphs()
+        self._capture_graphs_if_due()
         prefill, starting = self._prefill_chunks(chunks) if chunks else (None, [])
         tokens = self.decoding.step(running, prefill)
         if prefill is not None:  # arrivals first, as in a step that prefills alone

@@ -9,7 +9,7 @@ import pytest
 from specdec.engine import speculator
 from specdec.engine.sampling_params import SamplingParams
 from tests.conftest import build_tiny_model, build_tiny_model_with_tokenizer
-from tests.engine_helpers import MANY_PROMPTS, dflash_drafter, spec_engine
+from tests.engine_helpers import MANY_PROMPTS, dflash_drafter, failing_at, spec_engine
 
 
 class Injected(Exception):
@@ -30,16 +30,7 @@ POINTS = ("prefill", "draft", "verify", "sampling", "callback")
 
 def inject(engine, point: str, after: int, interrupt: bool):
     """Make the `after`-th call at `point` raise (KeyboardInterrupt when `interrupt`). Returns on_commit."""
-    calls = {"n": 0}
-    error = KeyboardInterrupt if interrupt else Injected
-
-    def failing(fn):
-        def wrapped(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == after:
-                raise error(point)
-            return fn(*args, **kwargs)
-        return wrapped
+    failing = failing_at(after, (KeyboardInterrupt if interrupt else Injected)(point))
 
     if point == "prefill":
         engine.runner.run_prefill = failing(engine.runner.run_prefill)

@@ -11,7 +11,7 @@ import pytest
 from specdec.engine import decoding
 from specdec.engine.sampling_params import SamplingParams
 from tests.conftest import build_tiny_model
-from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, spec_engine
+from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, failing_at, spec_engine
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +72,7 @@ def test_an_exception_anywhere_leaves_the_engine_clean(target_dir, point, monkey
     fresh = [r.output_ids for r in overlapped(target_dir).generate_ids(MANY_PROMPTS[:2], params)]
     rng = random.Random(point)
     for _ in range(6):
-        after, calls = rng.randint(1, 6), {"n": 0}
-
-        def failing(fn):
-            def wrapped(*args, **kwargs):
-                calls["n"] += 1
-                if calls["n"] == after:
-                    raise KeyboardInterrupt(point)
-                return fn(*args, **kwargs)
-            return wrapped
-
+        failing = failing_at(rng.randint(1, 6), KeyboardInterrupt(point))
         on_commit = None
         with monkeypatch.context() as patch:
             if point == "launch":
