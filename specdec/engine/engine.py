@@ -44,7 +44,7 @@ from specdec.engine.scheduler import Scheduler
 from specdec.engine.speculator import SpeculativeDecoding
 from specdec.models.kv_precision import calibrated_fp8_errors, full_precision_layers
 from specdec.models.loader import LoadedTarget
-from specdec.runtime.cuda_graphs import ladder_sizes
+from specdec.runtime.cuda_graphs import collector_paused, ladder_sizes
 from specdec.runtime.model_runner import GraphMemory
 from specdec.runtime.target_runner import PrefillChunks, TargetRunner
 
@@ -132,9 +132,10 @@ class Engine:
         """CUDA graphs of the decode / verify and draft steps over the batch ladder, one memory pool."""
         pool = torch.cuda.graph_pool_handle()
         reserved_before = torch.cuda.memory_reserved(self.device)
-        seconds = self.runner.capture(pool)
-        if self.drafter is not None:
-            seconds += self.drafter.capture(pool)
+        with collector_paused():
+            seconds = self.runner.capture(pool)
+            if self.drafter is not None:
+                seconds += self.drafter.capture(pool)
         self.graph_capture_seconds = seconds
         self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         log.info("captured CUDA graphs for batch sizes %s in %.1f s (%.0f MiB; %.0f MiB reserved)",
@@ -302,12 +303,12 @@ class Engine:
         give back all they hold; returns the requests it finished."""
         if requests is None:
             requests = [*self.scheduler.running, *self.scheduler.waiting]
-            if self.flight is not None:  # every request ends: the step in flight has nothing left to commit
-                self.flight.drop()
-                self.flight = None
         ended = [r for r in requests if not r.finished]
         for request in ended:
             request.finish(reason, message)
+        if self.flight is not None and all(r.finished for r in self.flight.requests):
+            self.flight.drop()  # the step in flight has nothing left to commit
+            self.flight = None
         self.scheduler.drop_finished_waiting()
         self._retire()
         if self.drafter is not None:  # a request preempted inside a failed step may still hold drafter state

@@ -13,7 +13,10 @@ function runs eagerly (enforce_eager, or a batch above the ladder) and inside a 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
+from collections.abc import Iterator
 from typing import Callable
 
 import numpy as np
@@ -23,6 +26,21 @@ from attention.batch_layout import BatchLayout
 
 # dense where batches are small (padding costs most there), then steps of 32 up to 256
 DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's garbage collector held off while graphs are captured. A collection mid-capture could
+    free an unreachable object's CUDA resources (another engine's pinned buffers with their recorded
+    events), and CUDA forbids such calls while a stream is capturing: the capture would fail."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def ladder_sizes(max_batch: int) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ from specdec import generate
 from specdec.arguments import add_engine_arguments, add_model_arguments
 from specdec.engine.engine import Engine
 from specdec.engine.sampling_params import SamplingParams
+from tests.engine_helpers import failing_at
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -81,27 +82,22 @@ def test_chat_without_template_says_use_no_chat(tiny_dir, capsys):
 
 
 # ---- 3. Ctrl-C and a closed stdout --------------------------------------------------------------
+@pytest.mark.parametrize("overlap", ["--overlap-steps", "--no-overlap-steps"], ids=["overlapped", "in-order"])
 @pytest.mark.parametrize("prompts", [["Hello world"], ["Hello world", "The quick brown fox"]], ids=["one", "two"])
-def test_ctrl_c_prints_partial_stats_and_exits_130(tiny_dir, capsys, monkeypatch, prompts):
-    decode = Engine._decode
-    calls = [0]
-
-    def interrupted_decode(self, running, on_commit, chunks=None):
-        calls[0] += 1
-        if calls[0] > 6:
-            raise KeyboardInterrupt
-        return decode(self, running, on_commit, chunks)
-
-    monkeypatch.setattr(Engine, "_decode", interrupted_decode)
+def test_ctrl_c_prints_partial_stats_and_exits_130(tiny_dir, capsys, monkeypatch, prompts, overlap):
+    monkeypatch.setattr(Engine, "step", failing_at(7, KeyboardInterrupt())(Engine.step))
     prompt_args = [a for p in prompts for a in ("--prompt", p)]
-    code = generate.main(tiny_args(tiny_dir, "--no-chat", "--ignore-eos", "--max-new-tokens", "100", *prompt_args))
+    code = generate.main(tiny_args(tiny_dir, "--no-chat", "--ignore-eos", "--max-new-tokens", "100", overlap,
+                                   *prompt_args))
     assert code == 130
     out, err = capsys.readouterr()
     assert "Traceback" not in err
     assert "tok/s" in err and "request(s)" in err  # the stats line of what had been generated
     assert "interrupted" in err.lower()
-    # 1 prefill token + 6 decode steps per request were committed before the interrupt
-    assert f"{7 * len(prompts)} tokens from {len(prompts)} request(s)" in err
+    # six steps ran before the interrupt, each giving every request a token; with overlapped steps the
+    # sixth step's tokens were still on the device (never committed, so neither streamed nor counted)
+    per_request = 6 if overlap == "--no-overlap-steps" else 5
+    assert f"{per_request * len(prompts)} tokens from {len(prompts)} request(s)" in err
     if len(prompts) == 1:
         assert out.strip()  # the streamed text before the interrupt
 

@@ -31,7 +31,7 @@ def make_engine(target_dir, drafter_dir, speculative, **config):
     if speculative == OVERLAP:
         return spec_engine(target_dir, None, overlap_steps=True, **config)
     drafter = dflash_drafter(target_dir, drafter_dir, 4) if speculative else None
-    return spec_engine(target_dir, drafter, **config)
+    return spec_engine(target_dir, drafter, overlap_steps=False, **config)
 
 
 def alone(target_dir, drafter_dir, speculative, prompts, params_list):

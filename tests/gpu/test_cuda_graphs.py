@@ -44,7 +44,8 @@ def make_engine(root, drafter: bool, kv: str, eager: bool, **config) -> Engine:
     model = load_causal_lm(root / "target", torch.device("cuda"), torch.bfloat16)
     target = LoadedTarget(model, None, frozenset(), root / "target")
     draft = load_drafter(root / "drafter", model) if drafter else None
-    config = {"num_kv_pages": 4096, "max_num_seqs": 256, **config}
+    # steps in order unless a test asks for overlap (test_overlapped_steps_equal_steps_in_order)
+    config = {"num_kv_pages": 4096, "max_num_seqs": 256, "overlap_steps": False, **config}
     return Engine(target, EngineConfig(device="cuda", kv_cache_dtype=kv, attention_backend="flashinfer",
                                        enforce_eager=eager, **config), draft)
 
@@ -152,7 +153,7 @@ def test_overlapped_steps_equal_steps_in_order(model_dirs, eager):
     """Plain decoding with the next step queued before this one's tokens are read back: the same tokens as
     steps run one after the other (the same batches, so the same kernels), staggered arrivals included,
     and at most one wait for the GPU per step."""
-    ordered = make_engine(model_dirs, False, "auto", eager)
+    ordered = make_engine(model_dirs, False, "auto", eager, overlap_steps=False)
     overlapped = make_engine(model_dirs, False, "auto", eager, overlap_steps=True)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     for batch, per_step in ((1, 1), (5, 5), (24, 3)):
