@@ -7,7 +7,7 @@
 
 After `plan`, `kv_indices` / `kv_indptr` hold the step's page metadata on the device, so a step can
 compute its own write slots there (`set_write_slots`, used by fixed-shape steps and CUDA graphs).
-Backends with `supports_graphs` also have `graph_slot(batch_size, max_pages)` and
+Backends with `supports_graphs` also have `graph_slot(batch_size, max_pages, example)` and
 `plan_graph(slot, layout, scratch_page)`: the capture / replay hooks (see specdec/runtime/cuda_graphs.py).
 
 Implementations are chosen by name through the registry in `attention/__init__.py`.

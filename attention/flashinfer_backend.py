@@ -14,7 +14,10 @@ decoding token for token; fa2 picks its tiles by query count, and the two drift 
 A cache whose layers mix dtypes (FP8 with a few layers kept in the model dtype) has one wrapper per
 dtype, planned together for the same layout; each layer runs the wrapper of its own dtype.
 fa2 is the faster kernel once a request's KV passes ~1,000 tokens or the batch is large (measured on
-an H200: 9-15 us a layer against fa3's 20-50 us). Eager and graphed steps use the same kernels.
+an H200: 9-15 us a layer against fa3's 20-50 us), so a decode step of several requests (plain
+decoding under load) runs fa2: there the token-for-token promise is already bounded by the batch
+(GEMMs tile by row count, so a batch's outputs depend on its make-up), while a lone request's decode
+keeps fa3 and equals its verify. Eager and graphed steps of the same layout use the same kernels.
 fa2 graph slots are planned with `uniform_q_len` (every request has the same query count), so the
 query tile is sized for that count as in an eager plan: without it a CUDA-graph plan sizes the tile
 for the ragged worst case, the verify graph then rounds differently from the decode graph, and
@@ -40,21 +43,23 @@ class GraphSlot:
     never change), and pinned host buffers to plan from (a slot is planned at most once per step, so they
     are free again once the step's one synchronization has passed)."""
 
-    def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int):
+    def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int, several_decodes: bool):
         dev = backend.device
         self.batch_size = batch_size
         self.qo_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
         self.kv_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
         self.kv_indices = torch.zeros(max_pages, dtype=torch.int32, device=dev)
         self.last_page_len = torch.ones(batch_size, dtype=torch.int32, device=dev)
-        self.host = {name: torch.zeros(size, dtype=torch.int32, pin_memory=True) for name, size in (
+        self.host = {name: torch.zeros(size, dtype=torch.int32, pin_memory=dev.type == "cuda") for name, size in (
             ("qo_indptr", batch_size + 1), ("kv_indptr", batch_size + 1), ("kv_indices", max_pages),
             ("last_page_len", batch_size), ("kv_lens", batch_size))}
-        # one wrapper per cache dtype over the same index buffers (each plan writes the same values)
+        # one wrapper per cache dtype over the same index buffers (each plan writes the same values), made
+        # here so that the graph memory estimate counts them; the kernel is the rung's (several_decodes)
+        self.several_decodes = several_decodes
         self.wrappers = {dtype: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr,
             paged_kv_indptr_buf=self.kv_indptr, paged_kv_indices_buf=self.kv_indices,
-            paged_kv_last_page_len_buf=self.last_page_len, backend=kernel_backend(dtype))
+            paged_kv_last_page_len_buf=self.last_page_len, backend=kernel_backend(dtype, several_decodes))
             for dtype in backend.kv_dtypes}
 
     def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
@@ -74,9 +79,10 @@ class FlashInferBackend(AttentionBackend):
         self.kv_dtypes = tuple(dict.fromkeys(kv_dtypes))  # a cache whose layers mix dtypes plans once per dtype
         self.q_dtype = q_dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.eager_wrappers = {dtype: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend=kernel_backend(dtype)) for dtype in self.kv_dtypes}
-        self.wrappers = self.eager_wrappers  # those of the planned step
+        self.eager_wrappers = {several: {dtype: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=kernel_backend(dtype, several)) for dtype in self.kv_dtypes}
+            for several in (False, True)}
+        self.wrappers = self.eager_wrappers[False]  # those of the planned step
 
     def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
         """An eager step of any layout; write_slots=False leaves the write slots to the caller."""
@@ -90,12 +96,14 @@ class FlashInferBackend(AttentionBackend):
         if write_slots:
             self.set_write_slots(*slots_on_device(self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu,
                                                   layout.page_size))
-        self.wrappers = self.eager_wrappers
+        self.wrappers = self.eager_wrappers[several_decodes(layout)]
         self._plan_wrappers(layout, pinned(layout.qo_indptr()), pinned(kv_indptr), self.kv_indices,
                             pinned(layout.last_page_lens()), pinned(layout.kv_lens))
 
-    def graph_slot(self, batch_size: int, max_pages: int) -> GraphSlot:
-        return GraphSlot(self, batch_size, max_pages)
+    def graph_slot(self, batch_size: int, max_pages: int, example: BatchLayout | None = None) -> GraphSlot:
+        """The buffers and wrappers of one rung; `example` (a layout of the steps it will replay, padded to
+        its size) picks the kernel its graph is captured with."""
+        return GraphSlot(self, batch_size, max_pages, example is not None and several_decodes(example))
 
     def plan_graph(self, slot: GraphSlot, layout: BatchLayout, scratch_page: int) -> None:
         """A graph replay: `layout` padded to the slot's batch size goes into the slot's buffers. The
@@ -104,6 +112,9 @@ class FlashInferBackend(AttentionBackend):
         self.layout = layout
         n = len(layout.kv_indices)
         slot.kv_indices[:n].copy_(slot.stage("kv_indices", layout.kv_indices), non_blocking=True)
+        if several_decodes(layout) != slot.several_decodes:
+            raise ValueError(f"a rung captured for {'several decodes' if slot.several_decodes else 'other steps'} "
+                             f"cannot replay this layout (q_lens {layout.q_lens.tolist()})")
         self.wrappers = slot.wrappers
         self.kv_indices, self.kv_indptr = slot.kv_indices, slot.kv_indptr
         self._plan_wrappers(layout, slot.stage("qo_indptr", layout.qo_indptr()),
@@ -136,6 +147,13 @@ class FlashInferBackend(AttentionBackend):
         return wrapper.run(q, layer.data, out=out)
 
 
-def kernel_backend(kv_dtype: torch.dtype) -> str:
-    """fa2 for FP8 caches (fa3 needs FP8 queries), "auto" (fa3 on Hopper) otherwise."""
-    return "fa2" if kv_dtype == FP8_DTYPE else "auto"
+def kernel_backend(kv_dtype: torch.dtype, several_decodes: bool = False) -> str:
+    """fa2 for FP8 caches (fa3 needs FP8 queries) and decode steps of several requests, "auto" (fa3 on
+    Hopper) otherwise."""
+    return "fa2" if kv_dtype == FP8_DTYPE or several_decodes else "auto"
+
+
+def several_decodes(layout: BatchLayout) -> bool:
+    """A causal step of more than one request, each with one query (a padded graph rung counts its
+    dummy requests: the rung's size, not the real batch, picks the kernel it was captured with)."""
+    return layout.causal and layout.batch_size > 1 and bool((layout.q_lens == 1).all())

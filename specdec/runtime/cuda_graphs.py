@@ -113,8 +113,9 @@ class GraphLadder:
         """Capture every rung, largest first (smaller ones reuse its pool memory); returns seconds."""
         start = time.perf_counter()
         for size in reversed(self.sizes):
-            slot = self.attn.graph_slot(size, self.max_pages)
-            self.attn.plan_graph(slot, self.dummy_layout(size), scratch_page)
+            layout = self.dummy_layout(size)
+            slot = self.attn.graph_slot(size, self.max_pages, layout)
+            self.attn.plan_graph(slot, layout, scratch_page)
             self.body(size)  # warm-up outside the graph: lazy initialisations must not be captured
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
