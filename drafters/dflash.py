@@ -80,6 +80,9 @@ class DFlashDrafter(ModelRunner, Drafter):
     def token_steps(self) -> list[TokenStep]:
         return [self.context_step] if self.attn.supports_graphs else []
 
+    def step_seconds(self) -> dict[int, float]:
+        return self.replay_seconds(DRAFT_STEP)
+
     # ---- lifecycle ---------------------------------------------------------------------------
     @torch.no_grad()
     def add_context(self, requests: list[DraftRequest], features: torch.Tensor, lens: list[int]) -> None:
@@ -178,8 +181,11 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.attn.set_write_slots(torch.cat([ctx_pages.flatten(), blk_pages.flatten()]),
                                   torch.cat([ctx_offsets.flatten(), blk_offsets.flatten()]))
         if self.context.features is not None:
-            source = self.context.features.view(-1, bs, self.context.features.shape[-1])
-            context = source[inputs["rows"][:batch]].flatten(0, 1)
+            # request i's context: bs feature rows from its first one; only its count are real, the rest
+            # go to the scratch page
+            features = self.context.features
+            rows = (inputs["rows"][:batch, None] + j).clamp(max=features.shape[0] - 1)
+            context = features[rows.flatten()]
         else:  # no verify features exist yet: every context row is padding
             context = torch.zeros(batch * bs, m.fc.in_features, dtype=m.fc.weight.dtype, device=self.device)
         block_ids = torch.where(j == 0, inputs["anchors"][:batch, None], self.mask_token_id)

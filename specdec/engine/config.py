@@ -13,6 +13,7 @@ import torch
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+VERIFY_POLICIES = ("chain", "auto")
 
 
 def _valid_device(device) -> bool:
@@ -75,6 +76,13 @@ class EngineConfig:
     # an H100 it gives 1.21x at batch 1 and 1.36-1.41x at 64 concurrent requests (BENCHMARKS.md)
     overlap_steps: bool = _setting(True, "plain decoding: the host prepares and queues the next step before "
                                           "waiting for this one's tokens (speculative steps stay in order)")
+    # speculative steps (specdec/engine/verify_policy.py): chain = every draft of the block every step;
+    # auto = per step the chain length (the block, half, a quarter) with the most committed tokens per
+    # second, from running acceptance and step times measured after graph capture (without CUDA graphs:
+    # the whole chain). chain stays the default until auto is measured on a GPU
+    verify: str = _setting("chain", "speculative steps: chain = verify every draft; auto = as many drafts "
+                                    "as pay for themselves at the step's batch size (measured step times)",
+                           choices=VERIFY_POLICIES)
 
     def __post_init__(self):
         problems = []
@@ -87,6 +95,8 @@ class EngineConfig:
         if self.drafter_kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"drafter_kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                             f"{self.drafter_kv_cache_dtype!r}")
+        if self.verify not in VERIFY_POLICIES:
+            problems.append(f"verify must be one of {', '.join(VERIFY_POLICIES)}, got {self.verify!r}")
         if full_precision_layer_list(self.kv_cache_full_precision_layers) is None:
             problems.append("kv_cache_full_precision_layers must be auto, none or comma-separated layer indices "
                             f"(e.g. 0,1), got {self.kv_cache_full_precision_layers!r}")

@@ -72,6 +72,11 @@ class Drafter(ABC):
         """Capture CUDA graphs of the draft step into `pool`; returns seconds (0 without graphs)."""
         return 0.0
 
+    def step_seconds(self) -> dict[int, float]:
+        """GPU seconds of one draft step at each CUDA-graph batch size, measured after capture (empty when
+        not measured: the verify policy then counts only the target's verify)."""
+        return {}
+
     @abstractmethod
     def add_context(self, requests: list[DraftRequest], features: torch.Tensor, lens: list[int]) -> None:
         """A prefill chunk of request i produced lens[i] rows of `features` [sum(lens), F], request by
@@ -85,7 +90,7 @@ class Drafter(ABC):
     @abstractmethod
     def extend(self, requests: list[DraftRequest], features: torch.Tensor, rows: list[int], counts: list[int]) -> None:
         """Positions were committed: request i's newly committed positions (anchor and accepted
-        drafts) have the target features features.view(-1, block_size, F)[rows[i], :counts[i]]."""
+        drafts) have the target features features[rows[i] : rows[i] + counts[i]]."""
 
     @abstractmethod
     def release(self, request: DraftRequest) -> None:

@@ -42,6 +42,7 @@ from specdec.engine.sampler import make_generator, sample_batch
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.speculator import SpeculativeDecoding
+from specdec.engine.verify_policy import StepCosts, VerifyPolicy, verify_lengths
 from specdec.models.kv_precision import calibrated_fp8_errors, full_precision_layers
 from specdec.models.loader import LoadedTarget
 from specdec.runtime.cuda_graphs import collector_paused, ladder_sizes
@@ -84,10 +85,12 @@ class Engine:
         self.max_context = mc.max_position_embeddings
         self.drafter = drafter
         lookahead = drafter.block_size if drafter is not None else 1
+        # the verify lengths speculative steps choose from (tokens per request: the anchor and drafts)
+        chain_lengths = verify_lengths(lookahead, config.verify) if drafter is not None else (1,)
         self.model.rotary.max_positions = self.max_context + lookahead  # RoPE table size on the fused path
         # the runners' static buffers exist before the KV pool is sized from what memory is left
         self.runner = TargetRunner(self.model, backend_name=self.backend_name, kv_dtype=layer_kv_dtypes,
-                                   page_size=config.page_size, max_batch=config.max_num_seqs, block_lens=(lookahead,),
+                                   page_size=config.page_size, max_batch=config.max_num_seqs, block_lens=chain_lengths,
                                    max_prefill_tokens=config.max_prefill_tokens,
                                    feature_layers=drafter.target_layer_ids if drafter is not None else ())
         if drafter is not None:
@@ -105,7 +108,8 @@ class Engine:
             self.kv.set_scales(target.kv_scales.k, target.kv_scales.v)  # the checkpoint's own
         if drafter is not None:
             drafter.allocate_cache(self.num_pages)
-            self.decoding: DecodePhase = SpeculativeDecoding(self.runner, drafter)
+            self.decoding: DecodePhase = SpeculativeDecoding(self.runner, drafter,
+                                                             VerifyPolicy(drafter.block_size, chain_lengths))
         else:
             self.decoding = PlainDecoding(self.runner)
         # overlapped steps: plain decoding only (a speculative step's plans need the previous acceptance)
@@ -138,6 +142,10 @@ class Engine:
                 seconds += self.drafter.capture(pool)
         self.graph_capture_seconds = seconds
         self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        policy = getattr(self.decoding, "policy", None)
+        if policy is not None and len(policy.lengths) > 1:  # what each chain length costs on this GPU
+            policy.costs = StepCosts(self.drafter.step_seconds(),
+                                     {q: self.runner.replay_seconds(q) for q in policy.lengths})
         log.info("captured CUDA graphs for batch sizes %s in %.1f s (%.0f MiB; %.0f MiB reserved)",
                  ladder_sizes(self.config.max_num_seqs), seconds, self.graph_memory_bytes / 2**20,
                  self.graph_reserve_bytes / 2**20)

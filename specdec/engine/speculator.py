@@ -1,8 +1,9 @@
 """The speculative decode phase: draft, verify, accept, roll back, for the whole running batch.
 
     drafts  = drafter.propose(batch)                  # [B, bs-1], one drafter forward
-    verify  = target([anchor, drafts...]) per request  # one causal forward, bs queries each (CUDA graphs)
-    a, bonus = accept(drafts, target tokens)          # greedy argmax or the target's samples
+    q       = policy.choose(B)                        # verify the anchor and the first q-1 drafts (q <= bs)
+    verify  = target([anchor, drafts[:q-1]...])       # one causal forward, q queries each (CUDA graphs)
+    a, bonus = accept(drafts[:q-1], target tokens)    # greedy argmax or the target's samples
     tokens  = drafts[:a] + [bonus]; target cache -> start + a + 1 (whole tail pages back to the pool);
     the drafter's context grows by the features of positions start .. start + a.
 
@@ -20,29 +21,34 @@ from specdec.engine.decoding import to_host
 from specdec.engine.drafter import Drafter
 from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
+from specdec.engine.verify_policy import VerifyPolicy
 from specdec.runtime.target_runner import PrefillChunks, TargetRunner
 
 
 class SpeculativeDecoding:
-    def __init__(self, runner: TargetRunner, drafter: Drafter):
+    def __init__(self, runner: TargetRunner, drafter: Drafter, policy: VerifyPolicy | None = None):
         self.runner = runner
         self.drafter = drafter
-        self.tokens_per_step = drafter.block_size
+        self.tokens_per_step = drafter.block_size  # the most a step verifies (and writes) per request
+        self.policy = policy or VerifyPolicy(drafter.block_size, (drafter.block_size,))
 
     @torch.no_grad()
     def step(self, running: list[Request], prefill: PrefillChunks | None = None) -> list[list[int]]:
-        bs, batch = self.tokens_per_step, len(running)
+        batch = len(running)
+        q = self.policy.choose(batch)
         starts = [r.num_cached for r in running]
-        drafts = self.drafter.propose(running)  # [B, bs-1] on the device
-        out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], drafts, bs,
+        drafts = self.drafter.propose(running)[:, :q - 1]  # [B, q-1] on the device
+        out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], drafts, q,
                                      prefill)
-        accepted, bonus = accept(drafts, sample_block(out, running, bs).view(batch, bs))
+        accepted, bonus = accept(drafts, sample_block(out, running, q).view(batch, q))
         host = to_host(torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1), prefill)
         tokens = []
         for row, request, start in zip(host, running, starts):
-            a = row[bs - 1]
-            tokens.append(row[:a] + [row[bs]])
+            a = row[q - 1]
+            tokens.append(row[:a] + [row[q]])
             # keep K/V of the anchor and the accepted drafts; the bonus is the new pending token
             request.target_pages.truncate(start + a + 1)
-        self.drafter.extend(running, out.features, list(range(batch)), [len(t) for t in tokens])
+        self.policy.observe([len(t) - 1 for t in tokens], q)
+        # request i's verify features start at row i * q
+        self.drafter.extend(running, out.features, [i * q for i in range(batch)], [len(t) for t in tokens])
         return tokens

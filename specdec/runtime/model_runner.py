@@ -20,6 +20,7 @@ subclasses.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Callable
 
@@ -134,6 +135,26 @@ class ModelRunner:
                              lambda batch: step.dummy_layout(batch, scratch), step.body, pool)
         seconds = ladder.capture(scratch)
         self.ladders[step.key] = ladder
+        return seconds
+
+    def replay_seconds(self, key, repeats: int = 5) -> dict[int, float]:
+        """GPU seconds of one replay of step `key`'s graph at each rung (median of `repeats`), on the
+        dummy layout it was captured with (its writes go to the scratch page); empty without graphs."""
+        ladder = self.ladders.get(key)
+        if ladder is None:
+            return {}
+        seconds = {}
+        for rung in ladder.sizes:
+            self.attn.plan_graph(ladder.slot(rung), ladder.dummy_layout(rung), self.kv.scratch_page)
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                ladder.replay(rung)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            seconds[rung] = statistics.median(times)
         return seconds
 
     def graph_memory(self) -> GraphMemory:

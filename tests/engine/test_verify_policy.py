@@ -1,0 +1,104 @@
+"""Verifying part of the chain: the policy's choice, and steps that verify fewer drafts staying exact."""
+
+import numpy as np
+import pytest
+
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.verify_policy import PRIOR_SEEN, StepCosts, VerifyPolicy, verify_lengths
+from tests.conftest import build_tiny_model
+from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, spec_engine, tiny_engine
+
+
+def test_the_lengths_a_policy_chooses_from():
+    assert verify_lengths(16, "chain") == (16,)
+    assert verify_lengths(16, "auto") == (4, 8, 16)
+    assert verify_lengths(4, "auto") == (2, 4)
+    assert verify_lengths(2, "auto") == (2,)
+    with pytest.raises(ValueError, match="include 16"):
+        VerifyPolicy(16, (4, 8))
+
+
+def test_acceptance_is_counted_only_where_it_was_seen():
+    policy = VerifyPolicy(8, (2, 4, 8))
+    policy.observe([3, 1, 0], q=4)  # 3 drafts verified each: all accepted, one accepted, none
+    seen = policy.seen - PRIOR_SEEN * 0.995
+    accepted = policy.accepted - 0.995
+    assert np.allclose(seen, [3, 2, 1, 0, 0, 0, 0]) and np.allclose(accepted, [2, 1, 1, 0, 0, 0, 0])
+    assert policy.verified_tokens == 12 and policy.steps == 1
+
+
+def test_expected_tokens_follow_the_per_position_rates():
+    policy = VerifyPolicy(4, (2, 4))
+    policy.accepted[:], policy.seen[:] = [8, 5, 1], [10, 10, 10]  # 0.8, then 0.5, then 0.1
+    assert np.allclose(policy.expected_tokens(), [1, 1.8, 1.8 + 0.4, 1.8 + 0.4 + 0.04])
+
+
+def test_the_whole_chain_where_verifying_more_costs_little_and_a_short_one_where_it_costs_much():
+    costs = StepCosts(draft={1: 1e-3, 64: 2e-3},
+                      verify={4: {1: 2.0e-3, 64: 4e-3}, 8: {1: 2.0e-3, 64: 6e-3}, 16: {1: 2.0e-3, 64: 9e-3}})
+    policy = VerifyPolicy(16, (4, 8, 16), costs)
+    rates = np.array([0.86, 0.81, 0.79, 0.76, 0.69, 0.61, 0.5, 0.5, 0.5, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3])
+    policy.accepted[:], policy.seen[:] = rates * 100, 100
+    assert policy.choose(1) == 16  # the chain costs what a short verify does
+    assert policy.choose(40) == 4  # rung 64: 16 tokens cost 2.25x 4 tokens' verify
+    assert policy.choose(65) == 16  # above the measured ladder: the whole chain
+    assert VerifyPolicy(16, (4, 8, 16)).choose(40) == 16  # nothing measured (no graphs): the whole chain
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("verify-policy")
+    build_tiny_model("qwen3", path, seed=5)
+    return path
+
+
+def lengths_by_batch(engine, short_from: int):
+    """Costs that make a step of `short_from` or more requests verify 2 tokens, smaller ones the block (4);
+    returns the chain lengths the steps then chose."""
+    policy = engine.decoding.policy
+    below = short_from - 1  # the rung of the largest batch that still verifies the block
+    policy.costs = StepCosts(draft={}, verify={2: {1: 1.0, below: 1.0, short_from: 1.0, 64: 1.0},
+                                               4: {1: 1.0, below: 1.0, short_from: 100.0, 64: 100.0}})
+    chosen, choose = [], policy.choose
+
+    def recording(batch):
+        chosen.append(choose(batch))
+        return chosen[-1]
+
+    policy.choose = recording
+    return chosen
+
+
+def test_steps_verifying_fewer_drafts_equal_autoregressive_decoding(target_dir, tmp_path):
+    prompts = MANY_PROMPTS[:6]
+    params = SamplingParams(max_new_tokens=29)
+    want = [r.output_ids for r in tiny_engine(target_dir, eos=()).generate_ids(prompts, params)]
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), verify="auto", max_num_seqs=4)
+    chosen = lengths_by_batch(engine, short_from=3)
+    got = engine.generate_ids(prompts, params)
+    assert [r.output_ids for r in got] == want
+    assert {2, 4} <= set(chosen)  # both lengths ran (batches of 4, then the tail of 2 and 1)
+    assert_no_leak(engine)
+
+
+def test_the_drafter_reads_each_requests_features_after_a_short_verify(target_dir, tmp_path):
+    """Request i's verify features start at row i * q: after a step verifying 2 tokens per request, a
+    request that committed what it would have with the whole block gets the same drafts (its drafter
+    context holds the same positions' features), whatever its row in the batch."""
+    prompts = MANY_PROMPTS[:3]
+    drafts = {}
+    for name, short_from in (("block", 64), ("short", 1)):
+        engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), verify="auto", max_num_seqs=4)
+        lengths_by_batch(engine, short_from)
+        proposals, propose = [], engine.drafter.propose
+        engine.drafter.propose = lambda requests, p=proposals, f=propose: p.append(f(requests).clone()) or p[-1]
+        requests = [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
+        while len(proposals) < 2:
+            engine.step()
+        drafts[name] = (proposals[1], [len(r.output_ids) for r in requests])
+    (block, counts_block), (short, counts_short) = drafts["block"], drafts["short"]
+    # requests that committed as many tokens in both runs (the same ones: greedy) have the same context
+    same = [i for i in range(3) if counts_block[i] == counts_short[i]]
+    assert len(same) >= 2, (counts_block, counts_short)
+    for i in same:
+        assert block[i].tolist() == short[i].tolist(), i
