@@ -32,6 +32,7 @@ def _run_rows(run: dict) -> list[tuple[str, str]]:
         ("tau (mean of per-request means)", _fmt(s["tau_mean_of_requests"])),
         ("tau overall (committed / verify steps)", _fmt(s["tau_overall"])),
         ("verify steps", str(s["verify_steps"]) if s["verify_steps"] else "-"),
+        ("tokens verified per step", _fmt(s.get("verified_per_step"), ".1f")),
         ("per-position acceptance", " ".join(f"{r:.2f}" for r in s["per_position_acceptance"]) or "-"),
     ]
     return rows

@@ -41,6 +41,10 @@ from scripts.bench_steps import event_kind  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 
 
+OVERLAPPED = "AR overlapped"  # plain decoding with overlapped steps (--overlap-steps)
+DFLASH = {"chain": "DFlash", "auto": "DFlash auto"}  # by verify policy (--verify)
+
+
 @dataclass
 class LoadRow:
     system: str  # "AR" or "DFlash"
@@ -56,6 +60,7 @@ class LoadRow:
     prefill_step_ms: float  # median of the steps that prefilled
     prefill_share: float  # of the wall time, in steps that prefilled
     tau: float | None
+    verified: float | None = None  # tokens verified per request per speculative step (the anchor included)
 
 
 def parse_args(argv):
@@ -69,6 +74,8 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--device", default="cuda")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="the target's KV cache")
+    p.add_argument("--verify", nargs="+", choices=tuple(DFLASH), default=["chain"],
+                   help="the DFlash rows' verify policies (a row each)")
     p.add_argument("--overlap-steps", action="store_true", help="also plain decoding with overlapped steps "
                                                                 "(rows 'AR overlapped')")
     p.add_argument("--profile", type=int, metavar="C", help="one more level at concurrency C under the profiler: "
@@ -130,14 +137,15 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
     prefill = [r for r in records if r[0]]
     tokens = sum(len(r.output_ids) for r in requests)
     taus = [r.stats.tau for r in requests if r.stats.tau is not None]
+    verified = [q for r in requests for q in r.stats.verify_lengths]
     median_ms = lambda rows: 1e3 * statistics.median(r[2] for r in rows) if rows else 0.0  # noqa: E731
     return LoadRow(system, concurrency, len(requests), tokens, wall, tokens / wall, len(decode), median_ms(decode),
                    statistics.mean(r[1] for r in decode) if decode else 0.0, len(prefill), median_ms(prefill),
-                   sum(r[2] for r in prefill) / wall, statistics.mean(taus) if taus else None)
+                   sum(r[2] for r in prefill) / wall, statistics.mean(taus) if taus else None,
+                   statistics.mean(verified) if verified else None)
 
 
 STEP_RANGE = "specdec_step"
-OVERLAPPED = "AR overlapped"  # plain decoding with overlapped steps (--overlap-steps)
 GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_RANGES = ("user_annotation", "host")
 
@@ -211,12 +219,14 @@ def profile_table(profiles: list[StepProfile]) -> str:
 
 def table(rows: list[LoadRow]) -> str:
     lines = ["| system | concurrency | tokens/s | decode steps x median ms (mean batch) | steps with prefill x "
-             "median ms | share of wall in prefill steps | tau |", "|---|---|---|---|---|---|---|"]
+             "median ms | share of wall in prefill steps | tau | verified per step |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tau = f"{r.tau:.2f}" if r.tau is not None else "-"
+        verified = f"{r.verified:.1f}" if r.verified is not None else "-"
         lines.append(f"| {r.system} | {r.concurrency} | {r.tokens_per_s:,.0f} | {r.decode_steps} x "
                      f"{r.decode_step_ms:.2f} ({r.decode_batch:.1f}) | {r.prefill_steps} x {r.prefill_step_ms:.2f} | "
-                     f"{100 * r.prefill_share:.0f}% | {tau} |")
+                     f"{100 * r.prefill_share:.0f}% | {tau} | {verified} |")
     return "\n".join(lines)
 
 
@@ -229,11 +239,12 @@ def main(argv=None) -> int:
             model = str(random_target(Path(tmp) / "target", TINY_SHAPE, torch.device("cpu"), std=0.2))
             drafter = drafter or str(tiny_drafter(Path(tmp) / "drafter", Path(model)))
         systems = ([("AR", None)] + ([(OVERLAPPED, None)] if args.overlap_steps else [])
-                   + ([("DFlash", drafter)] if drafter else []))
+                   + [(DFLASH[verify], drafter) for verify in args.verify if drafter])
         rows, profiles, engines = [], [], []
         for system, draft in systems:
             llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency),
-                      kv_cache_dtype=args.kv_cache_dtype, overlap_steps=system == OVERLAPPED)
+                      kv_cache_dtype=args.kv_cache_dtype, overlap_steps=system == OVERLAPPED,
+                      verify="auto" if system == DFLASH["auto"] else "chain")
             prompts = (random_prompts(llm.engine.model.config.vocab_size, args.requests) if args.quick
                        else chat_prompts(llm, args.requests))
             run_load(llm, system, prompts[:min(4, len(prompts))], 1, 4)  # warm-up: graphs, kernels, allocator

@@ -11,9 +11,10 @@ Batch 1, greedy, the same prompt token ids (math500 subset, z-lab prompt, the ta
 template: `eval.problems`) and the same stop tokens (the engine's EOS ids) for every system:
 
     ours-dflash-bf16  specdec.LLM(target, drafter), bf16 KV cache (the model dtype), max_num_seqs=1
+    ours-dflash-auto  the same with verify="auto" (chain length per step; also in the throughput runs when chosen)
     ours-dflash-fp8   the same with kv_cache_dtype="fp8"
-    ours-ar           specdec.LLM(target) without a drafter
-    ours-ar-overlapped  the same with overlap_steps=True (also in the throughput runs when chosen)
+    ours-ar           specdec.LLM(target) without a drafter, steps in order (overlap_steps=False)
+    ours-ar-overlapped  the same with overlap_steps=True, the default (also in the throughput runs when chosen)
     vllm-dflash       vLLM (AsyncLLM) with our drafter, method "dflash", block_size - 1 speculative tokens
     vllm-ar           vLLM without speculation
     sglang-dflash     SGLang (Engine) with our drafter, algorithm DFLASH

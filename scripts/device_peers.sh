@@ -19,7 +19,7 @@ echo "=== $(date +%T) installing the peers"
 bash scripts/peers/install.sh vllm && bash scripts/peers/install.sh sglang
 echo "=== $(date +%T) bench_peers"
 python3 scripts/bench_peers.py \
-  --systems "${SYSTEMS:-ours-ar,ours-ar-overlapped,sglang-ar,vllm-ar,ours-dflash-bf16,vllm-dflash,ours-dflash-fp8}" \
+  --systems "${SYSTEMS:-ours-ar-overlapped,sglang-ar,vllm-ar,ours-dflash-bf16,ours-dflash-auto,vllm-dflash,ours-ar,ours-dflash-fp8}" \
   --limit 20 --seed 0 --max-new-tokens 512 --concurrency 8,32,64,128 \
   --throughput-prompts "${THROUGHPUT_PROMPTS:-128}" --deadline-s "${DEADLINE_S:-720}" \
   --peer-site vllm=/tmp/peers/vllm,sglang=/tmp/peers/sglang --out "$out/bench-peers.json" > "$out/bench.log" 2>&1

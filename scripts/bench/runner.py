@@ -29,9 +29,9 @@ from scripts.bench.peers import PEER_SYSTEMS, why_skip_peer
 from scripts.bench.systems import (HFSystem, OursSystem, ZLabSystem, convert_drafter_for_zlab, dflash_import_error,
                                    drafter_directory, load_hf_model)
 
-SYSTEMS = ("ours-dflash-bf16", "ours-dflash-fp8", "ours-ar", "ours-ar-overlapped", *PEER_SYSTEMS, "hf-generate", "hf-assisted",
-           "zlab-dflash")
-DRAFTER_SYSTEMS = {"ours-dflash-bf16", "ours-dflash-fp8", "zlab-dflash",
+SYSTEMS = ("ours-dflash-bf16", "ours-dflash-auto", "ours-dflash-fp8", "ours-ar", "ours-ar-overlapped", *PEER_SYSTEMS,
+           "hf-generate", "hf-assisted", "zlab-dflash")
+DRAFTER_SYSTEMS = {"ours-dflash-bf16", "ours-dflash-auto", "ours-dflash-fp8", "zlab-dflash",
                    *(name for name, (_, speculative) in PEER_SYSTEMS.items() if speculative)}
 HF_TARGET_SYSTEMS = ("hf-generate", "hf-assisted", "zlab-dflash")  # share one HF copy of the target
 THROUGHPUT_SHARE = 0.3  # of --deadline-s, kept for the throughput runs
@@ -154,15 +154,17 @@ class Context:
         return None
 
     def ours(self, drafter: bool, kv_cache_dtype: str = "auto", max_num_seqs: int = 1,
-             overlap_steps: bool = False) -> OursSystem:
+             overlap_steps: bool = False, verify: str = "chain") -> OursSystem:
         return OursSystem(str(self.target_dir), str(self.drafter_dir) if drafter else None, device=str(self.device),
                           kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
-                          num_kv_pages=self.args.num_kv_pages, overlap_steps=overlap_steps)
+                          num_kv_pages=self.args.num_kv_pages, overlap_steps=overlap_steps, verify=verify)
 
     def build(self, name: str):
         hf = dict(device=self.device, dtype=self.hf_dtype, eos_ids=self.eos_ids, pad_id=self.pad_id)
         if name == "ours-dflash-bf16":
             return self.ours(drafter=True)
+        if name == "ours-dflash-auto":
+            return self.ours(drafter=True, verify="auto")
         if name == "ours-dflash-fp8":
             return self.ours(drafter=True, kv_cache_dtype="fp8")
         if name == "ours-ar":
@@ -235,6 +237,8 @@ def run_throughput(ctx: Context, batch, warm_prompt, clock: Clock, batch1: dict[
     variants = [("ours-ar", False)]
     if ctx.drafter_dir is not None:
         variants.insert(0, ("ours-dflash-bf16", True))
+    if "ours-dflash-auto" in args.systems and ctx.drafter_dir is not None:
+        variants.insert(1, ("ours-dflash-auto", True))
     if "ours-ar-overlapped" in args.systems:
         variants.append(("ours-ar-overlapped", False))
     rows, skipped = [], {}
@@ -248,7 +252,8 @@ def run_throughput(ctx: Context, batch, warm_prompt, clock: Clock, batch1: dict[
                 continue
             with PeakGpuMemory() as memory:
                 system = ctx.ours(drafter=drafter, max_num_seqs=concurrency,
-                                  overlap_steps=name == "ours-ar-overlapped")
+                                  overlap_steps=name == "ours-ar-overlapped",
+                                  verify="auto" if name == "ours-dflash-auto" else "chain")
                 try:
                     system.generate_many([warm_prompt] * min(concurrency, len(batch)), args.warmup_tokens)
                     results, summary, wall = system.generate_many(batch, args.max_new_tokens)

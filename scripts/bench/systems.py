@@ -67,11 +67,11 @@ class OursSystem:
     """`specdec.LLM` with or without a drafter; `max_num_seqs` 1 for the batch-1 table."""
 
     def __init__(self, target: str, drafter, *, device: str, kv_cache_dtype: str = "auto", max_num_seqs: int = 1,
-                 num_kv_pages: int | None = None, overlap_steps: bool = False):
+                 num_kv_pages: int | None = None, overlap_steps: bool = False, verify: str = "chain"):
         from specdec import LLM
 
         self.llm = LLM(target, drafter, device=device, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
-                       num_kv_pages=num_kv_pages, overlap_steps=overlap_steps)
+                       num_kv_pages=num_kv_pages, overlap_steps=overlap_steps, verify=verify)
         self.device = self.llm.engine.device
         self.speculative = drafter is not None
 

@@ -431,6 +431,7 @@ class Engine:
             # acceptance length: what the step committed (0: the request failed alone while committing)
             if self.drafter is not None and taken:
                 request.stats.acceptance_lengths.append(taken)
+                request.stats.verify_lengths.append(self.decoding.verify_length)
 
     # ---- convenience -------------------------------------------------------------------------
     @torch.no_grad()

@@ -23,6 +23,7 @@ class RequestStats:
     first_token_time: float | None = None
     finish_time: float | None = None
     acceptance_lengths: list[int] = field(default_factory=list)  # committed tokens per verify step
+    verify_lengths: list[int] = field(default_factory=list)  # tokens verified per verify step (anchor included)
     block_size: int = 0  # 0 = no drafter
     preemptions: int = 0  # times the request gave its KV pages back and was recomputed later
 
@@ -71,8 +72,9 @@ class Summary:
     verify_steps: int
     tau_mean_of_requests: float | None  # mean of per-request means (the z-lab convention)
     tau_overall: float | None  # committed tokens / verify steps over all requests
-    per_position_acceptance: list[float]  # P(draft k accepted), k = 1..block_size-1
+    per_position_acceptance: list[float]  # P(draft k accepted | draft k verified), k = 1..block_size-1
     histogram: dict[int, int]  # acceptance length -> number of verify steps
+    verified_per_step: float | None = None  # tokens verified per verify step (the block, unless verify="auto")
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -84,7 +86,8 @@ class Summary:
             line += f", TPOT {self.tpot_s * 1000:.2f} ms"
         if self.tau_mean_of_requests is not None:
             line += (f"\nacceptance length tau {self.tau_mean_of_requests:.2f} (per-request mean), "
-                     f"{self.tau_overall:.2f} overall over {self.verify_steps} verify steps")
+                     f"{self.tau_overall:.2f} overall over {self.verify_steps} verify steps of "
+                     f"{self.verified_per_step:.1f} tokens on average")
             rates = " ".join(f"{r:.2f}" for r in self.per_position_acceptance)
             line += f"\nper-position acceptance: {rates}"
             hist = " ".join(f"{k}:{v}" for k, v in sorted(self.histogram.items()))
@@ -98,8 +101,15 @@ def summarize(stats: list[RequestStats], wall_time: float) -> Summary:
     lengths = [n for s in stats for n in s.acceptance_lengths]
     taus = [s.tau for s in stats if s.tau is not None]
     block = max((s.block_size for s in stats), default=0)
-    # a step of acceptance length n accepted drafts 1..n-1: position k is accepted iff n > k
-    per_position = [sum(n > k for n in lengths) / len(lengths) for k in range(1, block)] if lengths else []
+    # (acceptance length n, tokens verified q) per step; q is the block unless a step verified fewer drafts
+    steps = [(n, q) for s in stats for n, q in zip(s.acceptance_lengths, s.verify_lengths or [s.block_size] * len(
+        s.acceptance_lengths))]
+    # a step of acceptance length n accepted drafts 1..n-1: position k is accepted iff n > k, among the
+    # steps that verified it (q > k)
+    per_position = []
+    for k in range(1, block):
+        verified = [n for n, q in steps if q > k]
+        per_position.append(sum(n > k for n in verified) / len(verified) if verified else 0.0)
     return Summary(
         requests=len(stats),
         generated_tokens=generated,
@@ -111,4 +121,5 @@ def summarize(stats: list[RequestStats], wall_time: float) -> Summary:
         tau_overall=sum(lengths) / len(lengths) if lengths else None,
         per_position_acceptance=per_position,
         histogram=dict(Counter(lengths)),
+        verified_per_step=statistics.fmean(q for _, q in steps) if steps else None,
     )

@@ -31,11 +31,12 @@ class SpeculativeDecoding:
         self.drafter = drafter
         self.tokens_per_step = drafter.block_size  # the most a step verifies (and writes) per request
         self.policy = policy or VerifyPolicy(drafter.block_size, (drafter.block_size,))
+        self.verify_length = drafter.block_size  # tokens per request the last step verified
 
     @torch.no_grad()
     def step(self, running: list[Request], prefill: PrefillChunks | None = None) -> list[list[int]]:
         batch = len(running)
-        q = self.policy.choose(batch)
+        q = self.verify_length = self.policy.choose(batch)
         starts = [r.num_cached for r in running]
         drafts = self.drafter.propose(running)[:, :q - 1]  # [B, q-1] on the device
         out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], drafts, q,

@@ -15,7 +15,16 @@ def test_quick_run_reports_every_system_and_concurrency(tmp_path, capsys):
         assert row["prefill_steps"] >= 1 and row["decode_steps"] >= 1
         assert 0 < row["prefill_share"] < 1 and row["decode_batch"] <= row["concurrency"]
         assert (row["tau"] is None) == (row["system"] == "AR")
+        # on CPU nothing is measured, so the policy verifies the whole chain (the tiny drafter's block)
+        assert row["verified"] == (None if row["system"] == "AR" else 4.0)
     assert "| DFlash | 4 |" in capsys.readouterr().out
+
+
+def test_each_verify_policy_has_a_dflash_row(tmp_path):
+    out = tmp_path / "load.json"
+    assert main(["--quick", "--verify", "chain", "auto", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert list(dict.fromkeys(r["system"] for r in rows)) == ["AR", "DFlash", "DFlash auto"]
 
 
 def test_profile_level_splits_steps_by_kind(tmp_path, capsys):

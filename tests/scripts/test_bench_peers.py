@@ -69,7 +69,7 @@ def test_every_system_runs_with_finite_numbers(bench_run):
             assert finite(s[key]) and s[key] > 0, (name, key, s[key])
         for record in system["prompts"]:
             assert 1 <= record["generated_tokens"] <= 8 and finite(record["wall_s"])
-        if name in ("ours-dflash-bf16", "ours-dflash-fp8", "zlab-dflash", "hf-assisted"):
+        if name in ("ours-dflash-bf16", "ours-dflash-auto", "ours-dflash-fp8", "zlab-dflash", "hf-assisted"):
             assert finite(s["tau_mean"]) and 1.0 <= s["tau_mean"] <= 8, (name, s["tau_mean"])
         else:
             assert s["tau_mean"] is None
@@ -96,7 +96,7 @@ def test_outputs_match_autoregressive(bench_run):
 def test_throughput_rows(bench_run):
     rows = bench_run["throughput"]
     assert bench_run["throughput_error"] is None
-    ours = ("ours-dflash-bf16", "ours-ar", "ours-ar-overlapped")
+    ours = ("ours-dflash-bf16", "ours-dflash-auto", "ours-ar", "ours-ar-overlapped")
     assert [(r["concurrency"], r["system"]) for r in rows] == [(c, name) for c in (1, 2) for name in ours]
     for r in rows:
         assert r["prompts"] == 4 and r["generated_tokens"] > 0 and finite(r["tokens_per_s"])
