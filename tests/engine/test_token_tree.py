@@ -1,0 +1,121 @@
+"""Token trees from the drafter's per-position candidates: built as the best-scoring prefix-closed node set,
+seen through an ancestor mask, accepted along the one path the target agrees with."""
+
+import itertools
+
+import pytest
+import torch
+
+from specdec.engine.acceptance import accept as accept_chain
+from specdec.engine.token_tree import TokenTree
+
+
+def candidates(batch, n, k, vocab=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, n, vocab, generator=g) * 2
+    logprobs, tokens = logits.log_softmax(-1).topk(k, dim=-1)
+    return logprobs, tokens
+
+
+def brute_force_best(logprobs, tokens, budget):
+    """Every path of ranks up to depth n, scored; the budget best as tuples of tokens."""
+    n, k = logprobs.shape
+    paths = []
+    for depth in range(1, n + 1):
+        for ranks in itertools.product(range(k), repeat=depth):
+            score = sum(logprobs[d, r].item() for d, r in enumerate(ranks))
+            paths.append((score, tuple(tokens[d, r].item() for d, r in enumerate(ranks))))
+    paths.sort(key=lambda p: -p[0])
+    return {p[1] for p in paths[:budget]}
+
+
+def node_paths(tree, b):
+    """Node i's tokens from the anchor down, for request b."""
+    out = {0: ()}
+    for i in range(tree.size):
+        out[i + 1] = out[tree.parents[b, i].item()] + (tree.tokens[b, i].item(),)
+    return out
+
+
+@pytest.mark.parametrize("n, k, budget", [(4, 3, 10), (5, 2, 31), (3, 4, 7), (6, 3, 1), (3, 2, 14)])
+def test_the_tree_is_the_best_nodes_and_parents_come_first(n, k, budget):
+    logprobs, tokens = candidates(3, n, k, seed=n * 10 + k)
+    tree = TokenTree.build(logprobs, tokens, budget)
+    assert tree.size == min(budget, sum(k ** d for d in range(1, n + 1)))
+    for b in range(3):
+        parents = tree.parents[b].tolist()
+        assert all(p <= i for i, p in enumerate(parents))  # node i + 1's parent is an earlier node or the anchor
+        paths = node_paths(tree, b)
+        assert set(list(paths.values())[1:]) == brute_force_best(logprobs[b], tokens[b], budget)
+        assert all(len(paths[i + 1]) == tree.depths[b, i].item() for i in range(tree.size))
+        scores = tree.scores[b].tolist()
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_a_certain_draft_still_comes_after_its_parent():
+    """Probability 1 gives a child its parent's score: the tree must still list the parent first."""
+    logprobs = torch.tensor([[[0.0, -30.0], [0.0, -30.0], [0.0, -30.0]]])
+    tokens = torch.tensor([[[5, 6], [7, 8], [9, 10]]])
+    tree = TokenTree.build(logprobs, tokens, 3)
+    assert tree.tokens.tolist() == [[5, 7, 9]] and tree.parents.tolist() == [[0, 1, 2]]
+
+
+def test_the_mask_lets_each_node_see_its_ancestors_and_itself():
+    logprobs, tokens = candidates(2, 4, 3, seed=7)
+    tree = TokenTree.build(logprobs, tokens, 12)
+    mask = tree.attention_mask()
+    for b in range(2):
+        parents = [0] + tree.parents[b].tolist()
+        for i in range(tree.size + 1):
+            ancestors, node = {i}, i
+            while node:
+                node = parents[node]
+                ancestors.add(node)
+            assert {j for j in range(tree.size + 1) if mask[b, i, j]} == ancestors
+
+
+def reference_accept(tree, target, b):
+    """Walk from the anchor: the child whose token is the target's choice, while there is one."""
+    node, path = 0, []
+    while True:
+        child = next((i + 1 for i in range(tree.size) if tree.parents[b, i] == node
+                      and tree.tokens[b, i] == target[b, node]), None)
+        if child is None:
+            return path, target[b, node].item()
+        path.append(child)
+        node = child
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_acceptance_follows_the_one_path_the_target_agrees_with(seed):
+    logprobs, tokens = candidates(4, 5, 3, seed=seed)
+    tree = TokenTree.build(logprobs, tokens, 20)
+    g = torch.Generator().manual_seed(100 + seed)
+    # the target mostly picks some candidate of the next position, sometimes something else
+    target = torch.empty(4, tree.size + 1, dtype=torch.long)
+    for b in range(4):
+        for node in range(tree.size + 1):
+            depth = 0 if node == 0 else tree.depths[b, node - 1].item()
+            pick = torch.randint(0, 4, (1,), generator=g).item()
+            target[b, node] = tokens[b, depth, pick].item() if depth < 5 and pick < 3 else 999
+    path, accepted, bonus = tree.accept(target)
+    for b in range(4):
+        want_path, want_bonus = reference_accept(tree, target, b)
+        assert accepted[b].item() == len(want_path) and bonus[b].item() == want_bonus
+        assert path[b, :len(want_path)].tolist() == want_path
+
+
+def test_one_candidate_per_position_is_the_chain():
+    logprobs, tokens = candidates(3, 6, 1, seed=3)
+    tree = TokenTree.build(logprobs, tokens, 6)
+    assert tree.parents.tolist() == [[0, 1, 2, 3, 4, 5]] * 3
+    assert torch.equal(tree.tokens, tokens[:, :, 0])
+    drafts = tokens[:, :, 0]
+    # the target's choice after the anchor and after each draft: the next draft, then its own bonus
+    target = torch.cat([drafts, torch.full((3, 1), 999)], dim=1)
+    target[0, 2] = 998  # request 0: after draft 2 the target disagrees with draft 3
+    target[1, 0] = 998  # request 1: not even the first draft
+    _, accepted, bonus = tree.accept(target)
+    want_accepted, want_bonus = accept_chain(drafts, target)
+    assert accepted.tolist() == want_accepted.tolist() == [2, 0, 6]
+    assert bonus.tolist() == want_bonus.tolist() == [998, 998, 999]
