@@ -14,7 +14,7 @@ arrays are numpy int32, built with vectorized operations: no Python work per tok
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ class BatchLayout:
     kv_indices: np.ndarray  # [sum of pages used]: every request's used pages, request by request
     page_size: int
     causal: bool
+    # [B, max_q, max_q] bool, with causal=True: which of its request's new rows each query sees (a token
+    # tree: the node's ancestors and itself; the request's earlier KV stays visible); None = causal order
+    query_masks: np.ndarray | None = None
 
     @classmethod
     def build(cls, q_lens, kv_lens, new_kv_lens, page_tables, page_size: int, causal: bool) -> "BatchLayout":
@@ -48,6 +51,14 @@ class BatchLayout:
             raise ValueError(f"page tables too short for KV lengths {kv.tolist()} with pages of {page_size}")
         indices = np.concatenate([_int32(t[:n]) for t, n in zip(page_tables, used.tolist())]) if len(q) else _int32([])
         return cls(q, kv, new, indices, page_size, causal)
+
+    def with_query_masks(self, masks: np.ndarray) -> "BatchLayout":
+        """The same step with each query seeing only the new rows `masks` allows (see `query_masks`)."""
+        q = int(self.q_lens.max())
+        if not self.causal or masks.shape != (self.batch_size, q, q) or (self.q_lens != self.new_kv_lens).any():
+            raise ValueError(f"query masks need a causal layout whose new rows all have queries, of shape "
+                             f"{(self.batch_size, q, q)}; got {masks.shape}")
+        return replace(self, query_masks=np.asarray(masks, dtype=bool))
 
     @classmethod
     def for_tokens(cls, q_lens, kv_lens, page_tables, page_size: int, causal: bool) -> "BatchLayout":

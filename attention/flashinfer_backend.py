@@ -86,6 +86,9 @@ class FlashInferBackend(AttentionBackend):
 
     def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
         """An eager step of any layout; write_slots=False leaves the write slots to the caller."""
+        if layout.query_masks is not None:
+            raise NotImplementedError("token-tree query masks run on the torch attention backend for now "
+                                      "(attention_backend='torch')")
         self.layout = layout
         requests, positions = layout.new_kv_rows() if write_slots else (np.zeros(0, np.int32),) * 2
         kv_indptr = layout.kv_indptr()

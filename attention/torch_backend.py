@@ -39,7 +39,12 @@ class TorchBackend(AttentionBackend):
         self.read_offsets = (kv_pos % layout.page_size).expand(batch, max_kv).to(dev)
         q_idx = torch.arange(max_q)
         visible = in_kv[:, None, :]  # [B, 1, max_kv]
-        if layout.causal:
+        if layout.query_masks is not None:  # earlier KV, and the new rows the mask allows
+            first_new = (kv_lens - q_lens)[:, None, None]
+            new_row = (kv_pos[None, None, :] - first_new).clamp(min=0, max=max_q - 1).expand(batch, max_q, max_kv)
+            allowed = torch.from_numpy(layout.query_masks).gather(2, new_row)
+            visible = visible & ((kv_pos[None, None, :] < first_new) | allowed)
+        elif layout.causal:
             last_visible = (kv_lens - q_lens)[:, None] + q_idx[None, :]  # [B, max_q]
             visible = visible & (kv_pos[None, None, :] <= last_visible[:, :, None])
         self.visible = visible.expand(batch, max_q, max_kv).to(dev)

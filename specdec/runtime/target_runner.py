@@ -105,12 +105,17 @@ class TargetRunner(ModelRunner):
 
     # ---- forwards ----------------------------------------------------------------------------
     def forward(self, tables: list[PageTable], token_ids: torch.Tensor, q_lens: list[int], *,
-                logits_rows: torch.Tensor | None, feature_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        """q_lens[i] new tokens of request i (flattened in `token_ids`) at positions length.., causal;
-        always eager (probes)."""
+                logits_rows: torch.Tensor | None, feature_layers: tuple[int, ...] = (),
+                positions: np.ndarray | None = None, query_masks: np.ndarray | None = None) -> ForwardOutput:
+        """q_lens[i] new tokens of request i (flattened in `token_ids`) written at slots length.., causal;
+        always eager (probes). A token tree gives its nodes' `positions` (the anchor's plus their depth)
+        and `query_masks` ([B, max_q, max_q]: each node sees its ancestors and itself, see BatchLayout)."""
         layout = self._grow(tables, q_lens)
+        if query_masks is not None:
+            layout = layout.with_query_masks(query_masks)
         self.attn.plan(layout)
-        positions = upload(layout.new_kv_positions().astype(np.int64), self.device)
+        positions = upload((layout.new_kv_positions() if positions is None else positions).astype(np.int64),
+                           self.device)
         return self.model(token_ids, positions, self.kv, self.attn, logits_rows=logits_rows,
                           feature_layers=feature_layers)
 

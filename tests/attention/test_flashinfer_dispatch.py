@@ -108,3 +108,25 @@ def test_a_graph_rung_picks_its_kernel_by_its_size(backend_class):
     verify = BatchLayout.for_tokens([4], [8], [[0, 1]], 4, causal=True)
     with pytest.raises(ValueError, match="cannot replay"):
         backend.plan_graph(slot, verify, scratch_page=15)
+
+
+def test_token_tree_masks_are_refused_with_the_backend_that_runs_them(backend_class):
+    import numpy as np
+
+    FlashInferBackend = backend_class  # noqa: N806
+
+    backend = FlashInferBackend(4, 2, 8, 8 ** -0.5, device=torch.device("cpu"), kv_dtypes=(torch.bfloat16,),
+                                q_dtype=torch.bfloat16)
+    layout = BatchLayout.for_tokens([3], [7], [[0, 1]], 4, causal=True).with_query_masks(np.ones((1, 3, 3), bool))
+    with pytest.raises(NotImplementedError, match="attention_backend='torch'"):
+        backend.plan(layout)
+
+
+def test_query_masks_must_fit_the_layout():
+    import numpy as np
+
+    layout = BatchLayout.for_tokens([3, 2], [7, 5], [[0, 1], [2, 3]], 4, causal=True)
+    with pytest.raises(ValueError, match="of shape"):
+        layout.with_query_masks(np.ones((2, 2, 2), bool))
+    with pytest.raises(ValueError, match="causal"):
+        BatchLayout.for_tokens([3], [7], [[0, 1]], 4, causal=False).with_query_masks(np.ones((1, 3, 3), bool))

@@ -119,3 +119,40 @@ def test_one_candidate_per_position_is_the_chain():
     want_accepted, want_bonus = accept_chain(drafts, target)
     assert accepted.tolist() == want_accepted.tolist() == [2, 0, 6]
     assert bonus.tolist() == want_bonus.tolist() == [998, 998, 999]
+
+
+def test_one_forward_over_a_tree_gives_each_node_the_logits_of_its_own_path(tmp_path):
+    """The target verifies a whole tree at once: K/V written in node order, RoPE at the anchor's position
+    plus each node's depth, each node attending to the context, its ancestors and itself. Every node's
+    logits equal those of the target run on the context followed by that node's path."""
+    import numpy as np
+
+    from attention.page_pool import PageTable
+    from specdec.engine.request import Request
+    from specdec.engine.sampling_params import SamplingParams
+    from tests.conftest import VOCAB, build_tiny_model
+    from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, tiny_engine
+
+    build_tiny_model("qwen3", tmp_path, seed=11)
+    engine = tiny_engine(tmp_path, eos=())
+    context, anchor = MANY_PROMPTS[2], 17
+    g = torch.Generator().manual_seed(5)
+    logprobs = torch.randn(1, 4, VOCAB, generator=g).log_softmax(-1)
+    tree = TokenTree.build(*logprobs.topk(3, dim=-1), budget=11)
+    probe = Request(-1, context, SamplingParams(max_new_tokens=1), ())
+    probe.target_pages = PageTable(engine.pool)
+    try:
+        with torch.no_grad():
+            engine.forward_tokens([probe], engine.ids_tensor(context), [len(context)], logits_rows=None)
+            ids = [anchor, *tree.tokens[0].tolist()]
+            positions = len(context) + np.array([0, *tree.depths[0].tolist()])
+            out = engine.runner.forward([probe.target_pages], engine.ids_tensor(ids), [len(ids)],
+                                        logits_rows=engine.ids_tensor(range(len(ids))), positions=positions,
+                                        query_masks=tree.attention_mask().numpy())
+    finally:
+        probe.target_pages.free()
+    paths = node_paths(tree, 0)
+    for node in range(len(ids)):
+        want = engine.next_token_logits(context + [anchor, *paths[node]])
+        torch.testing.assert_close(out.logits[node].float(), want, atol=1e-4, rtol=1e-4)
+    assert_no_leak(engine)
