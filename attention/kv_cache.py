@@ -65,6 +65,13 @@ class LayerKV:
     def _as_raw(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(torch.uint8) if self.is_fp8 else x
 
+    def move_rows(self, src_pages: torch.Tensor, src_offsets: torch.Tensor, dst_pages: torch.Tensor,
+                  dst_offsets: torch.Tensor) -> None:
+        """K and V of the source slots into the destination slots, as stored (FP8 rows move unchanged);
+        every source is read before any destination is written."""
+        raw = self._raw()
+        raw[dst_pages, :, dst_offsets] = raw[src_pages, :, src_offsets]
+
     def read(self, pages: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V [n, num_kv_heads, head_dim] of the given slots."""
         k = self.data[pages, 0, offsets].to(dtype)
@@ -142,6 +149,13 @@ class KVCache:
                        dtype: torch.dtype | tuple[torch.dtype, ...]) -> int:
         return sum(2 * page_size * num_kv_heads * head_dim * torch.empty((), dtype=d).element_size()
                    for d in _per_layer(dtype, num_layers))
+
+    def move_rows(self, src_pages: torch.Tensor, src_offsets: torch.Tensor, dst_pages: torch.Tensor,
+                  dst_offsets: torch.Tensor) -> None:
+        """Every layer's K/V rows from the source slots to the destination slots (a token tree's accepted
+        path into consecutive positions)."""
+        for layer in self.layers:
+            layer.move_rows(src_pages, src_offsets, dst_pages, dst_offsets)
 
     def calibrate_on_first_write(self) -> None:
         for layer in self.layers:

@@ -13,7 +13,7 @@ import torch
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-VERIFY_POLICIES = ("chain", "auto")
+VERIFY_POLICIES = ("chain", "auto", "tree")
 
 
 def _valid_device(device) -> bool:
@@ -79,9 +79,12 @@ class EngineConfig:
     # speculative steps (specdec/engine/verify_policy.py): chain = every draft of the block every step;
     # auto = per step the chain length (the block, half, a quarter) with the most committed tokens per
     # second, from running acceptance and step times measured after graph capture (without CUDA graphs:
-    # the whole chain). chain stays the default until auto is measured on a GPU
+    # the whole chain); tree = a token tree of block_size - 1 nodes from each position's top drafts
+    # (specdec/engine/tree_speculator.py; the torch attention backend for now). chain stays the default
+    # until the others are measured on a GPU
     verify: str = _setting("chain", "speculative steps: chain = verify every draft; auto = as many drafts "
-                                    "as pay for themselves at the step's batch size (measured step times)",
+                                    "as pay for themselves at the step's batch size (measured step times); "
+                                    "tree = a token tree of as many nodes (torch attention backend)",
                            choices=VERIFY_POLICIES)
 
     def __post_init__(self):

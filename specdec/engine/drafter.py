@@ -87,6 +87,13 @@ class Drafter(ABC):
     def propose(self, requests: list[DraftRequest]) -> torch.Tensor:
         """Draft tokens [len(requests), block_size - 1] following each request's pending token."""
 
+    def propose_candidates(self, requests: list[DraftRequest], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each block position's k most likely drafts following each request's pending token, as
+        (log-probabilities, tokens), both [len(requests), block_size - 1, k], most likely first (token
+        trees; the drafter's context advances as `propose` advances it)."""
+        raise NotImplementedError(f"{type(self).__name__} proposes one draft per position: verify='tree' needs "
+                                  "a drafter with candidates (DFlash)")
+
     @abstractmethod
     def extend(self, requests: list[DraftRequest], features: torch.Tensor, rows: list[int], counts: list[int]) -> None:
         """Positions were committed: request i's newly committed positions (anchor and accepted

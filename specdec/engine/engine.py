@@ -42,6 +42,7 @@ from specdec.engine.sampler import make_generator, sample_batch
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.speculator import SpeculativeDecoding
+from specdec.engine.tree_speculator import TreeDecoding
 from specdec.engine.verify_policy import StepCosts, VerifyPolicy, verify_lengths
 from specdec.models.kv_precision import calibrated_fp8_errors, full_precision_layers
 from specdec.models.loader import LoadedTarget
@@ -76,6 +77,9 @@ class Engine:
         self.device = next(self.model.parameters()).device
         self.dtype = self.model.model.embed_tokens.weight.dtype
         self.backend_name = resolve_backend_name(config.attention_backend, self.device)
+        if config.verify == "tree" and drafter is not None and self.backend_name != "torch":
+            raise ValueError(f"verify='tree' runs on the torch attention backend for now, not {self.backend_name}: "
+                             "pass attention_backend='torch', or verify='chain' / 'auto'")
         self.kv_dtype = self._kv_dtype(config.fp8_kv)
         mc = self.model.config
         # with an FP8 cache, the layers it would hold too coarsely keep the model dtype
@@ -108,8 +112,9 @@ class Engine:
             self.kv.set_scales(target.kv_scales.k, target.kv_scales.v)  # the checkpoint's own
         if drafter is not None:
             drafter.allocate_cache(self.num_pages)
-            self.decoding: DecodePhase = SpeculativeDecoding(self.runner, drafter,
-                                                             VerifyPolicy(drafter.block_size, chain_lengths))
+            self.decoding: DecodePhase = (
+                TreeDecoding(self.runner, drafter, budget=drafter.block_size - 1) if config.verify == "tree"
+                else SpeculativeDecoding(self.runner, drafter, VerifyPolicy(drafter.block_size, chain_lengths)))
         else:
             self.decoding = PlainDecoding(self.runner)
         # overlapped steps: plain decoding only (a speculative step's plans need the previous acceptance)

@@ -30,7 +30,7 @@ PRIOR_ACCEPTED, PRIOR_SEEN = 1.0, 2.0
 def verify_lengths(block_size: int, policy: str) -> tuple[int, ...]:
     """The chain lengths a speculative step may verify: the block ("chain"), or also half and a quarter of
     it ("auto"; each length has CUDA graphs of its own)."""
-    if policy == "chain":
+    if policy in ("chain", "tree"):  # a tree verifies as many tokens as the chain
         return (block_size,)
     return tuple(sorted({block_size} | {q for q in (block_size // 2, block_size // 4) if q >= 2}))
 

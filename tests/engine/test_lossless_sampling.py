@@ -75,3 +75,16 @@ def test_seeded_speculative_sampling_is_reproducible(small_vocab_target):
     first = run()
     assert first == run()
     assert len(set(map(tuple, first))) > 1
+
+
+def test_tree_speculative_sampling_matches_autoregressive(small_vocab_target, tmp_path):
+    """Token trees keep sampling lossless: a node stays only when its token is the target's own draw at
+    its parent (four candidates per position cover much of this vocabulary, so most steps accept some)."""
+    from tests.engine_helpers import dflash_drafter
+
+    drafter = dflash_drafter(small_vocab_target, tmp_path, 3)
+    engine = spec_engine(small_vocab_target, drafter, max_num_seqs=SAMPLES, verify="tree", attention_backend="torch")
+    tree = outcomes(engine, sampling(1.0, 3 * 10 ** 6))
+    auto = outcomes(tiny_engine(small_vocab_target, eos=(), max_num_seqs=SAMPLES), sampling(1.0, 4 * 10 ** 6))
+    assert p_value(tree, auto) > 1e-3
+    assert engine.pool.num_free == engine.pool.num_pages

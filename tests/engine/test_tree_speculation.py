@@ -1,0 +1,58 @@
+"""Speculation over token trees (verify="tree") is exact: greedy output equals autoregressive output, with
+arrivals, preemption-free and preempting pools, EOS and length limits; no page leaks."""
+
+import pytest
+
+from specdec.engine.sampling_params import SamplingParams
+from tests.conftest import build_tiny_model
+from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, spec_engine, tiny_engine
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tree-spec")
+    build_tiny_model("qwen3", path, seed=9)
+    return path
+
+
+def ar_outputs(path, prompts, params, eos=()):
+    return [r.output_ids for r in tiny_engine(path, eos=eos).generate_ids(prompts, params)]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_tree_greedy_equals_autoregressive(target_dir, tmp_path, batch, block_size):
+    prompts = MANY_PROMPTS[:batch]
+    params = SamplingParams(max_new_tokens=23)
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, block_size), verify="tree",
+                         attention_backend="torch", max_num_seqs=max(1, batch - 1))  # the last one arrives later
+    got = engine.generate_ids(prompts, params)
+    assert [r.output_ids for r in got] == ar_outputs(target_dir, prompts, params)
+    assert all(r.stats.verify_lengths and set(r.stats.verify_lengths) == {block_size} for r in got)
+    if block_size >= 4:  # drafts were accepted, so later steps read K/V moved into place
+        assert max(n for r in got for n in r.stats.acceptance_lengths) > 1
+    assert_no_leak(engine)
+
+
+def test_tree_stops_at_eos_and_in_a_small_pool(target_dir, tmp_path):
+    prompts = MANY_PROMPTS[:6]
+    params = SamplingParams(max_new_tokens=40)
+    eos = (7, 11)
+    want = ar_outputs(target_dir, prompts, params, eos=eos)
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), eos=eos, verify="tree",
+                         attention_backend="torch", num_kv_pages=40, max_num_seqs=4)
+    got = engine.generate_ids(prompts, params)
+    assert [r.output_ids for r in got] == want
+    assert_no_leak(engine)
+
+
+def test_tree_needs_the_torch_backend_and_a_drafter_with_candidates(target_dir, tmp_path, monkeypatch):
+    from tests.drafter_helpers import ScriptedDrafter
+
+    monkeypatch.setattr("specdec.engine.engine.resolve_backend_name", lambda name, device: "flashinfer")
+    with pytest.raises(ValueError, match="torch attention backend"):  # refused before anything is built
+        spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), verify="tree")
+    monkeypatch.undo()
+    engine = spec_engine(target_dir, ScriptedDrafter({}, 4, 64), verify="tree", attention_backend="torch")
+    with pytest.raises(NotImplementedError, match="one draft per position"):
+        engine.drafter.propose_candidates([], 2)
