@@ -64,37 +64,36 @@ class TreeDecoding:
         path, accepted, bonus = tree.accept(chosen)
         host_path, host_accepted, host_bonus = path.tolist(), accepted.tolist(), bonus.tolist()
         tokens = tree.tokens.tolist()
-        committed, rows, counts = [], [], []
-        features = self.runner.features_out
+        committed, counts, moves, sources = [], [], [], []
         for i, request in enumerate(running):
-            a = host_accepted[i]
-            kept = host_path[i][:a]  # node ids, 1-based
+            kept = host_path[i][:host_accepted[i]]  # node ids, 1-based
             committed.append([tokens[i][node - 1] for node in kept] + [host_bonus[i]])
-            self._move_into_place(request, int(starts[i]), kept)
-            # the anchor's and the path's features, contiguous after the chunks' rows
-            row = chunk_rows + sum(counts)
-            source = torch.tensor([i * nodes] + [i * nodes + node for node in kept], device=features.device)
-            features[row:row + a + 1] = out.features[source].to(features.dtype)
-            rows.append(row)
-            counts.append(a + 1)
+            counts.append(len(kept) + 1)
+            start, table = int(starts[i]), request.target_pages
+            # the accepted nodes' K/V go from their slots (start + node id) to the path's (start + depth)
+            moves.append((table, start + np.array(kept, dtype=np.int64), start + 1 + np.arange(len(kept))))
+            sources += [i * nodes] + [i * nodes + node for node in kept]  # the anchor's and the path's features
+        self._move_into_place(moves)
+        for request, start, count in zip(running, starts.tolist(), counts):
+            request.target_pages.truncate(start + count)  # the cache ends after the accepted path
+        # the features the drafter's context takes, contiguous after the chunks' rows
+        features = self.runner.features_out
+        features[chunk_rows:chunk_rows + len(sources)] = out.features[upload(np.array(sources, dtype=np.int64),
+                                                                             features.device)].to(features.dtype)
+        rows = (chunk_rows + np.concatenate([[0], np.cumsum(counts)[:-1]])).tolist()
         self.drafter.extend(running, features, rows, counts)
         return committed
 
-    def _move_into_place(self, request: Request, start: int, kept: list[int]) -> None:
-        """The accepted nodes' K/V from their slots (start + node id) to the path's (start + depth); the
-        request's cache then ends after the path."""
-        table = request.target_pages
-        if kept:
-            src = np.array([start + node for node in kept])
-            dst = np.arange(start + 1, start + 1 + len(kept))
-            self.runner.kv.move_rows(*self._slots(table, src), *self._slots(table, dst))
-        table.truncate(start + len(kept) + 1)
-
-    def _slots(self, table, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        page_size = self.runner.page_size
-        pages = table.array[positions // page_size]
-        return (upload(pages.astype(np.int64), self.runner.device),
-                upload((positions % page_size).astype(np.int64), self.runner.device))
+    def _move_into_place(self, moves: list[tuple]) -> None:
+        """Every request's (table, source positions, destination positions) K/V in one copy per layer."""
+        places = [(table.array[positions // self.runner.page_size], positions % self.runner.page_size)
+                  for table, src, dst in moves for positions in (src, dst)]
+        if not any(len(pages) for pages, _ in places):
+            return
+        src = [np.concatenate(parts) for parts in zip(*places[0::2])]
+        dst = [np.concatenate(parts) for parts in zip(*places[1::2])]
+        device = self.runner.device
+        self.runner.kv.move_rows(*(upload(a.astype(np.int64), device) for a in (*src, *dst)))
 
 
 class _Rows:
