@@ -142,7 +142,7 @@ class DFlashDrafter(ModelRunner, Drafter):
 
     def propose_candidates(self, requests: list[DraftRequest], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         # the block's logits come from an eager step (token trees run without graphs for now)
-        return self._step(requests, eager=True).float().log_softmax(dim=-1).topk(k, dim=-1)
+        return self.draft_logits(requests).float().log_softmax(dim=-1).topk(k, dim=-1)
 
     def draft_logits(self, requests: list[DraftRequest]) -> torch.Tensor:
         """The same step, always eager, returning the block's logits [B, bs-1, vocab] (for checks)."""

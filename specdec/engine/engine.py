@@ -388,8 +388,7 @@ class Engine:
         """A step with prompt chunks only: one forward over them."""
         prefill, starting = self._prefill_chunks(chunks)
         self.runner.run_prefill(prefill)
-        if starting:
-            prefill.first_tokens = prefill.sample_first(prefill.out.logits).tolist()
+        prefill.read_first_tokens()  # set up to sample only when chunks complete prompts (`starting`)
         self._prefilled(chunks, prefill, starting, on_commit)
 
     def _prefilled(self, chunks: list[tuple[Request, int]], prefill: PrefillChunks, starting: list[Request],

@@ -24,7 +24,7 @@ from specdec.engine.drafter import Drafter
 from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
 from specdec.engine.token_tree import TokenTree
-from specdec.runtime.target_runner import PrefillChunks, TargetRunner
+from specdec.runtime.target_runner import BlockOutput, PrefillChunks, TargetRunner
 
 CANDIDATES_PER_POSITION = 4
 
@@ -44,8 +44,7 @@ class TreeDecoding:
         chunk_rows = 0
         if prefill is not None:  # the chunks in a forward of their own; their features take the buffer's first rows
             self.runner.run_prefill(prefill)
-            if prefill.sample_first is not None:
-                prefill.first_tokens = prefill.sample_first(prefill.out.logits).tolist()
+            prefill.read_first_tokens()
             chunk_rows = sum(prefill.lens)
         if not running:
             return []
@@ -60,7 +59,8 @@ class TreeDecoding:
                                   feature_layers=self.drafter.target_layer_ids,
                                   positions=(starts[:, None] + depths).reshape(-1),
                                   query_masks=tree.attention_mask().cpu().numpy())
-        chosen = sample_block(_Rows(out.logits), running, nodes).view(len(running), nodes)
+        block = BlockOutput(out.logits, out.logits.argmax(dim=-1), None)  # as a block step's output reads
+        chosen = sample_block(block, running, nodes).view(len(running), nodes)
         path, accepted, bonus = tree.accept(chosen)
         host_path, host_accepted, host_bonus = path.tolist(), accepted.tolist(), bonus.tolist()
         tokens = tree.tokens.tolist()
@@ -95,10 +95,3 @@ class TreeDecoding:
         device = self.runner.device
         self.runner.kv.move_rows(*(upload(a.astype(np.int64), device) for a in (*src, *dst)))
 
-
-class _Rows:
-    """The forward's logits as `sample_block` reads a block step's output (their argmax computed here)."""
-
-    def __init__(self, logits: torch.Tensor):
-        self.logits = logits
-        self.greedy = logits.argmax(dim=-1)

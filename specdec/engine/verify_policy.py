@@ -63,8 +63,6 @@ class VerifyPolicy:
         n = block_size - 1  # draft positions
         self.accepted = np.full(n, PRIOR_ACCEPTED)  # position i accepted, given 0..i-1 were
         self.seen = np.full(n, PRIOR_SEEN)  # position i verified with 0..i-1 accepted
-        self.steps = 0
-        self.verified_tokens = 0  # tokens verified per request, summed over steps and requests
 
     def choose(self, batch: int) -> int:
         """The chain length (tokens per request, anchor included) for a step of `batch` requests."""
@@ -89,5 +87,3 @@ class VerifyPolicy:
             verified = min(a + 1, q - 1)
             self.seen[:verified] += 1
             self.accepted[:a] += 1
-        self.steps += 1
-        self.verified_tokens += q * len(accepted)

@@ -53,6 +53,15 @@ class Carried:
         block_ids[:, 0].index_copy_(0, self.rows, self.values)
 
 
+def write_device_tokens(block_ids: torch.Tensor, rest: torch.Tensor | None, carried: Carried | None) -> None:
+    """A block's input ids [B, q] that are already on the device (drafts in columns 1.., tokens carried
+    from the previous step in column 0): written there, with no round trip through the host."""
+    if rest is not None:
+        block_ids[:, 1:].copy_(rest)
+    if carried is not None:
+        carried.write(block_ids)
+
+
 @dataclass
 class PrefillChunks:
     """Prompt chunks that ride along a block step, so that one forward runs both."""
@@ -66,6 +75,11 @@ class PrefillChunks:
     sample_first: Callable[[torch.Tensor], torch.Tensor] | None = None
     out: ForwardOutput | None = None  # set by the step: features of every chunk row, logits of logits_rows
     first_tokens: list[int] | None = None  # set by the step's transfer
+
+    def read_first_tokens(self) -> None:
+        """After a forward of the chunks alone: the first tokens of the prompts they complete, to the host."""
+        if self.sample_first is not None:
+            self.first_tokens = self.sample_first(self.out.logits).tolist()
 
 
 class TargetRunner(ModelRunner):
@@ -142,12 +156,8 @@ class TargetRunner(ModelRunner):
         inputs.fill("ids", ids)
         inputs.fill("starts", starts)
 
-        def device_tokens_into_ids() -> None:  # drafts and carried tokens are already on the device: no round trip
-            block = inputs["ids"].view(-1, q)[:batch]
-            if rest is not None:
-                block[:, 1:].copy_(rest)
-            if carried is not None:
-                carried.write(block)
+        def device_tokens_into_ids() -> None:
+            write_device_tokens(inputs["ids"].view(-1, q)[:batch], rest, carried)
 
         self.dispatch(q, batch, layout, inputs, lambda b: self._block_body(q, b),
                       after_upload=device_tokens_into_ids if rest is not None or carried is not None else None)
@@ -178,10 +188,7 @@ class TargetRunner(ModelRunner):
         self.stage_token_rows(self.mixed_step, layout)
         self.mixed.inputs.fill("ids", ids)
         self.mixed.inputs.upload()
-        if rest is not None:  # the drafts are already on the device
-            self.mixed.inputs["ids"][:n].view(-1, q)[:, 1:].copy_(rest)
-        if carried is not None:
-            carried.write(self.mixed.inputs["ids"][:n].view(-1, q))
+        write_device_tokens(self.mixed.inputs["ids"][:n].view(-1, q), rest, carried)
         self.run_tokens(self.mixed_step, total, eager=not self._graphs_usable())
         hidden = self.mixed.hidden[:total]
         if n:

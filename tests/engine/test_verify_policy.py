@@ -24,7 +24,6 @@ def test_acceptance_is_counted_only_where_it_was_seen():
     seen = policy.seen - PRIOR_SEEN * 0.995
     accepted = policy.accepted - 0.995
     assert np.allclose(seen, [3, 2, 1, 0, 0, 0, 0]) and np.allclose(accepted, [2, 1, 1, 0, 0, 0, 0])
-    assert policy.verified_tokens == 12 and policy.steps == 1
 
 
 def test_expected_tokens_follow_the_per_position_rates():
