@@ -34,9 +34,10 @@ class BatchLayout:
     kv_indices: np.ndarray  # [sum of pages used]: every request's used pages, request by request
     page_size: int
     causal: bool
-    # [B, max_q, max_q] bool, with causal=True: which of its request's new rows each query sees (a token
-    # tree: the node's ancestors and itself; the request's earlier KV stays visible); None = causal order
-    query_masks: np.ndarray | None = None
+    # [B, max_q, max_q] bool tensor (on any device), with causal=True: which of its request's new rows each
+    # query sees (a token tree: the node's ancestors and itself; the request's earlier KV stays visible);
+    # None = causal order
+    query_masks: torch.Tensor | None = None
 
     @classmethod
     def build(cls, q_lens, kv_lens, new_kv_lens, page_tables, page_size: int, causal: bool) -> "BatchLayout":
@@ -52,13 +53,38 @@ class BatchLayout:
         indices = np.concatenate([_int32(t[:n]) for t, n in zip(page_tables, used.tolist())]) if len(q) else _int32([])
         return cls(q, kv, new, indices, page_size, causal)
 
-    def with_query_masks(self, masks: np.ndarray) -> "BatchLayout":
+    def with_query_masks(self, masks: torch.Tensor) -> "BatchLayout":
         """The same step with each query seeing only the new rows `masks` allows (see `query_masks`)."""
         q = int(self.q_lens.max())
-        if not self.causal or masks.shape != (self.batch_size, q, q) or (self.q_lens != self.new_kv_lens).any():
-            raise ValueError(f"query masks need a causal layout whose new rows all have queries, of shape "
-                             f"{(self.batch_size, q, q)}; got {masks.shape}")
-        return replace(self, query_masks=np.asarray(masks, dtype=bool))
+        if (not self.causal or tuple(masks.shape) != (self.batch_size, q, q) or masks.dtype != torch.bool
+                or (self.q_lens != self.new_kv_lens).any()):
+            raise ValueError(f"query masks need a causal layout whose new rows all have queries, and a bool "
+                             f"mask of shape {(self.batch_size, q, q)}; got {masks.dtype} {tuple(masks.shape)}")
+        return replace(self, query_masks=masks)
+
+    def packed_query_masks(self) -> torch.Tensor:
+        """FlashInfer's custom mask of a step with query masks, packed on the masks' device with no host
+        sync: request i's q_i x kv_i bits (row-major, bit order little; earlier KV visible, its new rows as
+        its mask says) start at byte b_i = sum over j < i of q_j * kv_j. That byte is the request's *bit*
+        offset: FlashInfer derives each request's start from the lengths as that sum when it is handed
+        packed bits, and reads it as a byte offset, so each request's bytes sit there (the buffer is 8x
+        what the bits need; a tree step's masks are small)."""
+        masks = self.query_masks
+        device = masks.device
+        sizes = self.q_lens.astype(np.int64) * self.kv_lens
+        total = int(sizes.sum())
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        per_request = upload(np.stack([starts, self.q_lens, self.kv_lens]).astype(np.int64), device)
+        request = torch.repeat_interleave(torch.arange(self.batch_size, device=device),
+                                          upload(sizes, device), output_size=total)
+        start, q, kv = (row[request] for row in per_request)
+        local = torch.arange(total, device=device) - start
+        row, col = local // kv, local % kv
+        first_new = kv - q
+        bits = (col < first_new) | masks[request, row, (col - first_new).clamp(min=0)]
+        packed = torch.zeros(-(-total // 4) * 4 + 4, dtype=torch.int32, device=device)  # 4-byte aligned
+        packed.index_add_(0, start + local // 8, bits.int() << (local % 8).int())
+        return packed.to(torch.uint8)
 
     @classmethod
     def for_tokens(cls, q_lens, kv_lens, page_tables, page_size: int, causal: bool) -> "BatchLayout":

@@ -36,6 +36,7 @@ from attention.kv_cache import FP8_DTYPE, LayerKV
 from attention.transfer import pinned, upload
 
 WORKSPACE_BYTES = 256 << 20
+TREE = "tree"  # the wrappers of steps with query masks (token trees)
 
 
 class GraphSlot:
@@ -79,16 +80,15 @@ class FlashInferBackend(AttentionBackend):
         self.kv_dtypes = tuple(dict.fromkeys(kv_dtypes))  # a cache whose layers mix dtypes plans once per dtype
         self.q_dtype = q_dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.eager_wrappers = {several: {dtype: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend=kernel_backend(dtype, several)) for dtype in self.kv_dtypes}
-            for several in (False, True)}
+        # by kind of step: other steps (False), decodes of several requests (True), token trees (TREE: a
+        # custom mask, which only the fa2 kernels take)
+        self.eager_wrappers = {kind: {dtype: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2" if kind == TREE else kernel_backend(dtype, kind))
+            for dtype in self.kv_dtypes} for kind in (False, True, TREE)}
         self.wrappers = self.eager_wrappers[False]  # those of the planned step
 
     def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
         """An eager step of any layout; write_slots=False leaves the write slots to the caller."""
-        if layout.query_masks is not None:
-            raise NotImplementedError("token-tree query masks run on the torch attention backend for now "
-                                      "(attention_backend='torch')")
         self.layout = layout
         requests, positions = layout.new_kv_rows() if write_slots else (np.zeros(0, np.int32),) * 2
         kv_indptr = layout.kv_indptr()
@@ -99,9 +99,11 @@ class FlashInferBackend(AttentionBackend):
         if write_slots:
             self.set_write_slots(*slots_on_device(self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu,
                                                   layout.page_size))
-        self.wrappers = self.eager_wrappers[several_decodes(layout)]
+        tree = layout.query_masks is not None
+        self.wrappers = self.eager_wrappers[TREE if tree else several_decodes(layout)]
         self._plan_wrappers(layout, pinned(layout.qo_indptr()), pinned(kv_indptr), self.kv_indices,
-                            pinned(layout.last_page_lens()), pinned(layout.kv_lens))
+                            pinned(layout.last_page_lens()), pinned(layout.kv_lens),
+                            packed_mask=layout.packed_query_masks() if tree else None)
 
     def graph_slot(self, batch_size: int, max_pages: int, example: BatchLayout | None = None) -> GraphSlot:
         """The buffers and wrappers of one rung; `example` (a layout of the steps it will replay, padded to
@@ -127,7 +129,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan_wrappers(self, layout: BatchLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                        kv_indices_gpu: torch.Tensor, last_page_len: torch.Tensor, kv_lens: torch.Tensor,
-                       uniform_q_len: int | None = None) -> None:
+                       uniform_q_len: int | None = None, packed_mask: torch.Tensor | None = None) -> None:
         # indptr, last_page_len and kv_lens are pinned CPU tensors: plan reads them on the host, and its
         # copies of them to the GPU stay asynchronous. The KV lengths and both maxima are handed over
         # because the layout already knows them: plan would otherwise derive them from the indptrs with a
@@ -138,7 +140,7 @@ class FlashInferBackend(AttentionBackend):
             wrapper.plan(qo_indptr, kv_indptr, kv_indices_gpu, last_page_len, self.num_qo_heads, self.num_kv_heads,
                          self.head_dim, layout.page_size, causal=layout.causal, sm_scale=self.sm_scale,
                          q_data_type=self.q_dtype, kv_data_type=kv_dtype, non_blocking=True,
-                         uniform_q_len=uniform_q_len, **lengths)
+                         uniform_q_len=uniform_q_len, packed_custom_mask=packed_mask, **lengths)
 
     def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
         layer.write(self.write_pages, self.write_offsets, k, v)

@@ -42,7 +42,7 @@ class TorchBackend(AttentionBackend):
         if layout.query_masks is not None:  # earlier KV, and the new rows the mask allows
             first_new = (kv_lens - q_lens)[:, None, None]
             new_row = (kv_pos[None, None, :] - first_new).clamp(min=0, max=max_q - 1).expand(batch, max_q, max_kv)
-            allowed = torch.from_numpy(layout.query_masks).gather(2, new_row)
+            allowed = layout.query_masks.cpu().gather(2, new_row)
             visible = visible & ((kv_pos[None, None, :] < first_new) | allowed)
         elif layout.causal:
             last_visible = (kv_lens - q_lens)[:, None] + q_idx[None, :]  # [B, max_q]

@@ -37,6 +37,8 @@ CONTEXT_STEP = "context"  # prompt chunks' context K/V (any token count)
 
 
 class DFlashDrafter(ModelRunner, Drafter):
+    proposes_candidates = True
+
     def __init__(self, model: DFlashDraftModel):
         self.model = model
         self.block_size = model.spec.block_size
@@ -58,6 +60,9 @@ class DFlashDrafter(ModelRunner, Drafter):
         batch = context.max_batch
         self.inputs = StaticInputs({"anchors": batch, "starts": batch, "counts": batch, "rows": batch}, self.device)
         self.drafts_out = torch.zeros(batch, bs - 1, dtype=torch.long, device=self.device)
+        k = context.candidates  # token trees: each position's top k (log-probabilities, tokens)
+        self.candidates_out = (torch.zeros(batch, bs - 1, k, dtype=torch.float32, device=self.device),
+                               torch.zeros(batch, bs - 1, k, dtype=torch.long, device=self.device)) if k else None
         self.arange = torch.arange(max(batch, bs), device=self.device)
         # a prompt chunk's context rows: at most the target's features buffer
         rows = context.features.shape[0]
@@ -140,9 +145,11 @@ class DFlashDrafter(ModelRunner, Drafter):
         self._step(requests, eager=False)
         return self.drafts_out[:len(requests)]
 
-    def propose_candidates(self, requests: list[DraftRequest], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # the block's logits come from an eager step (token trees run without graphs for now)
-        return self.draft_logits(requests).float().log_softmax(dim=-1).topk(k, dim=-1)
+    def propose_candidates(self, requests: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.candidates_out is None:
+            raise ValueError("this drafter was attached without candidates (DraftContext.candidates = 0)")
+        self._step(requests, eager=False)
+        return tuple(t[:len(requests)] for t in self.candidates_out)
 
     def draft_logits(self, requests: list[DraftRequest]) -> torch.Tensor:
         """The same step, always eager, returning the block's logits [B, bs-1, vocab] (for checks)."""
@@ -197,6 +204,11 @@ class DFlashDrafter(ModelRunner, Drafter):
         hidden = hidden.view(batch, bs, -1)[:, 1:].reshape(batch * (bs - 1), -1)
         logits = m.block_logits(hidden, self.context.lm_head).view(batch, bs - 1, -1)
         torch.argmax(logits, dim=-1, out=self.drafts_out[:batch])
+        if self.candidates_out is not None:  # the top k of each position, as log-probabilities
+            logprobs, tokens = self.candidates_out
+            top, index = logits.topk(logprobs.shape[-1], dim=-1)
+            torch.sub(top.float(), log_normalizer(logits), out=logprobs[:batch])
+            tokens[:batch].copy_(index)
         return logits
 
     def _block_attention(self, ctx, ctx_rope, blk_rope, layer_kv):
@@ -223,3 +235,12 @@ class DFlashDrafter(ModelRunner, Drafter):
         for layer, layer_kv in zip(m.layers, self.kv.layers):
             x, residual = layer(x, residual, self._block_attention(ctx, ctx_rope, blk_rope, layer_kv))
         return x + residual
+
+
+def log_normalizer(logits: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dimension in fp32 [..., 1], with one temporary of the logits' own size and
+    dtype (not an fp32 copy of them: a batch's block logits are hundreds of MiB)."""
+    top = logits.amax(dim=-1, keepdim=True)
+    shifted = logits - top
+    return top.float() + shifted.exp_().sum(dim=-1, keepdim=True, dtype=torch.float32).log()
+

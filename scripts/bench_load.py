@@ -42,7 +42,7 @@ from specdec import LLM, SamplingParams  # noqa: E402
 
 
 OVERLAPPED = "AR overlapped"  # plain decoding with overlapped steps (--overlap-steps)
-DFLASH = {"chain": "DFlash", "auto": "DFlash auto"}  # by verify policy (--verify)
+DFLASH = {"chain": "DFlash", "auto": "DFlash auto", "tree": "DFlash tree"}  # by verify policy (--verify)
 
 
 @dataclass
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
         for system, draft in systems:
             llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency),
                       kv_cache_dtype=args.kv_cache_dtype, overlap_steps=system == OVERLAPPED,
-                      verify="auto" if system == DFLASH["auto"] else "chain")
+                      verify=next((v for v, name in DFLASH.items() if name == system), "chain"))
             prompts = (random_prompts(llm.engine.model.config.vocab_size, args.requests) if args.quick
                        else chat_prompts(llm, args.requests))
             run_load(llm, system, prompts[:min(4, len(prompts))], 1, 4)  # warm-up: graphs, kernels, allocator

@@ -52,11 +52,38 @@ class ScriptedDrafter(Drafter):
         self.live.discard(request.request_id)
 
     def propose(self, requests):
-        rows = []
+        return self._scripted(requests)[1]
+
+    def _scripted(self, requests) -> tuple[torch.Tensor, torch.Tensor]:
+        """The continuation's next block_size - 1 tokens, and the drafts: those, each corrupted (+1) with
+        probability error_rate (always with wrong=True)."""
+        truth, rows = [], []
         for r in requests:
             cont = self.continuations[tuple(r.prompt_ids)]
             n = len(r.output_ids)
             nxt = (cont[n:n + self.block_size - 1] + [3] * self.block_size)[:self.block_size - 1]
             corrupt = torch.rand(len(nxt), generator=self.rng) < self.error_rate
+            truth.append(nxt)
             rows.append([(t + 1) % self.vocab if self.wrong or c else t for t, c in zip(nxt, corrupt.tolist())])
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        return as_tensor(truth), as_tensor(rows)
+
+
+class ScriptedTreeDrafter(ScriptedDrafter):
+    """A ScriptedDrafter with candidates for token trees: at each position the (possibly corrupted) draft
+    first, then the continuation's own token when the draft was corrupted (else draft + 1), then draft + 2,
+    ...: a tree recovers what the chain loses at a corrupted position."""
+
+    proposes_candidates = True
+
+    def attach(self, context):
+        super().attach(context)
+        self.k = context.candidates
+
+    def propose_candidates(self, requests):
+        truth, drafts = self._scripted(requests)
+        ranks = torch.arange(self.k, device=self.device)
+        tokens = (drafts[..., None] + ranks) % self.vocab
+        tokens[..., 1] = torch.where(truth != drafts, truth, tokens[..., 1])
+        logprobs = (-0.5 - ranks.float()).expand(*tokens.shape).clone()
+        return logprobs, tokens

@@ -14,6 +14,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 VERIFY_POLICIES = ("chain", "auto", "tree")
+MAX_TREE_NODES = 255  # a tree step writes tree_nodes + 1 K/V slots per request past its length
 
 
 def _valid_device(device) -> bool:
@@ -82,10 +83,13 @@ class EngineConfig:
     # the whole chain); tree = a token tree of block_size - 1 nodes from each position's top drafts
     # (specdec/engine/tree_speculator.py; the torch attention backend for now). chain stays the default
     # until the others are measured on a GPU
-    verify: str = _setting("chain", "speculative steps: chain = verify every draft; auto = as many drafts "
-                                    "as pay for themselves at the step's batch size (measured step times); "
-                                    "tree = a token tree of as many nodes (torch attention backend)",
+    verify: str = _setting("chain", "speculative steps: chain = verify every draft; auto = per step a token "
+                                    "tree or a chain of as many drafts as pay for themselves at the step's "
+                                    "batch size (measured step times); tree = always a token tree",
                            choices=VERIFY_POLICIES)
+    # a token tree's draft nodes per request at small batches; fewer as the batch grows, since a step
+    # verifies at most max(max_num_seqs x block_size, tree_nodes + 1) tokens
+    tree_nodes: int = _setting(63, "token trees (verify tree / auto): draft nodes per request at small batches")
 
     def __post_init__(self):
         problems = []
@@ -98,6 +102,8 @@ class EngineConfig:
         if self.drafter_kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"drafter_kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                             f"{self.drafter_kv_cache_dtype!r}")
+        if not 1 <= self.tree_nodes <= MAX_TREE_NODES:
+            problems.append(f"tree_nodes must be between 1 and {MAX_TREE_NODES}, got {self.tree_nodes}")
         if self.verify not in VERIFY_POLICIES:
             problems.append(f"verify must be one of {', '.join(VERIFY_POLICIES)}, got {self.verify!r}")
         if full_precision_layer_list(self.kv_cache_full_precision_layers) is None:

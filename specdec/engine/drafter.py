@@ -45,11 +45,14 @@ class DraftContext:
     # the target's features at a fixed address [rows, F]: a verify's block rows first, then the step's prompt
     # chunks (None on request-less set-ups)
     features: torch.Tensor | None = None
+    # each block position's most likely drafts a step also gives (token trees; 0: none, drafts only)
+    candidates: int = 0
 
 
 class Drafter(ABC):
     block_size: int  # tokens the target verifies per step: the anchor plus block_size - 1 drafts
     target_layer_ids: tuple[int, ...]  # target layers whose outputs the drafter consumes
+    proposes_candidates: bool = False  # whether `propose_candidates` gives each position's top drafts (trees)
 
     @abstractmethod
     def attach(self, context: DraftContext) -> None:
@@ -87,10 +90,11 @@ class Drafter(ABC):
     def propose(self, requests: list[DraftRequest]) -> torch.Tensor:
         """Draft tokens [len(requests), block_size - 1] following each request's pending token."""
 
-    def propose_candidates(self, requests: list[DraftRequest], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each block position's k most likely drafts following each request's pending token, as
-        (log-probabilities, tokens), both [len(requests), block_size - 1, k], most likely first (token
-        trees; the drafter's context advances as `propose` advances it)."""
+    def propose_candidates(self, requests: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each block position's `DraftContext.candidates` most likely drafts following each request's
+        pending token, as (log-probabilities, tokens), both [len(requests), block_size - 1, k], most
+        likely first (token trees; the drafter's context advances as `propose` advances it). Static
+        buffers, valid until the next step."""
         raise NotImplementedError(f"{type(self).__name__} proposes one draft per position: verify='tree' needs "
                                   "a drafter with candidates (DFlash)")
 

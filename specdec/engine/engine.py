@@ -42,8 +42,8 @@ from specdec.engine.sampler import make_generator, sample_batch
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.speculator import SpeculativeDecoding
-from specdec.engine.tree_speculator import TreeDecoding
-from specdec.engine.verify_policy import StepCosts, VerifyPolicy, verify_lengths
+from specdec.engine.tree_speculator import CANDIDATES_PER_POSITION, TreeDecoding
+from specdec.engine.verify_policy import TREE, StepCosts, VerifyPolicy, verify_lengths
 from specdec.models.kv_precision import calibrated_fp8_errors, full_precision_layers
 from specdec.models.loader import LoadedTarget
 from specdec.runtime.cuda_graphs import collector_paused, ladder_sizes
@@ -77,9 +77,6 @@ class Engine:
         self.device = next(self.model.parameters()).device
         self.dtype = self.model.model.embed_tokens.weight.dtype
         self.backend_name = resolve_backend_name(config.attention_backend, self.device)
-        if config.verify == "tree" and drafter is not None and self.backend_name != "torch":
-            raise ValueError(f"verify='tree' runs on the torch attention backend for now, not {self.backend_name}: "
-                             "pass attention_backend='torch', or verify='chain' / 'auto'")
         self.kv_dtype = self._kv_dtype(config.fp8_kv)
         mc = self.model.config
         # with an FP8 cache, the layers it would hold too coarsely keep the model dtype
@@ -88,19 +85,28 @@ class Engine:
         self.drafter_kv_dtype = self._kv_dtype(config.drafter_kv_cache_dtype.startswith("fp8"))
         self.max_context = mc.max_position_embeddings
         self.drafter = drafter
-        lookahead = drafter.block_size if drafter is not None else 1
-        # the verify lengths speculative steps choose from (tokens per request: the anchor and drafts)
-        chain_lengths = verify_lengths(lookahead, config.verify) if drafter is not None else (1,)
+        block = drafter.block_size if drafter is not None else 1
+        if config.verify == "tree" and drafter is not None and not drafter.proposes_candidates:
+            raise ValueError(f"verify='tree' needs a drafter that proposes several candidates per position (DFlash); "
+                             f"{type(drafter).__name__} proposes one: pass verify='chain' or 'auto'")
+        # the verify lengths speculative steps choose from (tokens per request: the anchor and drafts), and
+        # whether they may verify token trees
+        chain_lengths = verify_lengths(block, config.verify) if drafter is not None else (1,)
+        trees = drafter is not None and config.verify in ("tree", "auto") and drafter.proposes_candidates
+        tree_rows = config.tree_nodes + 1 if trees else 0  # a tree step's tokens per request at batch 1
+        lookahead = max(block, tree_rows)  # slots a step may write past the committed length
         self.model.rotary.max_positions = self.max_context + lookahead  # RoPE table size on the fused path
         # the runners' static buffers exist before the KV pool is sized from what memory is left
         self.runner = TargetRunner(self.model, backend_name=self.backend_name, kv_dtype=layer_kv_dtypes,
-                                   page_size=config.page_size, max_batch=config.max_num_seqs, block_lens=chain_lengths,
-                                   max_prefill_tokens=config.max_prefill_tokens,
-                                   feature_layers=drafter.target_layer_ids if drafter is not None else ())
+                                   page_size=config.page_size, max_batch=config.max_num_seqs,
+                                   block_lens=chain_lengths or (block,), max_prefill_tokens=config.max_prefill_tokens,
+                                   feature_layers=drafter.target_layer_ids if drafter is not None else (),
+                                   min_rows=tree_rows)
         if drafter is not None:
             drafter.attach(DraftContext(self.device, self.dtype, self.drafter_kv_dtype, config.page_size, self.backend_name,
                                         config.max_num_seqs, self.max_context, self.model.model.embed_tokens,
-                                        self.model.lm_head, config.calibrate_fp8_scales, self.runner.features_out))
+                                        self.model.lm_head, config.calibrate_fp8_scales, self.runner.features_out,
+                                        CANDIDATES_PER_POSITION if trees else 0))
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                            and self.runner.attn.supports_graphs)
         # the graphs' memory pool is counted before the KV pool takes what is left
@@ -112,9 +118,9 @@ class Engine:
             self.kv.set_scales(target.kv_scales.k, target.kv_scales.v)  # the checkpoint's own
         if drafter is not None:
             drafter.allocate_cache(self.num_pages)
-            self.decoding: DecodePhase = (
-                TreeDecoding(self.runner, drafter, budget=drafter.block_size - 1) if config.verify == "tree"
-                else SpeculativeDecoding(self.runner, drafter, VerifyPolicy(drafter.block_size, chain_lengths)))
+            self.decoding: DecodePhase = SpeculativeDecoding(
+                self.runner, drafter, VerifyPolicy(block, chain_lengths, tree=trees),
+                TreeDecoding(self.runner, drafter, config.tree_nodes) if trees else None)
         else:
             self.decoding = PlainDecoding(self.runner)
         # overlapped steps: plain decoding only (a speculative step's plans need the previous acceptance)
@@ -144,13 +150,16 @@ class Engine:
         with collector_paused():
             seconds = self.runner.capture(pool)
             if self.drafter is not None:
-                seconds += self.drafter.capture(pool)
+                seconds += self.drafter.capture(pool) + self.decoding.capture(pool)
         self.graph_capture_seconds = seconds
         self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         policy = getattr(self.decoding, "policy", None)
-        if policy is not None and len(policy.lengths) > 1:  # what each chain length costs on this GPU
-            policy.costs = StepCosts(self.drafter.step_seconds(),
-                                     {q: self.runner.replay_seconds(q) for q in policy.lengths})
+        if policy is not None and len(policy.options) > 1:  # what each option costs on this GPU
+            verify = {q: self.runner.replay_seconds(q) for q in policy.lengths}
+            if policy.tree:
+                verify[TREE] = {rung: self.runner.tree_seconds(rung, self.decoding.tree.nodes_at(rung) + 1)
+                                for rung in ladder_sizes(self.config.max_num_seqs)}
+            policy.costs = StepCosts(self.drafter.step_seconds(), verify)
         log.info("captured CUDA graphs for batch sizes %s in %.1f s (%.0f MiB; %.0f MiB reserved)",
                  ladder_sizes(self.config.max_num_seqs), seconds, self.graph_memory_bytes / 2**20,
                  self.graph_reserve_bytes / 2**20)

@@ -1,7 +1,8 @@
 """The speculative decode phase: draft, verify, accept, roll back, for the whole running batch.
 
     drafts  = drafter.propose(batch)                  # [B, bs-1], one drafter forward
-    q       = policy.choose(B)                        # verify the anchor and the first q-1 drafts (q <= bs)
+    q       = policy.choose(B)                        # verify the anchor and the first q-1 drafts (q <= bs),
+                                                      # or a token tree (tree_speculator.py)
     verify  = target([anchor, drafts[:q-1]...])       # one causal forward, q queries each (CUDA graphs)
     a, bonus = accept(drafts[:q-1], target tokens)    # greedy argmax or the target's samples
     tokens  = drafts[:a] + [bonus]; target cache -> start + a + 1 (whole tail pages back to the pool);
@@ -21,22 +22,38 @@ from specdec.engine.decoding import to_host
 from specdec.engine.drafter import Drafter
 from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
-from specdec.engine.verify_policy import VerifyPolicy
+from specdec.engine.tree_speculator import TreeDecoding
+from specdec.engine.verify_policy import TREE, VerifyPolicy
 from specdec.runtime.target_runner import PrefillChunks, TargetRunner
 
 
 class SpeculativeDecoding:
-    def __init__(self, runner: TargetRunner, drafter: Drafter, policy: VerifyPolicy | None = None):
+    def __init__(self, runner: TargetRunner, drafter: Drafter, policy: VerifyPolicy | None = None,
+                 tree: TreeDecoding | None = None):
         self.runner = runner
         self.drafter = drafter
-        self.tokens_per_step = drafter.block_size  # the most a step verifies (and writes) per request
+        self.tokens_per_step = drafter.block_size  # the most a step commits per request
         self.policy = policy or VerifyPolicy(drafter.block_size, (drafter.block_size,))
+        if self.policy.tree and tree is None:
+            raise ValueError("a verify policy with trees needs the tree step")
+        self.tree = tree
         self.verify_length = drafter.block_size  # tokens per request the last step verified
+
+    def capture(self, pool) -> float:
+        """CUDA graphs of the tree step's small pieces (none for chains: the runners hold theirs)."""
+        return self.tree.capture(pool) if self.tree is not None else 0.0
 
     @torch.no_grad()
     def step(self, running: list[Request], prefill: PrefillChunks | None = None) -> list[list[int]]:
         batch = len(running)
-        q = self.verify_length = self.policy.choose(batch)
+        nodes = self.tree.nodes_for(batch) if self.tree is not None else 0
+        q = self.policy.choose(batch, nodes)
+        if q == TREE:
+            tokens = self.tree.step(running, prefill)
+            self.verify_length = self.tree.verify_length
+            self.policy.observe_tree([len(t) - 1 for t in tokens], nodes)
+            return tokens
+        self.verify_length = q
         starts = [r.num_cached for r in running]
         drafts = self.drafter.propose(running)[:, :q - 1]  # [B, q-1] on the device
         out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], drafts, q,

@@ -1,17 +1,26 @@
-"""The speculative decode phase with a token tree per request (verify="tree"; the torch attention backend).
+"""The speculative step over a token tree per request (verify="tree", and the tree option of "auto").
 
-    candidates = drafter.propose_candidates(batch, k)   # each block position's top-k drafts, log-probabilities
-    tree       = TokenTree.build(candidates, budget)    # the best `budget` nodes per request
+    candidates = drafter.propose_candidates(batch)      # each block position's top-k drafts, log-probabilities
+    tree       = TokenTree.build(candidates, budget)    # the best `budget` nodes per request (one graph)
     verify     = target([anchor, nodes...])             # one forward: each node sees the context, its ancestors
                                                         # and itself, at the anchor's position plus its depth
-    path, a, bonus = tree.accept(target tokens)         # greedy argmax or the target's sample at every node
-    K/V of the accepted path move into place (start + 1 .. start + a); the rest of the tree goes back;
-    the drafter's context grows by the features of the anchor and the accepted path.
+    path, a, bonus = tree.accept(target tokens)         # greedy argmax or the target's sample at every node (one graph)
+    K/V of the accepted path move into place (start + 1 .. start + a) on the device; the rest of the tree
+    goes back; the drafter's context grows by the features of the anchor and the accepted path.
+
+Everything between the draft and the step's one device-to-host transfer stays on the device: the tree's
+building and its acceptance are replayed from CUDA graphs per batch rung (`BatchGraphs`), the verify is
+the target's mixed token step (piecewise graphs; attention planned with the tree's masks), and the K/V
+moves read the verify's page metadata. No host work grows with the tree.
+
+The node budget shrinks as the batch grows: a step verifies at most as many rows as the runner holds
+(`max_num_seqs` x block_size, or one tree of the largest budget), so the largest trees run at small
+batches, where a verify of 64 tokens per request costs about what one of 16 does.
 
 Sampling stays lossless as on the chain: a node is kept only when its token equals the target's own
 draw at its parent, and each node's draw is the target's at a prefix that is exactly the committed text
 (the draft candidates are one-hot choices, as the chain's drafts are). Prompt chunks of the step run in
-a forward of their own first (a tree's mask is not a prompt chunk's).
+a forward of their own after the verify (a tree's mask is not a prompt chunk's).
 """
 
 from __future__ import annotations
@@ -19,79 +28,112 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from attention.batch_layout import slots_on_device
 from attention.transfer import upload
+from specdec.engine.decoding import to_host
 from specdec.engine.drafter import Drafter
 from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
 from specdec.engine.token_tree import TokenTree
-from specdec.runtime.target_runner import BlockOutput, PrefillChunks, TargetRunner
+from specdec.runtime.cuda_graphs import BatchGraphs, ladder_sizes
+from specdec.runtime.target_runner import PrefillChunks, TargetRunner, TreeRows
 
 CANDIDATES_PER_POSITION = 4
 
 
 class TreeDecoding:
-    def __init__(self, runner: TargetRunner, drafter: Drafter, budget: int):
+    def __init__(self, runner: TargetRunner, drafter: Drafter, max_nodes: int):
         self.runner = runner
         self.drafter = drafter
-        self.budget = budget
+        self.max_nodes = max_nodes  # draft nodes per request at small batches
+        self.rows = runner.logits_out.shape[0]  # verify rows a step may use
+        self.depth = drafter.block_size - 1
         self.tokens_per_step = drafter.block_size  # the most a step commits per request (a path of bs - 1 + bonus)
-        self.verify_length = budget + 1  # tokens per request each step verifies: the anchor and the nodes
+        self.verify_length = 0  # tokens per request the last step verified: the anchor and the nodes
+        batch, device, k = runner.max_batch, runner.device, CANDIDATES_PER_POSITION
+        self.candidates = (torch.zeros(batch, self.depth, k, dtype=torch.float32, device=device),
+                           torch.zeros(batch, self.depth, k, dtype=torch.long, device=device))
+        self.chosen = torch.zeros(self.rows, dtype=torch.long, device=device)  # the target's token after each node
+        sizes = ladder_sizes(batch)
+        self.building = BatchGraphs("tree", sizes, self._build)
+        self.acceptance = BatchGraphs("tree acceptance", sizes, self._accept)
+        self._eager_tree: tuple[torch.Tensor, ...] | None = None
 
+    def nodes_at(self, size: int) -> int:
+        """Draft nodes per request of a tree step of `size` requests (a captured rung, or the batch)."""
+        return max(1, min(self.max_nodes, self.rows // size - 1))
+
+    def nodes_for(self, batch: int) -> int:
+        return self.nodes_at(self.building.rung_for(batch) or batch)
+
+    def capture(self, pool) -> float:
+        return self.building.capture(pool) + self.acceptance.capture(pool)
+
+    # ---- the graphed pieces ------------------------------------------------------------------
+    def _build(self, size: int) -> tuple[torch.Tensor, ...]:
+        logprobs, tokens = (c[:size] for c in self.candidates)
+        tree = TokenTree.build(logprobs, tokens, self.nodes_at(size))
+        self._eager_tree = (tree.tokens, tree.parents, tree.depths, tree.scores, tree.attention_mask())
+        return self._eager_tree
+
+    def _accept(self, size: int) -> tuple[torch.Tensor, ...]:
+        tokens, parents, depths, scores, _ = self.building.outputs.get(size, self._eager_tree)
+        tree = TokenTree(tokens[:size], parents[:size], depths[:size], scores[:size], self.depth)
+        path, accepted, bonus = tree.accept(self.chosen[:size * (tree.size + 1)].view(size, tree.size + 1))
+        return path, accepted, bonus, tree.tokens.gather(1, (path - 1).clamp(min=0))
+
+    # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, running: list[Request], prefill: PrefillChunks | None = None) -> list[list[int]]:
-        # drafts first: the drafter reads the last step's features, which the chunks' forward overwrites
-        candidates = self.drafter.propose_candidates(running, CANDIDATES_PER_POSITION) if running else None
-        chunk_rows = 0
-        if prefill is not None:  # the chunks in a forward of their own; their features take the buffer's first rows
-            self.runner.run_prefill(prefill)
-            prefill.read_first_tokens()
-            chunk_rows = sum(prefill.lens)
-        if not running:
-            return []
-        tree = TokenTree.build(*candidates, self.budget)
-        nodes = tree.size + 1
+        batch = len(running)
+        # drafts first: the drafter reads the last step's features, which this step's forwards overwrite
+        for buffer, candidates in zip(self.candidates, self.drafter.propose_candidates(running)):
+            buffer[:batch].copy_(candidates)
+        tokens, _, depths, _, masks = self.building.run(batch)
+        nodes = tokens.shape[1] + 1
+        self.verify_length = nodes
         starts = np.array([r.num_cached for r in running], dtype=np.int64)
-        anchors = torch.tensor([r.pending_token for r in running], dtype=torch.long, device=tree.tokens.device)
-        ids = torch.cat([anchors[:, None], tree.tokens], dim=1).flatten()
-        depths = np.concatenate([np.zeros((len(running), 1), np.int64), tree.depths.cpu().numpy()], axis=1)
-        out = self.runner.forward([r.target_pages for r in running], ids, [nodes] * len(running),
-                                  logits_rows=upload(np.arange(len(ids), dtype=np.int64), self.runner.device),
-                                  feature_layers=self.drafter.target_layer_ids,
-                                  positions=(starts[:, None] + depths).reshape(-1),
-                                  query_masks=tree.attention_mask().cpu().numpy())
-        block = BlockOutput(out.logits, out.logits.argmax(dim=-1), None)  # as a block step's output reads
-        chosen = sample_block(block, running, nodes).view(len(running), nodes)
-        path, accepted, bonus = tree.accept(chosen)
-        host_path, host_accepted, host_bonus = path.tolist(), accepted.tolist(), bonus.tolist()
-        tokens = tree.tokens.tolist()
-        committed, counts, moves, sources = [], [], [], []
-        for i, request in enumerate(running):
-            kept = host_path[i][:host_accepted[i]]  # node ids, 1-based
-            committed.append([tokens[i][node - 1] for node in kept] + [host_bonus[i]])
-            counts.append(len(kept) + 1)
-            start, table = int(starts[i]), request.target_pages
-            # the accepted nodes' K/V go from their slots (start + node id) to the path's (start + depth)
-            moves.append((table, start + np.array(kept, dtype=np.int64), start + 1 + np.arange(len(kept))))
-            sources += [i * nodes] + [i * nodes + node for node in kept]  # the anchor's and the path's features
-        self._move_into_place(moves)
-        for request, start, count in zip(running, starts.tolist(), counts):
-            request.target_pages.truncate(start + count)  # the cache ends after the accepted path
-        # the features the drafter's context takes, contiguous after the chunks' rows
-        features = self.runner.features_out
-        features[chunk_rows:chunk_rows + len(sources)] = out.features[upload(np.array(sources, dtype=np.int64),
-                                                                             features.device)].to(features.dtype)
-        rows = (chunk_rows + np.concatenate([[0], np.cumsum(counts)[:-1]])).tolist()
-        self.drafter.extend(running, features, rows, counts)
+        out = self.runner.run_tree([r.target_pages for r in running], [r.pending_token for r in running],
+                                   TreeRows(tokens, depths, masks))
+        self.chosen[:batch * nodes].copy_(sample_block(out, running, nodes).view(-1))
+        path, accepted, bonus, path_tokens = self.acceptance.run(batch)
+        self._move_into_place(starts, path, accepted)
+        # the anchor's and the path's features, request i's at rows i * block_size on: gathered before the
+        # chunks' forward (if any) overwrites the buffer's first rows
+        block = self.drafter.block_size
+        source_rows = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1) + (
+            torch.arange(batch, device=path.device)[:, None] * nodes)
+        features = out.features[source_rows.flatten()]
+        chunk_rows = 0
+        if prefill is not None:
+            self.runner.run_prefill(prefill)
+            chunk_rows = sum(prefill.lens)
+        self.runner.features_out[chunk_rows:chunk_rows + batch * block].copy_(features)
+        host = to_host(torch.cat([path_tokens, accepted[:, None], bonus[:, None]], dim=1), prefill)
+        committed, counts = [], []
+        for row, request, start in zip(host, running, starts.tolist()):
+            a = row[self.depth]
+            committed.append(row[:a] + [row[self.depth + 1]])
+            counts.append(a + 1)
+            request.target_pages.truncate(start + a + 1)  # the cache ends after the accepted path
+        self.drafter.extend(running, self.runner.features_out, [chunk_rows + i * block for i in range(batch)], counts)
         return committed
 
-    def _move_into_place(self, moves: list[tuple]) -> None:
-        """Every request's (table, source positions, destination positions) K/V in one copy per layer."""
-        places = [(table.array[positions // self.runner.page_size], positions % self.runner.page_size)
-                  for table, src, dst in moves for positions in (src, dst)]
-        if not any(len(pages) for pages, _ in places):
-            return
-        src = [np.concatenate(parts) for parts in zip(*places[0::2])]
-        dst = [np.concatenate(parts) for parts in zip(*places[1::2])]
-        device = self.runner.device
-        self.runner.kv.move_rows(*(upload(a.astype(np.int64), device) for a in (*src, *dst)))
-
+    def _move_into_place(self, starts: np.ndarray, path: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The accepted nodes' K/V from their slots (start + node id) to the path's (start + depth), for every
+        request and layer at once, from the verify's page metadata on the device (moves past a request's
+        accepted count go to the scratch page)."""
+        batch, depth = path.shape
+        attn, page_size = self.runner.attn, self.runner.page_size
+        device = path.device
+        start = upload(starts, device)[:, None]
+        requests = torch.arange(batch, device=device)[:, None].expand(batch, depth)
+        steps = torch.arange(depth, device=device)[None, :]
+        valid = steps < accepted[:, None]
+        src_pages, src_offsets = slots_on_device(attn.kv_indices, attn.kv_indptr, requests,
+                                                 torch.where(valid, start + path, start), page_size)
+        dst_pages, dst_offsets = slots_on_device(attn.kv_indices, attn.kv_indptr, requests,
+                                                 torch.where(valid, start + 1 + steps, start), page_size)
+        dst_pages = torch.where(valid, dst_pages, self.runner.kv.scratch_page)
+        self.runner.kv.move_rows(src_pages.flatten(), src_offsets.flatten(), dst_pages.flatten(),
+                                 dst_offsets.flatten())

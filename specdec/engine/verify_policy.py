@@ -1,17 +1,21 @@
-"""How many drafts a speculative step verifies: the whole chain, or as many as pay for themselves.
+"""What a speculative step verifies: the whole chain, a shorter one, or a token tree, whichever pays.
 
-    policy = VerifyPolicy(block_size, lengths=(16, 8, 4), costs=StepCosts(...))   # costs: None = chain
-    q = policy.choose(batch)          # verify q tokens per request: the anchor and the first q - 1 drafts
-    policy.observe(accepted, q)       # how many drafts each request had accepted
+    policy = VerifyPolicy(block_size, lengths=(16, 8, 4), tree=True, costs=StepCosts(...))   # costs: None = chain
+    q = policy.choose(batch, tree_nodes)   # q tokens per request (the anchor and the first q - 1 drafts), or TREE
+    policy.observe(accepted, q)            # how many drafts each request had accepted (a chain step)
+    policy.observe_tree(accepted, nodes)   # the same for a tree step of `nodes` draft nodes per request
 
 The drafter proposes a whole block either way (one forward); verifying fewer drafts saves target work
-that grows with the batch. At batch 1 a verify of 16 tokens costs about what one of 4 does (the step
-reads the weights once), so the whole chain is verified; under load the drafts deep in the chain,
-rarely accepted, cost as much target compute as the first ones. Per step the policy picks the length q
-that maximizes expected committed tokens per second: E(q) / (draft(b) + verify(b, q)), with
-E(q) = 1 + sum over j < q of P(drafts 1..j all accepted), from running per-position acceptance, and the
-step times measured on this GPU at start-up (`StepCosts`). Acceptance is counted per position only
-where it was observed: a step that verified q - 1 drafts says nothing of position q onwards.
+that grows with the batch, and a tree of more nodes accepts more than the chain at a verify cost that
+barely grows while the batch is small. At batch 1 a verify of 64 tokens costs about what one of 16 does
+(the step reads the weights once), so a large tree wins there; under load the drafts deep in the chain,
+rarely accepted, cost as much target compute as the first ones, so short chains win. Per step the policy
+picks the option that maximizes expected committed tokens per second: E / (draft(b) + verify(b)).
+For a chain of q, E(q) = 1 + sum over j < q of P(drafts 1..j all accepted), from running per-position
+acceptance, counted only where it was observed (a step that verified q - 1 drafts says nothing of
+position q onwards). For a tree, E is the running mean of committed tokens of tree steps of that node
+count (before any, the chain's E(block) times TREE_PRIOR_GAIN). Step times are measured on this GPU at
+start-up (`StepCosts`); without them a step verifies the whole chain (or the tree, if only trees are allowed).
 """
 
 from __future__ import annotations
@@ -25,12 +29,18 @@ import numpy as np
 DECAY = 0.995
 # before any observation a position counts as accepted half the time (one pseudo-step of each)
 PRIOR_ACCEPTED, PRIOR_SEEN = 1.0, 2.0
+# a tree's expected tokens before any tree step of its size: the chain's times this (trees of the chain's
+# size accepted 18-25% more than the chain in measurements of the drafter's own top-4 candidates)
+TREE_PRIOR_GAIN = 1.2
+TREE = 0  # the choice "verify a token tree" (chain choices are their token counts, >= 2)
 
 
 def verify_lengths(block_size: int, policy: str) -> tuple[int, ...]:
-    """The chain lengths a speculative step may verify: the block ("chain"), or also half and a quarter of
-    it ("auto"; each length has CUDA graphs of its own)."""
-    if policy in ("chain", "tree"):  # a tree verifies as many tokens as the chain
+    """The chain lengths a speculative step may verify: the block ("chain"), also half and a quarter of it
+    ("auto"; each length has CUDA graphs of its own), none ("tree": trees only)."""
+    if policy == "tree":
+        return ()
+    if policy == "chain":
         return (block_size,)
     return tuple(sorted({block_size} | {q for q in (block_size // 2, block_size // 4) if q >= 2}))
 
@@ -41,7 +51,7 @@ class StepCosts:
     of each chain length. A batch runs as the smallest rung that holds it."""
 
     draft: dict[int, float]  # rung -> seconds (empty: a drafter without a measured step)
-    verify: dict[int, dict[int, float]]  # q -> {rung: seconds}
+    verify: dict[int, dict[int, float]]  # q (or TREE) -> {rung: seconds}
 
     def at(self, batch: int) -> tuple[float, dict[int, float]] | None:
         """(draft seconds, {q: verify seconds}) for a step of `batch` requests; None above the ladder (an
@@ -54,24 +64,52 @@ class StepCosts:
 
 
 class VerifyPolicy:
-    def __init__(self, block_size: int, lengths: tuple[int, ...], costs: StepCosts | None = None):
-        if block_size not in lengths or any(not 2 <= q <= block_size for q in lengths):
+    def __init__(self, block_size: int, lengths: tuple[int, ...], costs: StepCosts | None = None,
+                 tree: bool = False):
+        if (lengths and block_size not in lengths) or any(not 2 <= q <= block_size for q in lengths):
             raise ValueError(f"chain lengths {lengths} must lie in 2..{block_size} and include {block_size}")
+        if not lengths and not tree:
+            raise ValueError("a verify policy needs chain lengths or trees")
         self.block_size = block_size
         self.lengths = tuple(sorted(lengths))
+        self.tree = tree
         self.costs = costs
         n = block_size - 1  # draft positions
         self.accepted = np.full(n, PRIOR_ACCEPTED)  # position i accepted, given 0..i-1 were
         self.seen = np.full(n, PRIOR_SEEN)  # position i verified with 0..i-1 accepted
+        self.tree_tokens: dict[int, tuple[float, float]] = {}  # nodes -> (decayed committed tokens, steps)
 
-    def choose(self, batch: int) -> int:
-        """The chain length (tokens per request, anchor included) for a step of `batch` requests."""
-        costs = self.costs.at(batch) if self.costs is not None and len(self.lengths) > 1 else None
+    @property
+    def options(self) -> tuple[int, ...]:
+        return self.lengths + ((TREE,) if self.tree else ())
+
+    def choose(self, batch: int, tree_nodes: int = 0) -> int:
+        """The chain length (tokens per request, anchor included), or TREE, for a step of `batch` requests;
+        a tree step would verify `tree_nodes` draft nodes per request."""
+        options = self.options
+        costs = self.costs.at(batch) if self.costs is not None and len(options) > 1 else None
         if costs is None:
-            return self.block_size
+            return self.block_size if self.lengths else TREE
         draft, verify = costs
         expected = self.expected_tokens()
-        return max(self.lengths, key=lambda q: (expected[q - 1] / (draft + verify[q]), q))
+
+        def rate(option: int) -> float:
+            tokens = self.expected_tree_tokens(tree_nodes) if option == TREE else expected[option - 1]
+            return tokens / (draft + verify[option])
+
+        return max(options, key=lambda option: (rate(option), option))
+
+    def expected_tree_tokens(self, nodes: int) -> float:
+        """Expected committed tokens per request of a tree step with `nodes` draft nodes."""
+        tokens, steps = self.tree_tokens.get(nodes, (0.0, 0.0))
+        if steps < 1:
+            return self.expected_tokens()[-1] * TREE_PRIOR_GAIN
+        return tokens / steps
+
+    def observe_tree(self, accepted: list[int], nodes: int) -> None:
+        """A tree step of `nodes` draft nodes per request; request r had accepted[r] drafts."""
+        tokens, steps = self.tree_tokens.get(nodes, (0.0, 0.0))
+        self.tree_tokens[nodes] = (tokens * DECAY + sum(a + 1 for a in accepted) / len(accepted), steps * DECAY + 1)
 
     def expected_tokens(self) -> np.ndarray:
         """[block_size]: expected committed tokens per request when verifying q tokens, at index q - 1."""

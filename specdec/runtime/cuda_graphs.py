@@ -133,3 +133,40 @@ class GraphLadder:
 
     def replay(self, rung: int) -> None:
         self.graphs[rung].replay()
+
+
+class BatchGraphs:
+    """Small tensor work of a step (a token tree's building, its acceptance) captured per batch rung, so
+    that its many small kernels cost one launch. `body(size)` reads the first `size` rows of static input
+    buffers and returns a tuple of tensors; a captured rung returns the tensors of its capture, which
+    every replay rewrites in place (read their first `batch` rows). Without capture it runs eagerly."""
+
+    def __init__(self, name: str, sizes: tuple[int, ...], body: Callable[[int], tuple[torch.Tensor, ...]]):
+        self.name = name
+        self.sizes = tuple(sorted(sizes))
+        self.body = body
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def rung_for(self, batch: int) -> int | None:
+        return captured_size_for(self.sizes, self.graphs, batch)
+
+    def capture(self, pool) -> float:
+        start = time.perf_counter()
+        for size in reversed(self.sizes):
+            self.body(size)  # warm-up outside the graph
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self.body(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def run(self, batch: int) -> tuple[torch.Tensor, ...]:
+        """The outputs for the first `batch` rows (a replay of the rung that holds them, else eager)."""
+        rung = self.rung_for(batch)
+        if rung is None:
+            return self.body(batch)
+        self.graphs[rung].replay()
+        return tuple(t[:batch] for t in self.outputs[rung])

@@ -18,6 +18,7 @@ until the next forward.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Callable
 
@@ -63,6 +64,16 @@ def write_device_tokens(block_ids: torch.Tensor, rest: torch.Tensor | None, carr
 
 
 @dataclass
+class TreeRows:
+    """A token tree per request, on the device: the nodes' tokens and depths [B, N] and, with the anchor
+    as node 0, which nodes each node sees [B, N + 1, N + 1] (its ancestors and itself)."""
+
+    tokens: torch.Tensor
+    depths: torch.Tensor
+    masks: torch.Tensor
+
+
+@dataclass
 class PrefillChunks:
     """Prompt chunks that ride along a block step, so that one forward runs both."""
 
@@ -85,7 +96,8 @@ class PrefillChunks:
 class TargetRunner(ModelRunner):
     def __init__(self, model: CausalLM, *, backend_name: str, kv_dtype: torch.dtype | tuple[torch.dtype, ...],
                  page_size: int, max_batch: int, block_lens: tuple[int, ...], max_prefill_tokens: int,
-                 feature_layers: tuple[int, ...] = ()):
+                 feature_layers: tuple[int, ...] = (), min_rows: int = 0):
+        """min_rows: block rows the buffers hold at least (a token tree's tokens at batch 1)."""
         dtype = model.model.embed_tokens.weight.dtype
         super().__init__(model, backend_name=backend_name, kv_dtype=kv_dtype, q_dtype=dtype, page_size=page_size,
                          max_batch=max_batch, device=next(model.parameters()).device)
@@ -93,7 +105,7 @@ class TargetRunner(ModelRunner):
         self.feature_layers = feature_layers
         c, q_max = model.config, max(block_lens)
         # static buffers of the fixed-shape steps, allocated before the KV pool is sized
-        rows = max_batch * q_max
+        rows = max(max_batch * q_max, min_rows)
         self.inputs = {q: StaticInputs({"ids": max_batch * q, "starts": max_batch}, self.device) for q in block_lens}
         self.logits_out = torch.zeros(rows, c.vocab_size, dtype=dtype, device=self.device)
         self.greedy_out = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -120,7 +132,7 @@ class TargetRunner(ModelRunner):
     # ---- forwards ----------------------------------------------------------------------------
     def forward(self, tables: list[PageTable], token_ids: torch.Tensor, q_lens: list[int], *,
                 logits_rows: torch.Tensor | None, feature_layers: tuple[int, ...] = (),
-                positions: np.ndarray | None = None, query_masks: np.ndarray | None = None) -> ForwardOutput:
+                positions: np.ndarray | None = None, query_masks: torch.Tensor | None = None) -> ForwardOutput:
         """q_lens[i] new tokens of request i (flattened in `token_ids`) written at slots length.., causal;
         always eager (probes). A token tree gives its nodes' `positions` (the anchor's plus their depth)
         and `query_masks` ([B, max_q, max_q]: each node sees its ancestors and itself, see BatchLayout)."""
@@ -167,38 +179,79 @@ class TargetRunner(ModelRunner):
         """Prompt chunks alone (a step with nothing to decode); sets `prefill.out`."""
         self._run_mixed([], [], None, 1, prefill)
 
+    def run_tree(self, tables: list[PageTable], anchors: list[int], tree: TreeRows) -> BlockOutput:
+        """A token tree per request in one forward: [anchor, nodes...] at the anchor's position plus each
+        node's depth, each node seeing the context, its ancestors and itself (`tree.masks`). Through the
+        mixed token step (piecewise graphs; attention planned with the masks, eager between the pieces)."""
+        q = tree.tokens.shape[1] + 1
+        return self._run_mixed(tables, anchors, tree.tokens, q, None, tree=tree)
+
     def _block_output(self, n: int) -> BlockOutput:
         features = self.features_out[:n] if self.features_out is not None else None
         return BlockOutput(self.logits_out[:n], self.greedy_out[:n], features)
 
     def _run_mixed(self, tables: list[PageTable], first_tokens: list[int], rest: torch.Tensor | None, q: int,
-                   prefill: PrefillChunks, carried: Carried | None = None) -> BlockOutput:
+                   prefill: PrefillChunks | None, carried: Carried | None = None,
+                   tree: TreeRows | None = None) -> BlockOutput:
         """The block step and the prompt chunks in one forward (ragged queries, causal): block rows first,
         then the chunks. Replayed from the piecewise graphs of the next larger token count when they are
-        captured, else eager. Block outputs land in the static buffers, as a block step's do."""
+        captured, else eager. Block outputs land in the static buffers, as a block step's do. With `tree`,
+        the block rows are token trees (no chunks)."""
         n = len(tables) * q
+        if n > self.logits_out.shape[0]:
+            raise ValueError(f"a step of {n} verify rows exceeds the {self.logits_out.shape[0]} the runner was "
+                             "sized for")
+        chunk_tables, chunk_lens = (prefill.tables, prefill.lens) if prefill is not None else ([], [])
         block_ids = np.zeros((len(tables), q), dtype=np.int64)
         block_ids[:, 0] = first_tokens
-        ids = np.concatenate([block_ids.reshape(-1), prefill.token_ids])
+        ids = np.concatenate([block_ids.reshape(-1), prefill.token_ids]) if prefill is not None else block_ids.reshape(-1)
         total = len(ids)
         if total > self.max_step_tokens:
             raise ValueError(f"a step of {total} tokens exceeds the {self.max_step_tokens} the runner was sized for")
-        layout = self._grow([*tables, *prefill.tables], [q] * len(tables) + prefill.lens)
+        layout = self._grow([*tables, *chunk_tables], [q] * len(tables) + chunk_lens)
+        if tree is not None:
+            layout = layout.with_query_masks(tree.masks)
         self.attn.plan(layout, write_slots=False)  # the step writes K/V to the slots staged here
         self.stage_token_rows(self.mixed_step, layout)
         self.mixed.inputs.fill("ids", ids)
         self.mixed.inputs.upload()
         write_device_tokens(self.mixed.inputs["ids"][:n].view(-1, q), rest, carried)
+        if tree is not None:  # a node sits at the anchor's position plus its depth
+            positions = self.mixed.inputs["positions"][:n].view(-1, q)
+            positions[:, 1:] = positions[:, :1] + tree.depths
         self.run_tokens(self.mixed_step, total, eager=not self._graphs_usable())
         hidden = self.mixed.hidden[:total]
         if n:
             self.model.logits(hidden[:n], self.logits_out[:n])
             torch.argmax(self.logits_out[:n], dim=-1, out=self.greedy_out[:n])
+        if prefill is None:
+            return self._block_output(n)
         rows = prefill.logits_rows
         logits = self.model.logits(hidden[n + upload(rows.astype(np.int64), self.device)]) if len(rows) else None
         features = self.features_out[n:total] if self.features_out is not None else None
         prefill.out = ForwardOutput(logits, features)
         return self._block_output(n)
+
+    def tree_seconds(self, batch: int, q: int, repeats: int = 5) -> float:
+        """GPU seconds of a token-tree verify of `batch` requests with q tokens each (median of `repeats`),
+        on padding requests whose K/V go to the scratch page: the mixed token step planned with masks."""
+        layout = BatchLayout.dummy(batch, q, q, self.page_size, self.kv.scratch_page, causal=True)
+        masks = torch.ones(q, q, dtype=torch.bool, device=self.device).tril().expand(batch, q, q).contiguous()
+        n = batch * q
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.attn.plan(layout.with_query_masks(masks), write_slots=False)
+            self.stage_token_rows(self.mixed_step, layout)
+            self.mixed.inputs.fill("ids", np.zeros(n, dtype=np.int64))
+            self.mixed.inputs.upload()
+            self.run_tokens(self.mixed_step, n, eager=not self._graphs_usable())
+            self.model.logits(self.mixed.hidden[:n], self.logits_out[:n])
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
 
     def _graphs_usable(self) -> bool:
         """An FP8 cache still calibrating its scales reads them back on the host: not capturable."""

@@ -16,12 +16,13 @@ class RecordingWrapper:
     instances = []
 
     def __init__(self, workspace, layout, backend="auto", **kwargs):
-        self.backend, self.plans, self.lengths, self.runs = backend, [], [], []
+        self.backend, self.plans, self.lengths, self.runs, self.masks = backend, [], [], [], []
         RecordingWrapper.instances.append(self)
 
     def plan(self, *args, kv_data_type=None, seq_lens=None, max_token_per_sequence=None, max_sequence_kv=None,
-             **kwargs):
+             packed_custom_mask=None, **kwargs):
         self.plans.append(kv_data_type)
+        self.masks.append(packed_custom_mask)
         self.lengths.append((seq_lens.tolist(), max_token_per_sequence, max_sequence_kv))
 
     def run(self, q, data, out=None, **scales):
@@ -110,23 +111,45 @@ def test_a_graph_rung_picks_its_kernel_by_its_size(backend_class):
         backend.plan_graph(slot, verify, scratch_page=15)
 
 
-def test_token_tree_masks_are_refused_with_the_backend_that_runs_them(backend_class):
-    import numpy as np
-
+def test_token_trees_plan_the_fa2_wrappers_with_their_packed_masks(backend_class):
     FlashInferBackend = backend_class  # noqa: N806
 
+    RecordingWrapper.instances = []
     backend = FlashInferBackend(4, 2, 8, 8 ** -0.5, device=torch.device("cpu"), kv_dtypes=(torch.bfloat16,),
                                 q_dtype=torch.bfloat16)
-    layout = BatchLayout.for_tokens([3], [7], [[0, 1]], 4, causal=True).with_query_masks(np.ones((1, 3, 3), bool))
-    with pytest.raises(NotImplementedError, match="attention_backend='torch'"):
-        backend.plan(layout)
+    plain, several, tree = RecordingWrapper.instances
+    assert (plain.backend, several.backend, tree.backend) == ("auto", "fa2", "fa2")  # fa3 takes no custom mask
+    layout = BatchLayout.for_tokens([3], [7], [[0, 1]], 4, causal=True)
+    backend.plan(layout.with_query_masks(torch.ones(1, 3, 3, dtype=torch.bool).tril()))
+    assert tree.plans and not plain.plans and tree.masks[-1] is not None
+    backend.plan(layout)
+    assert plain.plans and plain.masks[-1] is None
 
 
 def test_query_masks_must_fit_the_layout():
-    import numpy as np
-
     layout = BatchLayout.for_tokens([3, 2], [7, 5], [[0, 1], [2, 3]], 4, causal=True)
     with pytest.raises(ValueError, match="of shape"):
-        layout.with_query_masks(np.ones((2, 2, 2), bool))
+        layout.with_query_masks(torch.ones(2, 2, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="bool mask"):
+        layout.with_query_masks(torch.ones(2, 3, 3))
     with pytest.raises(ValueError, match="causal"):
-        BatchLayout.for_tokens([3], [7], [[0, 1]], 4, causal=False).with_query_masks(np.ones((1, 3, 3), bool))
+        BatchLayout.for_tokens([3], [7], [[0, 1]], 4, causal=False).with_query_masks(torch.ones(1, 3, 3, dtype=torch.bool))
+
+
+def test_packed_query_masks_are_what_flashinfer_reads():
+    """FlashInfer, handed packed bits, starts request i at byte sum over j < i of q_j * kv_j (its mask indptr
+    from the lengths) and reads bit (row * kv_i + col) from there, little bit order: read that way, every
+    request's mask is its earlier KV followed by its own query mask."""
+    import numpy as np
+
+    generator = torch.Generator().manual_seed(0)
+    q_lens, kv_lens = [3, 3, 3], [7, 3, 12]
+    masks = torch.rand(3, 3, 3, generator=generator) < 0.5
+    layout = BatchLayout.for_tokens(q_lens, kv_lens, [[0, 1], [2], [3, 4, 5]], 4, causal=True).with_query_masks(masks)
+    packed = layout.packed_query_masks().numpy()
+    byte_start = 0
+    for i, (q, kv) in enumerate(zip(q_lens, kv_lens)):
+        bits = np.unpackbits(packed[byte_start:byte_start + -(-q * kv // 8)], bitorder="little")[:q * kv]
+        want = np.concatenate([np.ones((q, kv - q), bool), masks[i].numpy()], axis=1)
+        np.testing.assert_array_equal(bits.reshape(q, kv).astype(bool), want)
+        byte_start += q * kv

@@ -148,7 +148,7 @@ def test_one_forward_over_a_tree_gives_each_node_the_logits_of_its_own_path(tmp_
             positions = len(context) + np.array([0, *tree.depths[0].tolist()])
             out = engine.runner.forward([probe.target_pages], engine.ids_tensor(ids), [len(ids)],
                                         logits_rows=engine.ids_tensor(range(len(ids))), positions=positions,
-                                        query_masks=tree.attention_mask().numpy())
+                                        query_masks=tree.attention_mask())
     finally:
         probe.target_pages.free()
     paths = node_paths(tree, 0)

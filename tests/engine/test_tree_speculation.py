@@ -25,12 +25,29 @@ def test_tree_greedy_equals_autoregressive(target_dir, tmp_path, batch, block_si
     prompts = MANY_PROMPTS[:batch]
     params = SamplingParams(max_new_tokens=23)
     engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, block_size), verify="tree",
-                         attention_backend="torch", max_num_seqs=max(1, batch - 1))  # the last one arrives later
+                         attention_backend="torch", max_num_seqs=max(1, batch - 1),  # the last one arrives later
+                         tree_nodes=block_size - 1)
     got = engine.generate_ids(prompts, params)
     assert [r.output_ids for r in got] == ar_outputs(target_dir, prompts, params)
     assert all(r.stats.verify_lengths and set(r.stats.verify_lengths) == {block_size} for r in got)
     if block_size >= 4:  # drafts were accepted, so later steps read K/V moved into place
         assert max(n for r in got for n in r.stats.acceptance_lengths) > 1
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("batch, max_num_seqs", [(1, 1), (4, 4), (6, 3)])
+def test_trees_larger_than_the_block_are_exact_and_shrink_with_the_batch(target_dir, tmp_path, batch, max_num_seqs):
+    """20 nodes at block 4 (three draft positions, depth <= 3): the tree's extra slots are written and
+    rolled back; a step verifies at most max(max_num_seqs x block, 21) rows, so b requests get 21 // b - 1."""
+    prompts = MANY_PROMPTS[:batch]
+    params = SamplingParams(max_new_tokens=30)
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), verify="tree",
+                         attention_backend="torch", max_num_seqs=max_num_seqs, tree_nodes=20, num_kv_pages=64)
+    got = engine.generate_ids(prompts, params)
+    assert [r.output_ids for r in got] == ar_outputs(target_dir, prompts, params)
+    verified = {q for r in got for q in r.stats.verify_lengths}
+    allowed = {min(20, 21 // b - 1) + 1 for b in range(1, max_num_seqs + 1)}  # anchor + nodes at b requests
+    assert verified <= allowed and max(verified) > 4 and (max_num_seqs > 1 or verified == {21})
     assert_no_leak(engine)
 
 
@@ -40,19 +57,16 @@ def test_tree_stops_at_eos_and_in_a_small_pool(target_dir, tmp_path):
     eos = (7, 11)
     want = ar_outputs(target_dir, prompts, params, eos=eos)
     engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), eos=eos, verify="tree",
-                         attention_backend="torch", num_kv_pages=40, max_num_seqs=4)
+                         attention_backend="torch", num_kv_pages=40, max_num_seqs=4, tree_nodes=9)
     got = engine.generate_ids(prompts, params)
     assert [r.output_ids for r in got] == want
     assert_no_leak(engine)
 
 
-def test_tree_needs_the_torch_backend_and_a_drafter_with_candidates(target_dir, tmp_path, monkeypatch):
+def test_tree_needs_a_drafter_with_candidates(target_dir, tmp_path):
     from tests.drafter_helpers import ScriptedDrafter
 
-    monkeypatch.setattr("specdec.engine.engine.resolve_backend_name", lambda name, device: "flashinfer")
-    with pytest.raises(ValueError, match="torch attention backend"):  # refused before anything is built
-        spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), verify="tree")
-    monkeypatch.undo()
-    engine = spec_engine(target_dir, ScriptedDrafter({}, 4, 64), verify="tree", attention_backend="torch")
-    with pytest.raises(NotImplementedError, match="one draft per position"):
-        engine.drafter.propose_candidates([], 2)
+    with pytest.raises(ValueError, match="candidates"):  # refused before anything is built
+        spec_engine(target_dir, ScriptedDrafter({}, 4, 64), verify="tree", attention_backend="torch")
+    engine = spec_engine(target_dir, ScriptedDrafter({}, 4, 64), verify="auto", attention_backend="torch")
+    assert engine.decoding.policy.options == (2, 4)  # chains only

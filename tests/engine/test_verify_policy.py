@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from specdec.engine.sampling_params import SamplingParams
-from specdec.engine.verify_policy import PRIOR_SEEN, StepCosts, VerifyPolicy, verify_lengths
+from specdec.engine.verify_policy import PRIOR_SEEN, TREE, StepCosts, VerifyPolicy, verify_lengths
 from tests.conftest import build_tiny_model
 from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, spec_engine, tiny_engine
 
@@ -51,21 +51,37 @@ def target_dir(tmp_path_factory):
     return path
 
 
-def lengths_by_batch(engine, short_from: int):
-    """Costs that make a step of `short_from` or more requests verify 2 tokens, smaller ones the block (4);
-    returns the chain lengths the steps then chose."""
+def lengths_by_batch(engine, short_from: int, trees_below: int = 0):
+    """Costs that make a step of `short_from` or more requests verify 2 tokens, smaller ones the block (4),
+    and one of fewer than `trees_below` requests a token tree; returns what the steps then chose (TREE = 0)."""
     policy = engine.decoding.policy
-    below = short_from - 1  # the rung of the largest batch that still verifies the block
-    policy.costs = StepCosts(draft={}, verify={2: {1: 1.0, below: 1.0, short_from: 1.0, 64: 1.0},
-                                               4: {1: 1.0, below: 1.0, short_from: 100.0, 64: 100.0}})
+    rungs = sorted({1, 2, 3, short_from - 1, short_from, trees_below - 1, trees_below, 64} - {0, -1})
+    policy.costs = StepCosts(draft={}, verify={
+        2: {r: 1.0 for r in rungs},
+        4: {r: 1.0 if r < short_from else 100.0 for r in rungs},
+        TREE: {r: 1e-3 if r < trees_below else 1e3 for r in rungs}})
     chosen, choose = [], policy.choose
 
-    def recording(batch):
-        chosen.append(choose(batch))
+    def recording(batch, nodes=0):
+        chosen.append(choose(batch, nodes))
         return chosen[-1]
 
     policy.choose = recording
     return chosen
+
+
+def test_steps_mixing_trees_and_chains_equal_autoregressive_decoding(target_dir, tmp_path):
+    prompts = MANY_PROMPTS[:6]
+    params = SamplingParams(max_new_tokens=29)
+    want = [r.output_ids for r in tiny_engine(target_dir, eos=()).generate_ids(prompts, params)]
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), verify="auto", max_num_seqs=4,
+                         tree_nodes=10)
+    chosen = lengths_by_batch(engine, short_from=4, trees_below=3)
+    got = engine.generate_ids(prompts, params)
+    assert [r.output_ids for r in got] == want
+    assert {2, TREE} <= set(chosen)  # chains at 4 requests, trees at the tail of 2 and 1
+    assert max(q for r in got for q in r.stats.verify_lengths) > 4  # trees larger than the block ran
+    assert_no_leak(engine)
 
 
 def test_steps_verifying_fewer_drafts_equal_autoregressive_decoding(target_dir, tmp_path):

@@ -249,3 +249,57 @@ def test_one_synchronization_per_step(model_dirs, drafter, eager, sampling):
         syncs = synchronizations_in_a_step_with_an_arrival(engine, batch, SAMPLING[sampling])
         assert len(syncs) == 1, syncs
     assert engine.pool.num_free == engine.pool.num_pages
+
+
+def force_trees_below(engine: Engine, batch: int) -> None:
+    """verify="auto" with measured costs replaced: token trees for steps of fewer than `batch` requests,
+    chains of the block above."""
+    from specdec.engine.verify_policy import TREE, StepCosts
+
+    policy = engine.decoding.policy
+    rungs = policy.costs.verify[BLOCK]
+    policy.costs = StepCosts({}, {q: {r: 1.0 if q == BLOCK else 1e3 for r in rungs} for q in policy.lengths}
+                             | {TREE: {r: 1e-3 if r < batch else 1e3 for r in rungs}})
+
+
+def test_tree_steps_graphs_equal_eager(model_dirs):
+    """Token trees on FlashInfer (fa2 with the trees' custom mask), their building and acceptance replayed
+    from graphs per rung and the verify from the mixed step's piecewise graphs, give the eager engine's
+    tokens (near-ties aside); verify="auto" measures a tree's cost at every rung after capture, and steps
+    switching between trees and chains stay exact; one host sync per tree step."""
+    eager = make_engine(model_dirs, True, "auto", True, verify="tree", tree_nodes=31)
+    graphs = make_engine(model_dirs, True, "auto", False, verify="auto", tree_nodes=31)
+    from specdec.engine.verify_policy import TREE
+
+    tree = graphs.decoding.tree
+    assert tree.building.graphs and tree.acceptance.graphs
+    measured = graphs.decoding.policy.costs.verify[TREE]
+    assert measured and all(s > 0 for s in measured.values())
+    force_trees_below(graphs, 1024)  # trees at every batch
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    report = {"tree_seconds": measured, "batches": {}}
+    for batch, per_step in ((1, 1), (24, 3), (100, 20)):
+        ids = prompts(batch)
+        want, got = staggered(eager, ids, params, per_step), staggered(graphs, ids, params, per_step)
+        diverged = divergences(eager, want, got)
+        report["batches"][batch] = {"divergences": diverged,
+                                    "verified": sorted({q for r in got for q in r.stats.verify_lengths}),
+                                    "tau": sum(sum(r.stats.acceptance_lengths) for r in got)
+                                    / sum(len(r.stats.acceptance_lengths) for r in got)}
+        assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in diverged), diverged
+        assert max(q for r in got for q in r.stats.verify_lengths) == 32  # 31 nodes at small batches
+        for engine in (eager, graphs):
+            assert engine.pool.num_free == engine.pool.num_pages
+    force_trees_below(graphs, 8)  # chains from 8 requests on: steps switch as the batch drains
+    want = eager.generate_ids(prompts(24), params)
+    got = graphs.generate_ids(prompts(24), params)
+    assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in divergences(eager, want, got))
+    assert {BLOCK, 32} <= {q for r in got for q in r.stats.verify_lengths}
+    force_trees_below(graphs, 1024)
+    for batch in (1, 5):
+        syncs = synchronizations_in_one_step(graphs, batch, {})
+        assert len(syncs) == 1, syncs
+        syncs = synchronizations_in_a_step_with_an_arrival(graphs, batch, {})
+        assert len(syncs) == 1, syncs
+    assert graphs.pool.num_free == graphs.pool.num_pages
+    print(json.dumps(report))

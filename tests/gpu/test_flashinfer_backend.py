@@ -86,3 +86,29 @@ def test_a_cache_mixing_dtypes_runs_each_layer_as_a_cache_of_its_own_dtype(name)
         cases = [PagedCase(history, new_kv, q_lens, causal, page_size=16, kv_dtype=kv, device="cuda",
                            dtype=torch.bfloat16) for _ in range(2)]
         assert torch.equal(run(mixed, cases[0]), run(flashinfer_backend(kv), cases[1]))
+
+
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
+def test_token_tree_masks_match_reference(kv):
+    """Each query sees its request's earlier KV and the new rows its mask allows (a token tree): FlashInfer's
+    custom mask (fa2, packed on the GPU) against the torch reference, requests of different lengths."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    nodes = 9
+    masks = (torch.rand(3, nodes, nodes, device="cuda", generator=g) < 0.4) | torch.eye(nodes, dtype=torch.bool,
+                                                                                        device="cuda")
+    masks = masks.tril()  # a tree's ancestors come before it
+    cases = [PagedCase([40, 7, 130], [nodes] * 3, [nodes] * 3, True, page_size=16, kv_dtype=KV_DTYPES[kv],
+                       device="cuda", dtype=torch.bfloat16, scales=(0.05, 0.03) if kv == "fp8" else (1.0, 1.0))
+             for _ in range(2)]
+    outs = []
+    for case, backend in zip(cases, [flashinfer_backend(KV_DTYPES[kv]), TorchBackend(HQ, HKV, D, D ** -0.5,
+                                                                                     device="cuda")]):
+        case.layout = case.layout.with_query_masks(masks)
+        outs.append(run(backend, case))
+    err = rel_error(*outs)
+    print(f"tree masks {kv}: rel err {err:.2e}")
+    assert err <= REL_BOUND
+    # the masks matter: with plain causal order the outputs differ
+    causal = PagedCase([40, 7, 130], [nodes] * 3, [nodes] * 3, True, page_size=16, kv_dtype=KV_DTYPES[kv],
+                       device="cuda", dtype=torch.bfloat16, scales=(0.05, 0.03) if kv == "fp8" else (1.0, 1.0))
+    assert rel_error(run(flashinfer_backend(KV_DTYPES[kv]), causal), outs[1]) > 10 * REL_BOUND
