@@ -150,7 +150,7 @@ class Engine:
         with collector_paused():
             seconds = self.runner.capture(pool)
             if self.drafter is not None:
-                seconds += self.drafter.capture(pool) + self.decoding.capture(pool)
+                seconds += self.drafter.capture(pool) + self.decoding.capture()
         self.graph_capture_seconds = seconds
         self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         policy = getattr(self.decoding, "policy", None)

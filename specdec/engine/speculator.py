@@ -39,9 +39,9 @@ class SpeculativeDecoding:
         self.tree = tree
         self.verify_length = drafter.block_size  # tokens per request the last step verified
 
-    def capture(self, pool) -> float:
+    def capture(self) -> float:
         """CUDA graphs of the tree step's small pieces (none for chains: the runners hold theirs)."""
-        return self.tree.capture(pool) if self.tree is not None else 0.0
+        return self.tree.capture() if self.tree is not None else 0.0
 
     @torch.no_grad()
     def step(self, running: list[Request], prefill: PrefillChunks | None = None) -> list[list[int]]:

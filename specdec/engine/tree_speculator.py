@@ -66,8 +66,8 @@ class TreeDecoding:
     def nodes_for(self, batch: int) -> int:
         return self.nodes_at(self.building.rung_for(batch) or batch)
 
-    def capture(self, pool) -> float:
-        return self.building.capture(pool) + self.acceptance.capture(pool)
+    def capture(self) -> float:
+        return self.building.capture() + self.acceptance.capture()
 
     # ---- the graphed pieces ------------------------------------------------------------------
     def _build(self, size: int) -> tuple[torch.Tensor, ...]:

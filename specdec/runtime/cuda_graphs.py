@@ -139,7 +139,10 @@ class BatchGraphs:
     """Small tensor work of a step (a token tree's building, its acceptance) captured per batch rung, so
     that its many small kernels cost one launch. `body(size)` reads the first `size` rows of static input
     buffers and returns a tuple of tensors; a captured rung returns the tensors of its capture, which
-    every replay rewrites in place (read their first `batch` rows). Without capture it runs eagerly."""
+    every replay rewrites in place (read their first `batch` rows). Without capture it runs eagerly.
+
+    Each graph has a memory pool of its own (a few MiB): its outputs outlive the replay and are read after
+    other graphs have run, and in a shared pool they could sit in memory that those graphs use as scratch."""
 
     def __init__(self, name: str, sizes: tuple[int, ...], body: Callable[[int], tuple[torch.Tensor, ...]]):
         self.name = name
@@ -151,13 +154,13 @@ class BatchGraphs:
     def rung_for(self, batch: int) -> int | None:
         return captured_size_for(self.sizes, self.graphs, batch)
 
-    def capture(self, pool) -> float:
+    def capture(self) -> float:
         start = time.perf_counter()
         for size in reversed(self.sizes):
             self.body(size)  # warm-up outside the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph):
                 self.outputs[size] = self.body(size)
             self.graphs[size] = graph
         torch.cuda.synchronize()

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Verify policies on one GPU machine, as a background job that outlives single device calls: the GPU tests
+# of token trees, batch-1 math500 and HumanEval with chain / tree / auto (and plain decoding), the load
+# benchmark with chain and auto against plain decoding, then the whole GPU test suite.
+#   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_trees.sh > /tmp/trees/run.log 2>&1 &
+#   watch:  tail /tmp/trees/run.log; results in /tmp/trees
+# The GGUFs (the demo target, and SmolLM2 for the GPU tests) come as one tar in pieces in /tmp/xfer
+# (ggufs.tar.part.*), or already in $SPECDEC_CACHE/gguf. Env: LIMIT (problems per batch-1 eval, default 20),
+# STAGES (default "tests math500 load humaneval all-tests").
+set -uo pipefail
+out=${TREES_OUT:-/tmp/trees}
+mkdir -p "$out"
+export SPECDEC_CACHE=${SPECDEC_CACHE:-/tmp/specdec-cache} PYTHONUNBUFFERED=1 SPECDEC_REPORT_DIR=$out
+here=$(pwd)
+target=qwen2.5-coder-1.5b-instruct
+drafter=$here/drafters/checkpoints/qwen2.5-coder-1.5b-dflash-b16
+limit=${LIMIT:-20}
+stage() { echo "=== $(date +%T) $1"; }
+wanted() { [[ " ${STAGES:-tests math500 load humaneval all-tests} " == *" $1 "* ]]; }
+mkdir -p "$SPECDEC_CACHE/gguf"
+if ls /tmp/xfer/ggufs.tar.part.* > /dev/null 2>&1 && [ ! -e "$SPECDEC_CACHE/gguf/.unpacked" ]; then
+  cat /tmp/xfer/ggufs.tar.part.* | tar xf - -C "$SPECDEC_CACHE/gguf" && touch "$SPECDEC_CACHE/gguf/.unpacked"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+python3 -c "from specdec.weights.demo_models import resolve_model; print(resolve_model('$target'))" || exit 1
+if wanted tests; then
+  stage "GPU tests of token trees"
+  python3 -m pytest -q tests/gpu -k "tree" -s -rA > "$out/gpu-trees.log" 2>&1
+  tail -3 "$out/gpu-trees.log"
+fi
+eval_batch1() {  # eval_batch1 SET VERIFY [ARGS...]: one prompt at a time
+  local set=$1 verify=$2
+  shift 2
+  stage "$set, batch 1, verify $verify"
+  python3 -m eval."$set" --drafter "$drafter" --limit "$limit" --max-num-seqs 1 --verify "$verify" --no-progress \
+    --output "$out/$set-b1-$verify" "$@" 2>&1 | grep -v "Loading weights" | tail -12
+}
+if wanted math500; then
+  eval_batch1 math500 chain --baseline
+  eval_batch1 math500 tree
+  eval_batch1 math500 auto
+fi
+if wanted load; then
+  stage "load, chain and auto against plain decoding"
+  python3 scripts/bench_load.py --model "$target" --drafter "$drafter" --verify chain auto --overlap-steps \
+    --concurrency 1 8 32 64 128 256 --rounds 2 --out "$out/load.json" 2>&1 | grep -v "Loading weights" | tee "$out/load.md"
+fi
+if wanted humaneval; then
+  eval_batch1 humaneval chain
+  eval_batch1 humaneval auto
+fi
+if wanted all-tests; then
+  stage "the whole GPU suite"
+  python3 -m pytest -q tests/gpu -s -rA > "$out/gpu-all.log" 2>&1
+  tail -3 "$out/gpu-all.log"
+fi
+stage done
