@@ -108,8 +108,12 @@ class BatchLayout:
         dummy_pages = -(-new // self.page_size)
         pad = lambda a, v: np.concatenate([a, np.full(extra, v, dtype=np.int32)])  # noqa: E731
         indices = np.concatenate([self.kv_indices, np.full(extra * dummy_pages, scratch_page, dtype=np.int32)])
+        masks = self.query_masks
+        if masks is not None:  # a dummy's queries see in causal order
+            dummy = torch.ones(q, q, dtype=torch.bool, device=masks.device).tril()
+            masks = torch.cat([masks, dummy.expand(extra, q, q)])
         return BatchLayout(pad(self.q_lens, q), pad(self.kv_lens, new), pad(self.new_kv_lens, new), indices,
-                           self.page_size, self.causal)
+                           self.page_size, self.causal, masks)
 
     @property
     def batch_size(self) -> int:

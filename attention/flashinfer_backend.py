@@ -44,7 +44,8 @@ class GraphSlot:
     never change), and pinned host buffers to plan from (a slot is planned at most once per step, so they
     are free again once the step's one synchronization has passed)."""
 
-    def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int, several_decodes: bool):
+    def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int, several_decodes: bool,
+                 tree: bool = False):
         dev = backend.device
         self.batch_size = batch_size
         self.qo_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
@@ -57,10 +58,15 @@ class GraphSlot:
         # one wrapper per cache dtype over the same index buffers (each plan writes the same values), made
         # here so that the graph memory estimate counts them; the kernel is the rung's (several_decodes)
         self.several_decodes = several_decodes
+        # token trees: the custom mask (fa2), in the backend's one mask buffer (slots are planned one at a time)
+        self.tree = tree
+        masks = dict(custom_mask_buf=backend.tree_mask_buffer(),
+                     mask_indptr_buf=torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)) if tree else {}
         self.wrappers = {dtype: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr,
             paged_kv_indptr_buf=self.kv_indptr, paged_kv_indices_buf=self.kv_indices,
-            paged_kv_last_page_len_buf=self.last_page_len, backend=kernel_backend(dtype, several_decodes))
+            paged_kv_last_page_len_buf=self.last_page_len,
+            backend="fa2" if tree else kernel_backend(dtype, several_decodes), **masks)
             for dtype in backend.kv_dtypes}
 
     def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
@@ -86,6 +92,18 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, "NHD", backend="fa2" if kind == TREE else kernel_backend(dtype, kind))
             for dtype in self.kv_dtypes} for kind in (False, True, TREE)}
         self.wrappers = self.eager_wrappers[False]  # those of the planned step
+        self.tree_mask_bytes = 0  # the graph rungs' shared custom-mask buffer (token trees), 0: none
+        self._tree_masks: torch.Tensor | None = None
+
+    def tree_mask_buffer(self) -> torch.Tensor:
+        """The custom-mask buffer of every token-tree graph rung, of `tree_mask_bytes` (set by the runner
+        before the rungs are made: a tree step's queries times the longest KV, see
+        `BatchLayout.packed_query_masks`)."""
+        if self._tree_masks is None:
+            if self.tree_mask_bytes <= 0:
+                raise ValueError("token-tree graph rungs need tree_mask_bytes set first")
+            self._tree_masks = torch.zeros(self.tree_mask_bytes, dtype=torch.uint8, device=self.device)
+        return self._tree_masks
 
     def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
         """An eager step of any layout; write_slots=False leaves the write slots to the caller."""
@@ -108,7 +126,8 @@ class FlashInferBackend(AttentionBackend):
     def graph_slot(self, batch_size: int, max_pages: int, example: BatchLayout | None = None) -> GraphSlot:
         """The buffers and wrappers of one rung; `example` (a layout of the steps it will replay, padded to
         its size) picks the kernel its graph is captured with."""
-        return GraphSlot(self, batch_size, max_pages, example is not None and several_decodes(example))
+        return GraphSlot(self, batch_size, max_pages, example is not None and several_decodes(example),
+                         tree=example is not None and example.query_masks is not None)
 
     def plan_graph(self, slot: GraphSlot, layout: BatchLayout, scratch_page: int) -> None:
         """A graph replay: `layout` padded to the slot's batch size goes into the slot's buffers. The
@@ -117,15 +136,20 @@ class FlashInferBackend(AttentionBackend):
         self.layout = layout
         n = len(layout.kv_indices)
         slot.kv_indices[:n].copy_(slot.stage("kv_indices", layout.kv_indices), non_blocking=True)
-        if several_decodes(layout) != slot.several_decodes:
-            raise ValueError(f"a rung captured for {'several decodes' if slot.several_decodes else 'other steps'} "
-                             f"cannot replay this layout (q_lens {layout.q_lens.tolist()})")
+        tree = layout.query_masks is not None
+        if several_decodes(layout) != slot.several_decodes or tree != slot.tree:
+            raise ValueError(f"a rung captured for {'token trees' if slot.tree else 'several decodes' if slot.several_decodes else 'other steps'} "
+                             f"cannot replay this layout (q_lens {layout.q_lens.tolist()}, masks: {tree})")
+        packed = layout.packed_query_masks() if tree else None
+        if packed is not None and len(packed) > self.tree_mask_bytes:
+            raise ValueError(f"a token-tree step's mask of {len(packed)} bytes exceeds the {self.tree_mask_bytes} "
+                             "its graphs were made for")
         self.wrappers = slot.wrappers
         self.kv_indices, self.kv_indptr = slot.kv_indices, slot.kv_indptr
         self._plan_wrappers(layout, slot.stage("qo_indptr", layout.qo_indptr()),
                             slot.stage("kv_indptr", layout.kv_indptr()), slot.kv_indices[:n],
                             slot.stage("last_page_len", layout.last_page_lens()), slot.stage("kv_lens", layout.kv_lens),
-                            uniform_q_len=int(layout.q_lens[0]))
+                            uniform_q_len=int(layout.q_lens[0]), packed_mask=packed)
 
     def _plan_wrappers(self, layout: BatchLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                        kv_indices_gpu: torch.Tensor, last_page_len: torch.Tensor, kv_lens: torch.Tensor,

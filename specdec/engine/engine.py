@@ -93,15 +93,15 @@ class Engine:
         # whether they may verify token trees
         chain_lengths = verify_lengths(block, config.verify) if drafter is not None else (1,)
         trees = drafter is not None and config.verify in ("tree", "auto") and drafter.proposes_candidates
-        tree_rows = config.tree_nodes + 1 if trees else 0  # a tree step's tokens per request at batch 1
-        lookahead = max(block, tree_rows)  # slots a step may write past the committed length
+        tree_nodes = config.tree_nodes if trees else 0
+        lookahead = max(block, tree_nodes + 1)  # slots a step may write past the committed length
         self.model.rotary.max_positions = self.max_context + lookahead  # RoPE table size on the fused path
         # the runners' static buffers exist before the KV pool is sized from what memory is left
         self.runner = TargetRunner(self.model, backend_name=self.backend_name, kv_dtype=layer_kv_dtypes,
                                    page_size=config.page_size, max_batch=config.max_num_seqs,
                                    block_lens=chain_lengths or (block,), max_prefill_tokens=config.max_prefill_tokens,
                                    feature_layers=drafter.target_layer_ids if drafter is not None else (),
-                                   min_rows=tree_rows)
+                                   tree_nodes=tree_nodes)
         if drafter is not None:
             drafter.attach(DraftContext(self.device, self.dtype, self.drafter_kv_dtype, config.page_size, self.backend_name,
                                         config.max_num_seqs, self.max_context, self.model.model.embed_tokens,
@@ -120,7 +120,7 @@ class Engine:
             drafter.allocate_cache(self.num_pages)
             self.decoding: DecodePhase = SpeculativeDecoding(
                 self.runner, drafter, VerifyPolicy(block, chain_lengths, tree=trees),
-                TreeDecoding(self.runner, drafter, config.tree_nodes) if trees else None)
+                TreeDecoding(self.runner, drafter) if trees else None)
         else:
             self.decoding = PlainDecoding(self.runner)
         # overlapped steps: plain decoding only (a speculative step's plans need the previous acceptance)
@@ -157,8 +157,7 @@ class Engine:
         if policy is not None and len(policy.options) > 1:  # what each option costs on this GPU
             verify = {q: self.runner.replay_seconds(q) for q in policy.lengths}
             if policy.tree:
-                verify[TREE] = {rung: self.runner.tree_seconds(rung, self.decoding.tree.nodes_at(rung) + 1)
-                                for rung in ladder_sizes(self.config.max_num_seqs)}
+                verify[TREE] = {rung: self.runner.tree_seconds(rung) for rung in ladder_sizes(self.config.max_num_seqs)}
             policy.costs = StepCosts(self.drafter.step_seconds(), verify)
         log.info("captured CUDA graphs for batch sizes %s in %.1f s (%.0f MiB; %.0f MiB reserved)",
                  ladder_sizes(self.config.max_num_seqs), seconds, self.graph_memory_bytes / 2**20,

@@ -10,12 +10,13 @@
 
 Everything between the draft and the step's one device-to-host transfer stays on the device: the tree's
 building and its acceptance are replayed from CUDA graphs per batch rung (`BatchGraphs`), the verify is
-the target's mixed token step (piecewise graphs; attention planned with the tree's masks), and the K/V
-moves read the verify's page metadata. No host work grows with the tree.
+the target's tree step (one graph per rung up to 16 requests, the mixed step's piecewise graphs above;
+attention planned with the tree's masks), and the K/V moves read the verify's page metadata. No host
+work grows with the tree.
 
 The node budget shrinks as the batch grows: a step verifies at most as many rows as the runner holds
-(`max_num_seqs` x block_size, or one tree of the largest budget), so the largest trees run at small
-batches, where a verify of 64 tokens per request costs about what one of 16 does.
+(`max_num_seqs` x block_size, or one tree of the largest budget; `TargetRunner.tree_q`), so the largest
+trees run at small batches, where a verify of 64 tokens per request costs about what one of 16 does.
 
 Sampling stays lossless as on the chain: a node is kept only when its token equals the target's own
 draw at its parent, and each node's draw is the target's at a prefix that is exactly the committed text
@@ -42,32 +43,35 @@ CANDIDATES_PER_POSITION = 4
 
 
 class TreeDecoding:
-    def __init__(self, runner: TargetRunner, drafter: Drafter, max_nodes: int):
+    def __init__(self, runner: TargetRunner, drafter: Drafter):
         self.runner = runner
         self.drafter = drafter
-        self.max_nodes = max_nodes  # draft nodes per request at small batches
-        self.rows = runner.logits_out.shape[0]  # verify rows a step may use
         self.depth = drafter.block_size - 1
         self.tokens_per_step = drafter.block_size  # the most a step commits per request (a path of bs - 1 + bonus)
         self.verify_length = 0  # tokens per request the last step verified: the anchor and the nodes
         batch, device, k = runner.max_batch, runner.device, CANDIDATES_PER_POSITION
         self.candidates = (torch.zeros(batch, self.depth, k, dtype=torch.float32, device=device),
                            torch.zeros(batch, self.depth, k, dtype=torch.long, device=device))
-        self.chosen = torch.zeros(self.rows, dtype=torch.long, device=device)  # the target's token after each node
+        # the target's token after each node
+        self.chosen = torch.zeros(runner.logits_out.shape[0], dtype=torch.long, device=device)
+        # the accepted path's K/V moves: (source page, offset, destination page, offset) per draft position
+        self.moves = torch.zeros(4, batch * self.depth, dtype=torch.long, device=device)
         sizes = ladder_sizes(batch)
         self.building = BatchGraphs("tree", sizes, self._build)
         self.acceptance = BatchGraphs("tree acceptance", sizes, self._accept)
+        self.moving = BatchGraphs("tree K/V moves", sizes, self._move)
         self._eager_tree: tuple[torch.Tensor, ...] | None = None
 
     def nodes_at(self, size: int) -> int:
         """Draft nodes per request of a tree step of `size` requests (a captured rung, or the batch)."""
-        return max(1, min(self.max_nodes, self.rows // size - 1))
+        return self.runner.tree_q(size) - 1
 
     def nodes_for(self, batch: int) -> int:
         return self.nodes_at(self.building.rung_for(batch) or batch)
 
     def capture(self) -> float:
-        return self.building.capture() + self.acceptance.capture()
+        self._park_moves(0)  # capturing runs the moves once
+        return self.building.capture() + self.acceptance.capture() + self.moving.capture()
 
     # ---- the graphed pieces ------------------------------------------------------------------
     def _build(self, size: int) -> tuple[torch.Tensor, ...]:
@@ -81,6 +85,15 @@ class TreeDecoding:
         tree = TokenTree(tokens[:size], parents[:size], depths[:size], scores[:size], self.depth)
         path, accepted, bonus = tree.accept(self.chosen[:size * (tree.size + 1)].view(size, tree.size + 1))
         return path, accepted, bonus, tree.tokens.gather(1, (path - 1).clamp(min=0))
+
+    def _move(self, size: int) -> tuple:
+        self.runner.kv.move_rows(*self.moves[:, :size * self.depth])  # one copy per layer
+        return ()
+
+    def _park_moves(self, rows: int) -> None:
+        """Moves from row `rows` on (a graph rung's padding) copy the scratch page's first slot onto itself."""
+        self.moves[0::2, rows:] = self.runner.kv.scratch_page
+        self.moves[1::2, rows:] = 0
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -135,5 +148,8 @@ class TreeDecoding:
         dst_pages, dst_offsets = slots_on_device(attn.kv_indices, attn.kv_indptr, requests,
                                                  torch.where(valid, start + 1 + steps, start), page_size)
         dst_pages = torch.where(valid, dst_pages, self.runner.kv.scratch_page)
-        self.runner.kv.move_rows(src_pages.flatten(), src_offsets.flatten(), dst_pages.flatten(),
-                                 dst_offsets.flatten())
+        rows = batch * depth
+        self.moves[:, :rows].copy_(torch.stack([src_pages.flatten(), src_offsets.flatten(), dst_pages.flatten(),
+                                                dst_offsets.flatten()]))
+        self._park_moves(rows)
+        self.moving.run(batch)

@@ -69,6 +69,7 @@ class FixedStep:
     dummy_layout: Callable[[int, int], BatchLayout]  # (batch, scratch_page) -> a padding-only layout
     new_rows_per_request: int  # K/V rows a request writes (sizes the graph slots' page room)
     body: Callable[[int], object]
+    max_rung: int = 0  # the largest batch captured (0: every rung up to max_batch)
 
 
 class ModelRunner:
@@ -129,7 +130,8 @@ class ModelRunner:
 
     def _capture_ladder(self, step: FixedStep, pool) -> float:
         scratch = self.kv.scratch_page
-        ladder = GraphLadder(step.name, ladder_sizes(self.max_batch), self.attn,
+        sizes = tuple(s for s in ladder_sizes(self.max_batch) if not step.max_rung or s <= step.max_rung)
+        ladder = GraphLadder(step.name, sizes, self.attn,
                              graph_max_pages(self.kv.num_pages, self.max_batch, step.new_rows_per_request,
                                              self.page_size),
                              lambda batch: step.dummy_layout(batch, scratch), step.body, pool)
@@ -137,14 +139,15 @@ class ModelRunner:
         self.ladders[step.key] = ladder
         return seconds
 
-    def replay_seconds(self, key, repeats: int = 5) -> dict[int, float]:
-        """GPU seconds of one replay of step `key`'s graph at each rung (median of `repeats`), on the
-        dummy layout it was captured with (its writes go to the scratch page); empty without graphs."""
+    def replay_seconds(self, key, repeats: int = 5, rungs: tuple[int, ...] | None = None) -> dict[int, float]:
+        """GPU seconds of one replay of step `key`'s graph at each rung (or those of `rungs` it has; median of
+        `repeats`), on the dummy layout it was captured with (its writes go to the scratch page); empty
+        without graphs."""
         ladder = self.ladders.get(key)
         if ladder is None:
             return {}
         seconds = {}
-        for rung in ladder.sizes:
+        for rung in (r for r in ladder.sizes if rungs is None or r in rungs):
             self.attn.plan_graph(ladder.slot(rung), ladder.dummy_layout(rung), self.kv.scratch_page)
             times = []
             for _ in range(repeats):
@@ -181,8 +184,9 @@ class ModelRunner:
             self.kv = None
 
     def _run_dummy(self, step: FixedStep) -> None:
-        self.attn.plan(step.dummy_layout(self.max_batch, self.kv.scratch_page), write_slots=False)
-        step.body(self.max_batch)
+        batch = min(self.max_batch, step.max_rung or self.max_batch)
+        self.attn.plan(step.dummy_layout(batch, self.kv.scratch_page), write_slots=False)
+        step.body(batch)
 
     def peak_bytes(self, run: Callable[[], object]) -> int:
         """GPU memory that `run` allocates at its peak beyond what was allocated before it."""

@@ -96,8 +96,8 @@ class PrefillChunks:
 class TargetRunner(ModelRunner):
     def __init__(self, model: CausalLM, *, backend_name: str, kv_dtype: torch.dtype | tuple[torch.dtype, ...],
                  page_size: int, max_batch: int, block_lens: tuple[int, ...], max_prefill_tokens: int,
-                 feature_layers: tuple[int, ...] = (), min_rows: int = 0):
-        """min_rows: block rows the buffers hold at least (a token tree's tokens at batch 1)."""
+                 feature_layers: tuple[int, ...] = (), tree_nodes: int = 0):
+        """tree_nodes: a token tree's draft nodes per request at small batches (0: no trees)."""
         dtype = model.model.embed_tokens.weight.dtype
         super().__init__(model, backend_name=backend_name, kv_dtype=kv_dtype, q_dtype=dtype, page_size=page_size,
                          max_batch=max_batch, device=next(model.parameters()).device)
@@ -105,7 +105,8 @@ class TargetRunner(ModelRunner):
         self.feature_layers = feature_layers
         c, q_max = model.config, max(block_lens)
         # static buffers of the fixed-shape steps, allocated before the KV pool is sized
-        rows = max(max_batch * q_max, min_rows)
+        rows = max(max_batch * q_max, tree_nodes + 1 if tree_nodes else 0)  # a tree at batch 1 always fits
+        self.tree_nodes = tree_nodes
         self.inputs = {q: StaticInputs({"ids": max_batch * q, "starts": max_batch}, self.device) for q in block_lens}
         self.logits_out = torch.zeros(rows, c.vocab_size, dtype=dtype, device=self.device)
         self.greedy_out = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -118,12 +119,32 @@ class TargetRunner(ModelRunner):
                              if feature_layers else None)
         self.mixed = MixedStepBuffers(self.max_step_tokens, model, self.device)
         self.mixed_step = TokenStep("mixed", "target mixed", self.max_step_tokens, self.mixed.inputs, self._mixed_body)
+        if tree_nodes:  # token-tree verify steps, captured up to TREE_GRAPH_MAX_BATCH requests
+            tree_rows = max(size * self.tree_q(size) for size in range(1, min(max_batch, TREE_GRAPH_MAX_BATCH) + 1))
+            self.tree_inputs = StaticInputs({"ids": tree_rows, "starts": max_batch, "depths": tree_rows}, self.device)
+            # every tree rung's custom mask: its queries times the longest KV a request can have
+            self.attn.tree_mask_bytes = tree_rows * (c.max_position_embeddings + tree_nodes + 1)
+
+    def tree_q(self, size: int) -> int:
+        """Tokens per request (the anchor and the nodes) of a token-tree step of `size` requests: a tree of
+        up to tree_nodes nodes, fewer as the batch grows so that the step fits the block rows."""
+        return min(self.tree_nodes, self.logits_out.shape[0] // size - 1) + 1
 
     def fixed_steps(self) -> list[FixedStep]:
-        """One step per block length q: q new tokens per request (q = 1 decode, q = block size verify)."""
-        return [FixedStep(q, f"target q={q}",
-                          lambda batch, scratch, q=q: BatchLayout.dummy(batch, q, q, self.page_size, scratch, True),
-                          q, lambda batch, q=q: self._block_body(q, batch)) for q in self.inputs]
+        """One step per block length q: q new tokens per request (q = 1 decode, q = block size verify), and
+        the token-tree verify of small batches (q by batch, see `tree_q`)."""
+        steps = [FixedStep(q, f"target q={q}",
+                           lambda batch, scratch, q=q: BatchLayout.dummy(batch, q, q, self.page_size, scratch, True),
+                           q, lambda batch, q=q: self._block_body(q, batch)) for q in self.inputs]
+        if self.tree_nodes and self.attn.supports_graphs:
+            steps.append(FixedStep(TREE_STEP, "target tree", self._tree_dummy, self.tree_q(1), self._tree_body,
+                                   max_rung=TREE_GRAPH_MAX_BATCH))
+        return steps
+
+    def _tree_dummy(self, batch: int, scratch: int) -> BatchLayout:
+        q = self.tree_q(batch)
+        masks = torch.ones(q, q, dtype=torch.bool, device=self.device).tril().expand(batch, q, q)
+        return BatchLayout.dummy(batch, q, q, self.page_size, scratch, True).with_query_masks(masks)
 
     def token_steps(self) -> list[TokenStep]:
         """Steps that mix prompt chunks with decode / verify tokens (or prompt chunks alone)."""
@@ -181,10 +202,46 @@ class TargetRunner(ModelRunner):
 
     def run_tree(self, tables: list[PageTable], anchors: list[int], tree: TreeRows) -> BlockOutput:
         """A token tree per request in one forward: [anchor, nodes...] at the anchor's position plus each
-        node's depth, each node seeing the context, its ancestors and itself (`tree.masks`). Through the
+        node's depth, each node seeing the context, its ancestors and itself (`tree.masks`). Replayed from
+        the tree step's graph of the next larger rung when one holds the batch and its tree size, else the
         mixed token step (piecewise graphs; attention planned with the masks, eager between the pieces)."""
-        q = tree.tokens.shape[1] + 1
-        return self._run_mixed(tables, anchors, tree.tokens, q, None, tree=tree)
+        batch, q = len(tables), tree.tokens.shape[1] + 1
+        ladder = self.ladders.get(TREE_STEP)
+        rung = ladder.rung_for(batch) if ladder is not None else None
+        if rung is None or self.tree_q(rung) != q:
+            return self._run_mixed(tables, anchors, tree.tokens, q, None, tree=tree)
+        starts = np.array([t.length for t in tables], dtype=np.int64)
+        layout = self._grow(tables, [q] * batch).with_query_masks(tree.masks)
+        inputs = self.tree_inputs
+        ids = np.zeros((batch, q), dtype=np.int64)
+        ids[:, 0] = anchors
+        inputs.fill("ids", ids)
+        inputs.fill("starts", starts)
+        inputs.fill("depths", [])
+
+        def tree_into_inputs() -> None:  # the nodes' tokens and depths are on the device already
+            write_device_tokens(inputs["ids"][:batch * q].view(batch, q), tree.tokens, None)
+            inputs["depths"][:batch * q].view(batch, q)[:, 1:].copy_(tree.depths)
+
+        self.dispatch(TREE_STEP, batch, layout, inputs, self._tree_body, after_upload=tree_into_inputs)
+        return self._block_output(batch * q)
+
+    def _tree_body(self, batch: int) -> None:
+        """The token-tree verify of `batch` requests (a graph rung): like `_block_body`, with RoPE at each
+        node's depth past the anchor while K/V go to consecutive slots."""
+        q = self.tree_q(batch)
+        n, inputs = batch * q, self.tree_inputs
+        starts = inputs["starts"][:batch, None]
+        slots = (starts + self.arange[:q]).reshape(-1)
+        positions = (starts + inputs["depths"][:n].view(batch, q)).reshape(-1)
+        requests = self.arange[:batch].repeat_interleave(q)
+        self.attn.set_write_slots(*slots_on_device(self.attn.kv_indices, self.attn.kv_indptr, requests, slots,
+                                                   self.page_size))
+        out = self.model(inputs["ids"][:n], positions, self.kv, self.attn, logits_rows=slice(None),
+                         feature_layers=self.feature_layers, logits_out=self.logits_out[:n])
+        torch.argmax(out.logits, dim=-1, out=self.greedy_out[:n])
+        if self.features_out is not None:
+            self.features_out[:n].copy_(out.features)
 
     def _block_output(self, n: int) -> BlockOutput:
         features = self.features_out[:n] if self.features_out is not None else None
@@ -232,9 +289,14 @@ class TargetRunner(ModelRunner):
         prefill.out = ForwardOutput(logits, features)
         return self._block_output(n)
 
-    def tree_seconds(self, batch: int, q: int, repeats: int = 5) -> float:
-        """GPU seconds of a token-tree verify of `batch` requests with q tokens each (median of `repeats`),
-        on padding requests whose K/V go to the scratch page: the mixed token step planned with masks."""
+    def tree_seconds(self, batch: int, repeats: int = 5) -> float:
+        """GPU seconds of a token-tree verify of `batch` requests (`tree_q(batch)` tokens each; median of
+        `repeats`), on padding requests whose K/V go to the scratch page: the tree step's graph where one is
+        captured for that batch, else the mixed token step planned with masks (its host time included)."""
+        captured = self.replay_seconds(TREE_STEP, repeats, rungs=(batch,))
+        if batch in captured:
+            return captured[batch]
+        q = self.tree_q(batch)
         layout = BatchLayout.dummy(batch, q, q, self.page_size, self.kv.scratch_page, causal=True)
         masks = torch.ones(q, q, dtype=torch.bool, device=self.device).tril().expand(batch, q, q).contiguous()
         n = batch * q
@@ -292,6 +354,10 @@ class TargetRunner(ModelRunner):
         torch.argmax(out.logits, dim=-1, out=self.greedy_out[:n])
         if self.features_out is not None:
             self.features_out[:n].copy_(out.features)
+
+
+TREE_STEP = "tree"  # the token-tree verify step's graph ladder
+TREE_GRAPH_MAX_BATCH = 16  # trees pay at small batches; larger tree steps run the mixed step's graphs
 
 
 class MixedStepBuffers:

@@ -103,17 +103,17 @@ def test_batch_one_speculation_is_exact(drafter_dir, kv):
 def test_short_verifies_are_exact_at_batch_one(drafter_dir):
     """verify="auto" measures every chain length's step time after capture; steps verifying 4 tokens (forced
     here through the measured costs) still reproduce decoding one prompt at a time."""
-    from specdec.engine.verify_policy import StepCosts
+    from specdec.engine.verify_policy import TREE, StepCosts
 
     common = dict(device="cuda", num_kv_pages=2048, attention_backend="flashinfer")
     ar_llm, spec_llm = LLM(MODEL, **common), LLM(MODEL, drafter=drafter_dir, verify="auto", **common)
     policy = spec_llm.engine.decoding.policy
-    assert policy.lengths == (4, 8, 16) and set(policy.costs.verify) == {4, 8, 16}
+    assert policy.options == (4, 8, 16, TREE) and set(policy.costs.verify) == {4, 8, 16, TREE}
     assert all(s > 0 for by_rung in policy.costs.verify.values() for s in by_rung.values())
     assert all(s > 0 for s in policy.costs.draft.values()) and policy.costs.draft
     rungs = policy.costs.verify[16]
     policy.costs = StepCosts({}, {4: dict.fromkeys(rungs, 1.0), 8: dict.fromkeys(rungs, 9.0),
-                                  16: dict.fromkeys(rungs, 9.0)})
+                                  16: dict.fromkeys(rungs, 9.0), TREE: dict.fromkeys(rungs, 9.0)})
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     for prompt in PROMPTS[:BATCH_ONE_PROMPTS]:
         want = ar_llm.generate([prompt], params, chat=True)[0].token_ids
