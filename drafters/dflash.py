@@ -33,6 +33,7 @@ from specdec.runtime.model_runner import FixedStep, ModelRunner, TokenStep
 from specdec.runtime.piecewise_graphs import Cut
 
 DRAFT_STEP = "draft"  # the fixed-shape step (its graph ladder's key)
+CANDIDATES_STEP = "draft with candidates"  # the same step also giving each position's top k (token trees)
 CONTEXT_STEP = "context"  # prompt chunks' context K/V (any token count)
 
 
@@ -80,13 +81,18 @@ class DFlashDrafter(ModelRunner, Drafter):
         def dummy(batch: int, scratch: int) -> BatchLayout:
             return BatchLayout.dummy(batch, bs, bs, self.page_size, scratch, causal=False)
 
-        return [FixedStep(DRAFT_STEP, "draft", dummy, 2 * bs, self._draft_body)]
+        steps = [FixedStep(DRAFT_STEP, "draft", dummy, 2 * bs, self._draft_body)]
+        if self.candidates_out is not None:  # only the steps that feed a token tree pay for the top k
+            steps.append(FixedStep(CANDIDATES_STEP, CANDIDATES_STEP, dummy, 2 * bs,
+                                   lambda batch: self._draft_body(batch, candidates=True),
+                                   max_rung=self.context.candidates_max_batch))
+        return steps
 
     def token_steps(self) -> list[TokenStep]:
         return [self.context_step] if self.attn.supports_graphs else []
 
-    def step_seconds(self) -> dict[int, float]:
-        return self.replay_seconds(DRAFT_STEP)
+    def step_seconds(self, candidates: bool = False) -> dict[int, float]:
+        return self.replay_seconds(CANDIDATES_STEP if candidates else DRAFT_STEP)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -148,7 +154,7 @@ class DFlashDrafter(ModelRunner, Drafter):
     def propose_candidates(self, requests: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.candidates_out is None:
             raise ValueError("this drafter was attached without candidates (DraftContext.candidates = 0)")
-        self._step(requests, eager=False)
+        self._step(requests, eager=False, candidates=True)
         return tuple(t[:len(requests)] for t in self.candidates_out)
 
     def draft_logits(self, requests: list[DraftRequest]) -> torch.Tensor:
@@ -156,7 +162,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         return self._step(requests, eager=True)
 
     @torch.no_grad()
-    def _step(self, requests: list[DraftRequest], eager: bool) -> torch.Tensor | None:
+    def _step(self, requests: list[DraftRequest], eager: bool, candidates: bool = False) -> torch.Tensor | None:
         bs, batch = self.block_size, len(requests)
         tables = [self.tables[r.request_id] for r in requests]
         pending = [self.pending.pop(r.request_id, (0, 0)) for r in requests]
@@ -171,13 +177,15 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.inputs.fill("starts", starts)
         self.inputs.fill("counts", counts)
         self.inputs.fill("rows", [p[0] for p in pending])
-        logits = self.dispatch(DRAFT_STEP, batch, layout, self.inputs, self._draft_body, eager=eager)
+        logits = self.dispatch(CANDIDATES_STEP if candidates else DRAFT_STEP, batch, layout, self.inputs,
+                               lambda size: self._draft_body(size, candidates), eager=eager)
         for table, start in zip(tables, starts.tolist()):
             table.truncate(start)  # release the block's scratch slots; the context stays
         return logits
 
-    def _draft_body(self, batch: int) -> torch.Tensor:
-        """The fixed-shape draft step: static inputs and planned page metadata -> `drafts_out[:batch]`."""
+    def _draft_body(self, batch: int, candidates: bool = False) -> torch.Tensor:
+        """The fixed-shape draft step: static inputs and planned page metadata -> `drafts_out[:batch]` (and
+        with `candidates`, each position's top k -> `candidates_out`)."""
         bs, inputs, m = self.block_size, self.inputs, self.model
         j = self.arange[:bs]
         starts, counts = inputs["starts"][:batch, None], inputs["counts"][:batch, None]
@@ -204,7 +212,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         hidden = hidden.view(batch, bs, -1)[:, 1:].reshape(batch * (bs - 1), -1)
         logits = m.block_logits(hidden, self.context.lm_head).view(batch, bs - 1, -1)
         torch.argmax(logits, dim=-1, out=self.drafts_out[:batch])
-        if self.candidates_out is not None:  # the top k of each position, as log-probabilities
+        if candidates:  # the top k of each position, as log-probabilities
             logprobs, tokens = self.candidates_out
             top, index = logits.topk(logprobs.shape[-1], dim=-1)
             torch.sub(top.float(), log_normalizer(logits), out=logprobs[:batch])

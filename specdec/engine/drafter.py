@@ -45,8 +45,10 @@ class DraftContext:
     # the target's features at a fixed address [rows, F]: a verify's block rows first, then the step's prompt
     # chunks (None on request-less set-ups)
     features: torch.Tensor | None = None
-    # each block position's most likely drafts a step also gives (token trees; 0: none, drafts only)
+    # each block position's most likely drafts a step also gives (token trees; 0: none, drafts only), and
+    # the largest batch whose steps with candidates are worth CUDA graphs (0: every batch)
     candidates: int = 0
+    candidates_max_batch: int = 0
 
 
 class Drafter(ABC):
@@ -75,9 +77,10 @@ class Drafter(ABC):
         """Capture CUDA graphs of the draft step into `pool`; returns seconds (0 without graphs)."""
         return 0.0
 
-    def step_seconds(self) -> dict[int, float]:
-        """GPU seconds of one draft step at each CUDA-graph batch size, measured after capture (empty when
-        not measured: the verify policy then counts only the target's verify)."""
+    def step_seconds(self, candidates: bool = False) -> dict[int, float]:
+        """GPU seconds of one draft step (with candidates: one of `propose_candidates`) at each CUDA-graph
+        batch size, measured after capture (empty when not measured: the verify policy then counts only the
+        target's verify)."""
         return {}
 
     @abstractmethod

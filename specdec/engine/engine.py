@@ -48,7 +48,7 @@ from specdec.models.kv_precision import calibrated_fp8_errors, full_precision_la
 from specdec.models.loader import LoadedTarget
 from specdec.runtime.cuda_graphs import collector_paused, ladder_sizes
 from specdec.runtime.model_runner import GraphMemory
-from specdec.runtime.target_runner import PrefillChunks, TargetRunner
+from specdec.runtime.target_runner import TREE_GRAPH_MAX_BATCH, PrefillChunks, TargetRunner
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,9 @@ class Engine:
             drafter.attach(DraftContext(self.device, self.dtype, self.drafter_kv_dtype, config.page_size, self.backend_name,
                                         config.max_num_seqs, self.max_context, self.model.model.embed_tokens,
                                         self.model.lm_head, config.calibrate_fp8_scales, self.runner.features_out,
-                                        CANDIDATES_PER_POSITION if trees else 0))
+                                        CANDIDATES_PER_POSITION if trees else 0,
+                                        # auto runs trees where they can pay: small batches
+                                        TREE_GRAPH_MAX_BATCH if config.verify == "auto" else 0))
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                            and self.runner.attn.supports_graphs)
         # the graphs' memory pool is counted before the KV pool takes what is left
@@ -155,10 +157,14 @@ class Engine:
         self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         policy = getattr(self.decoding, "policy", None)
         if policy is not None and len(policy.options) > 1:  # what each option costs on this GPU
+            draft = self.drafter.step_seconds()
             verify = {q: self.runner.replay_seconds(q) for q in policy.lengths}
-            if policy.tree:
-                verify[TREE] = {rung: self.runner.tree_seconds(rung) for rung in ladder_sizes(self.config.max_num_seqs)}
-            policy.costs = StepCosts(self.drafter.step_seconds(), verify)
+            if policy.tree:  # a tree step: its verify, its drafting with candidates, building and acceptance
+                tree, drafting = self.decoding.tree, self.drafter.step_seconds(candidates=True)
+                verify[TREE] = {rung: self.runner.tree_seconds(rung) + tree.overhead_seconds(rung)
+                                + drafting.get(rung, 0.0) - draft.get(rung, 0.0)
+                                for rung in ladder_sizes(self.config.max_num_seqs) if rung <= TREE_GRAPH_MAX_BATCH}
+            policy.costs = StepCosts(draft, verify)
         log.info("captured CUDA graphs for batch sizes %s in %.1f s (%.0f MiB; %.0f MiB reserved)",
                  ladder_sizes(self.config.max_num_seqs), seconds, self.graph_memory_bytes / 2**20,
                  self.graph_reserve_bytes / 2**20)

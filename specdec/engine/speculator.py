@@ -52,6 +52,8 @@ class SpeculativeDecoding:
             tokens = self.tree.step(running, prefill)
             self.verify_length = self.tree.verify_length
             self.policy.observe_tree([len(t) - 1 for t in tokens], nodes)
+            # what the whole chain would have had accepted: its running acceptance stays current while trees run
+            self.policy.observe(self.tree.chain_accepted, self.policy.block_size)
             return tokens
         self.verify_length = q
         starts = [r.num_cached for r in running]

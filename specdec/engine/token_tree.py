@@ -23,6 +23,8 @@ choice after the deepest accepted node. With k = 1 and budget n the tree is the 
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -36,45 +38,43 @@ class TokenTree:
     parents: torch.Tensor  # [B, N] int64: each node's parent, 0 (the anchor) .. N - 1; parents precede children
     depths: torch.Tensor  # [B, N] int64: 1 .. n
     scores: torch.Tensor  # [B, N]: sum of the path's log-probabilities
+    ranks: torch.Tensor  # [B, N] int64: the node's token's rank among its position's candidates (0: the chain's)
     max_depth: int  # n, the block's draft positions
 
     @classmethod
     def build(cls, logprobs: torch.Tensor, tokens: torch.Tensor, budget: int) -> TokenTree:
-        """logprobs, tokens: [B, n, k], each position's top-k candidates (logprobs descending)."""
+        """logprobs, tokens: [B, n, k], each position's top-k candidates (logprobs descending). A fixed
+        number of kernels per depth (a step replays them from a CUDA graph, where each costs a launch)."""
         batch, n, k = logprobs.shape
         if budget < 1:
             raise ValueError(f"a tree needs at least one node, got a budget of {budget}")
-        arange = torch.arange(batch, device=logprobs.device)[:, None]
-        scores, keys, depths, parent_ids, node_tokens = [], [], [], [], []
-        beam_key = torch.zeros(batch, 1, dtype=logprobs.dtype, device=logprobs.device)  # the anchor
-        beam_score = beam_key.clone()
-        beam_global = torch.full((batch, 1), -1, dtype=torch.long, device=logprobs.device)
-        offset = 0  # candidates collected so far (the anchor is not one)
+        device = logprobs.device
+        keys, chosen_all, widths = [], [], []
+        beam_key = torch.zeros(batch, 1, dtype=logprobs.dtype, device=device)  # the anchor
+        # per depth: the key of every extension of the beam by each of position d's candidates, the best
+        # `budget` kept; chosen = parent's index in the beam * k + the candidate's rank
         for d in range(n):
-            # every node of the beam extended by each of position d's candidates
-            score = (beam_score[:, :, None] + logprobs[:, d, None, :]).flatten(1)
-            key = (beam_key[:, :, None] + logprobs[:, d, None, :] - DEPTH_TIEBREAK).flatten(1)
-            keep = min(budget, key.shape[1])
-            key, chosen = key.topk(keep, dim=1)
-            parent_in_beam, rank = chosen // k, chosen % k
-            scores.append(score.gather(1, chosen))
-            keys.append(key)
-            depths.append(torch.full_like(chosen, d + 1))
-            parent_ids.append(beam_global.gather(1, parent_in_beam))
-            node_tokens.append(tokens[:, d][arange, rank])
-            beam_key, beam_score = key, scores[-1]
-            beam_global = offset + torch.arange(keep, device=logprobs.device).expand(batch, keep)
-            offset += keep
-        key = torch.cat(keys, dim=1)
+            key = (beam_key[:, :, None] + (logprobs[:, d, None, :] - DEPTH_TIEBREAK)).flatten(1)
+            beam_key, chosen = key.topk(min(budget, key.shape[1]), dim=1)
+            keys.append(beam_key)
+            chosen_all.append(chosen)
+            widths.append(beam_key.shape[1])
+        key, chosen = torch.cat(keys, dim=1), torch.cat(chosen_all, dim=1)
+        depth_of, parent_offset = _candidate_layout(tuple(widths), device)
+        rank, parent_in_beam = chosen % k, chosen // k
+        # a candidate's parent among all candidates (-1: the anchor)
+        parent_global = torch.where(depth_of > 1, parent_offset[(depth_of - 1).clamp(max=n - 1)] + parent_in_beam, -1)
         size = min(budget, key.shape[1])
         _, selected = key.topk(size, dim=1)  # best first: parents before children
         # candidate index -> node id (1..size); candidates left out -> -1
-        node_of = torch.full((batch, key.shape[1]), -1, dtype=torch.long, device=key.device)
-        node_of.scatter_(1, selected, torch.arange(1, size + 1, device=key.device).expand(batch, size))
-        parent_global = torch.cat(parent_ids, dim=1).gather(1, selected)
-        parents = torch.where(parent_global < 0, 0, node_of.gather(1, parent_global.clamp(min=0)))
-        return cls(torch.cat(node_tokens, dim=1).gather(1, selected), parents,
-                   torch.cat(depths, dim=1).gather(1, selected), torch.cat(scores, dim=1).gather(1, selected), n)
+        node_of = torch.full((batch, key.shape[1]), -1, dtype=torch.long, device=device)
+        node_of.scatter_(1, selected, torch.arange(1, size + 1, device=device).expand(batch, size))
+        parent = parent_global.gather(1, selected)
+        parents = torch.where(parent < 0, 0, node_of.gather(1, parent.clamp(min=0)))
+        depths = depth_of.expand(batch, -1).gather(1, selected)
+        ranks = rank.gather(1, selected)
+        picked = tokens.flatten(1).gather(1, (depths - 1) * k + ranks)
+        return cls(picked, parents, depths, key.gather(1, selected) + DEPTH_TIEBREAK * depths, ranks, n)
 
     @property
     def size(self) -> int:
@@ -95,25 +95,35 @@ class TokenTree:
             ancestor = parents.gather(1, ancestor)
         return mask
 
-    def accept(self, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """target_tokens [B, N+1]: the target's token after the anchor (0) and after each node.
-        Returns (path [B, n] node ids of the accepted drafts, root first, padded with 0; accepted [B], the
-        number of accepted drafts; bonus [B], the target's token after the last accepted node)."""
-        parents = self._with_anchor(self.parents, 0)
+    def accept(self, target_tokens: torch.Tensor, mask: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """target_tokens [B, N+1]: the target's token after the anchor (0) and after each node; `mask` the
+        tree's `attention_mask()` if already made. Returns (path [B, n] node ids of the accepted drafts, root
+        first, padded with 0; accepted [B], the number of accepted drafts; bonus [B], the target's token
+        after the last accepted node). A node is accepted when it and every ancestor match the target's
+        choice at their parents: a few batched kernels, no loop over depths."""
+        mask = self.attention_mask() if mask is None else mask
+        batch, nodes = target_tokens.shape
         matches = self._with_anchor(self.tokens == target_tokens.gather(1, self.parents), 1).bool()
-        accepted_node = matches.clone()
-        for _ in range(self.max_depth):  # a node is accepted when it and all its ancestors match
-            accepted_node = matches & accepted_node.gather(1, parents)
+        accepted_node = ~(mask & ~matches[:, None, :]).any(dim=2)
         depths = self._with_anchor(self.depths, 0)
         deepest = torch.where(accepted_node, depths, -1).argmax(dim=1)  # one accepted path: its end
         accepted = depths.gather(1, deepest[:, None]).squeeze(1)
         bonus = target_tokens.gather(1, deepest[:, None]).squeeze(1)
-        # the path from its end up, written from the deepest position back to the first
-        path = torch.zeros(self.tokens.shape[0], self.max_depth, dtype=torch.long, device=self.tokens.device)
-        node = deepest
-        for _ in range(self.max_depth):
-            depth = depths.gather(1, node[:, None]).squeeze(1)
-            slot = (depth - 1).clamp(min=0)
-            path.scatter_(1, slot[:, None], torch.where(depth > 0, node, path.gather(1, slot[:, None]).squeeze(1))[:, None])
-            node = parents.gather(1, node[:, None]).squeeze(1)
-        return path, accepted, bonus
+        # the path: the deepest accepted node's ancestors, each at its depth (the anchor and the rest of the
+        # tree go to a dropped column)
+        on_path = mask.gather(1, deepest[:, None, None].expand(batch, 1, nodes)).squeeze(1)
+        column = torch.where(on_path & (depths > 0), depths - 1, self.max_depth)
+        path = torch.zeros(batch, self.max_depth + 1, dtype=torch.long, device=target_tokens.device)
+        path.scatter_(1, column, torch.arange(nodes, device=target_tokens.device).expand(batch, nodes))
+        return path[:, :self.max_depth], accepted, bonus
+
+
+@functools.lru_cache(maxsize=64)
+def _candidate_layout(widths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For candidates concatenated depth by depth (`widths[d]` at depth d + 1): each one's depth, and each
+    depth's offset among them (index d: depth d + 1's start). Made once per shape, before a CUDA graph is
+    captured (its warm-up run builds the same tree): no host-to-device copy runs inside the capture."""
+    depth_of = torch.repeat_interleave(torch.arange(1, len(widths) + 1), torch.tensor(widths))
+    offsets = torch.tensor([0, *itertools.accumulate(widths)][:len(widths)])
+    return depth_of.to(device), torch.cat([offsets[:1], offsets[:-1]]).to(device)

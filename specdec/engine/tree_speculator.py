@@ -49,6 +49,7 @@ class TreeDecoding:
         self.depth = drafter.block_size - 1
         self.tokens_per_step = drafter.block_size  # the most a step commits per request (a path of bs - 1 + bonus)
         self.verify_length = 0  # tokens per request the last step verified: the anchor and the nodes
+        self.chain_accepted: list[int] = []  # per request of the last step: drafts the chain would have had accepted
         batch, device, k = runner.max_batch, runner.device, CANDIDATES_PER_POSITION
         self.candidates = (torch.zeros(batch, self.depth, k, dtype=torch.float32, device=device),
                            torch.zeros(batch, self.depth, k, dtype=torch.long, device=device))
@@ -69,6 +70,11 @@ class TreeDecoding:
     def nodes_for(self, batch: int) -> int:
         return self.nodes_at(self.building.rung_for(batch) or batch)
 
+    def overhead_seconds(self, rung: int) -> float:
+        """GPU seconds a tree step of `rung` requests spends beyond its verify and draft: building the tree,
+        accepting, moving K/V (their graphs' replays, measured after capture)."""
+        return sum(graphs.replay_seconds(rung) for graphs in (self.building, self.acceptance, self.moving))
+
     def capture(self) -> float:
         self._park_moves(0)  # capturing runs the moves once
         return self.building.capture() + self.acceptance.capture() + self.moving.capture()
@@ -77,14 +83,20 @@ class TreeDecoding:
     def _build(self, size: int) -> tuple[torch.Tensor, ...]:
         logprobs, tokens = (c[:size] for c in self.candidates)
         tree = TokenTree.build(logprobs, tokens, self.nodes_at(size))
-        self._eager_tree = (tree.tokens, tree.parents, tree.depths, tree.scores, tree.attention_mask())
+        self._eager_tree = (tree.tokens, tree.parents, tree.depths, tree.scores, tree.ranks, tree.attention_mask())
         return self._eager_tree
 
     def _accept(self, size: int) -> tuple[torch.Tensor, ...]:
-        tokens, parents, depths, scores, _ = self.building.outputs.get(size, self._eager_tree)
-        tree = TokenTree(tokens[:size], parents[:size], depths[:size], scores[:size], self.depth)
-        path, accepted, bonus = tree.accept(self.chosen[:size * (tree.size + 1)].view(size, tree.size + 1))
-        return path, accepted, bonus, tree.tokens.gather(1, (path - 1).clamp(min=0))
+        """The accepted path, its length and the bonus, the path's tokens, and how many drafts the chain (each
+        position's first candidate) would have had accepted: the leading path nodes of rank 0."""
+        *fields, mask = (t[:size] for t in self.building.outputs.get(size, self._eager_tree))
+        tree = TokenTree(*fields, self.depth)
+        path, accepted, bonus = tree.accept(self.chosen[:size * (tree.size + 1)].view(size, tree.size + 1), mask)
+        on_path = (path - 1).clamp(min=0)
+        steps = torch.arange(self.depth, device=path.device)
+        first_choice = (tree.ranks.gather(1, on_path) == 0) & (steps < accepted[:, None])
+        chain = first_choice.long().cumprod(dim=1).sum(dim=1)
+        return path, accepted, bonus, tree.tokens.gather(1, on_path), chain
 
     def _move(self, size: int) -> tuple:
         self.runner.kv.move_rows(*self.moves[:, :size * self.depth])  # one copy per layer
@@ -102,14 +114,14 @@ class TreeDecoding:
         # drafts first: the drafter reads the last step's features, which this step's forwards overwrite
         for buffer, candidates in zip(self.candidates, self.drafter.propose_candidates(running)):
             buffer[:batch].copy_(candidates)
-        tokens, _, depths, _, masks = self.building.run(batch)
+        tokens, _, depths, _, _, masks = self.building.run(batch)
         nodes = tokens.shape[1] + 1
         self.verify_length = nodes
         starts = np.array([r.num_cached for r in running], dtype=np.int64)
         out = self.runner.run_tree([r.target_pages for r in running], [r.pending_token for r in running],
                                    TreeRows(tokens, depths, masks))
         self.chosen[:batch * nodes].copy_(sample_block(out, running, nodes).view(-1))
-        path, accepted, bonus, path_tokens = self.acceptance.run(batch)
+        path, accepted, bonus, path_tokens, chain = self.acceptance.run(batch)
         self._move_into_place(starts, path, accepted)
         # the anchor's and the path's features, request i's at rows i * block_size on: gathered before the
         # chunks' forward (if any) overwrites the buffer's first rows
@@ -122,8 +134,9 @@ class TreeDecoding:
             self.runner.run_prefill(prefill)
             chunk_rows = sum(prefill.lens)
         self.runner.features_out[chunk_rows:chunk_rows + batch * block].copy_(features)
-        host = to_host(torch.cat([path_tokens, accepted[:, None], bonus[:, None]], dim=1), prefill)
+        host = to_host(torch.cat([path_tokens, accepted[:, None], bonus[:, None], chain[:, None]], dim=1), prefill)
         committed, counts = [], []
+        self.chain_accepted = [row[self.depth + 2] for row in host]
         for row, request, start in zip(host, running, starts.tolist()):
             a = row[self.depth]
             committed.append(row[:a] + [row[self.depth + 1]])

@@ -59,13 +59,18 @@ class StepCosts:
     verify: dict[int, dict[int, float]]  # q (or TREE) -> {rung: seconds}
 
     def at(self, batch: int) -> tuple[float, dict[int, float]] | None:
-        """(draft seconds, {q: verify seconds}) for a step of `batch` requests; None above the ladder (an
+        """(draft seconds, {option: verify seconds}) for a step of `batch` requests, each at the smallest of
+        its measured rungs that holds the batch; options measured at none are left out (trees above the
+        batches they are measured for). None when no chain length is measured there (above the ladder: an
         eager step, not measured)."""
-        rungs = sorted(set.intersection(*(set(by_rung) for by_rung in self.verify.values())))
-        rung = next((r for r in rungs if r >= batch), None)
-        if rung is None:
+        def at_rung(by_rung: dict[int, float]) -> float | None:
+            rung = next((r for r in sorted(by_rung) if r >= batch), None)
+            return None if rung is None else by_rung[rung]
+
+        verify = {q: seconds for q, by_rung in self.verify.items() if (seconds := at_rung(by_rung)) is not None}
+        if not any(q != TREE for q in verify):
             return None
-        return self.draft.get(rung, 0.0), {q: by_rung[rung] for q, by_rung in self.verify.items()}
+        return at_rung(self.draft) or 0.0, verify
 
 
 class VerifyPolicy:
@@ -102,7 +107,7 @@ class VerifyPolicy:
             tokens = self.expected_tree_tokens(tree_nodes) if option == TREE else expected[option - 1]
             return tokens / (draft + verify[option])
 
-        return max(options, key=lambda option: (rate(option), option))
+        return max((o for o in options if o in verify), key=lambda option: (rate(option), option))
 
     def expected_tree_tokens(self, nodes: int) -> float:
         """Expected committed tokens per request of a tree step with `nodes` draft nodes."""

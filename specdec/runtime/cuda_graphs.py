@@ -166,6 +166,21 @@ class BatchGraphs:
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
+    def replay_seconds(self, rung: int, repeats: int = 5) -> float:
+        """GPU seconds of one replay of the graph of `rung` (median of `repeats`; 0 if not captured)."""
+        graph = self.graphs.get(rung)
+        if graph is None:
+            return 0.0
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return sorted(times)[len(times) // 2]
+
     def run(self, batch: int) -> tuple[torch.Tensor, ...]:
         """The outputs for the first `batch` rows (a replay of the rung that holds them, else eager)."""
         rung = self.rung_for(batch)

@@ -44,6 +44,26 @@ def test_the_whole_chain_where_verifying_more_costs_little_and_a_short_one_where
     assert VerifyPolicy(16, (4, 8, 16)).choose(40) == 16  # nothing measured (no graphs): the whole chain
 
 
+def test_trees_where_they_pay_and_only_where_they_are_measured():
+    """A tree costs more than the chain but accepts more: chosen at batch 1, not at 8 where its cost
+    grows; above its measured rungs it is never chosen. Before any tree step its expected tokens are
+    the chain's times a gain for its size; then its own running mean."""
+    costs = StepCosts(draft={1: 1e-3, 8: 1e-3, 64: 2e-3},
+                      verify={4: {1: 2e-3, 8: 2e-3, 64: 4e-3}, 16: {1: 2e-3, 8: 3e-3, 64: 9e-3},
+                              TREE: {1: 2.2e-3, 8: 9e-3}})
+    policy = VerifyPolicy(16, (4, 16), costs, tree=True)
+    rates = np.array([0.86, 0.70, 0.55, 0.42, 0.29, 0.18, 0.11, 0.06, 0.03, 0.01, 0.01, 0, 0, 0, 0])
+    policy.accepted[:], policy.seen[:] = rates * 100, 100
+    chain = policy.expected_tokens()[-1]
+    assert policy.expected_tree_tokens(63) == pytest.approx(chain * 1.3)  # 63 nodes: +30% before any tree step
+    assert policy.choose(1, tree_nodes=63) == TREE
+    assert policy.choose(8, tree_nodes=63) != TREE
+    assert policy.choose(40, tree_nodes=15) == 4  # no tree measured at rung 64
+    for _ in range(50):  # trees turn out no better than the chain: the chain again
+        policy.observe_tree([round(chain) - 1] * 3, 63)
+    assert policy.choose(1, tree_nodes=63) == 16
+
+
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("verify-policy")
