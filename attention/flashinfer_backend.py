@@ -39,6 +39,27 @@ WORKSPACE_BYTES = 256 << 20
 TREE = "tree"  # the wrappers of steps with query masks (token trees)
 
 
+def _keep_mask_offsets_pinned() -> None:
+    """FlashInfer derives a custom mask's per-request offsets on the host, in pageable memory, and copies them
+    to the GPU when a plan has a mask. From pageable memory the driver may make that copy wait for the
+    stream (everything queued before it), which would hold a tree step's planning until its drafting has
+    run on the GPU; the offsets returned pinned keep it asynchronous, as every other plan input is here."""
+    prefill = getattr(flashinfer, "prefill", None)
+    compute = getattr(prefill, "_compute_page_mask_indptr", None)
+    if compute is None or getattr(compute, "returns_pinned", False):
+        return
+
+    def pinned_offsets(*args, **kwargs):
+        offsets = compute(*args, **kwargs)
+        return offsets.pin_memory() if offsets.device.type == "cpu" and torch.cuda.is_available() else offsets
+
+    pinned_offsets.returns_pinned = True
+    prefill._compute_page_mask_indptr = pinned_offsets
+
+
+_keep_mask_offsets_pinned()
+
+
 class GraphSlot:
     """The wrappers (one per cache dtype) and index buffers of one CUDA-graph batch size (their addresses
     never change), and pinned host buffers to plan from (a slot is planned at most once per step, so they

@@ -53,6 +53,8 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the copy-bandwidth probe")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--verify", nargs="+", choices=("chain", "tree", "auto"), default=["chain"],
+                   help="the DFlash rows' verify policies (a row each; 'DFlash tree' for trees)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
     p.add_argument("--out", help="JSON results file")
     args = p.parse_args(argv)
@@ -247,7 +249,8 @@ def models_to_run(args, work: Path) -> tuple[str, Path, str | None, str | None]:
 def run_rows(info: dict, model: str, drafter: str | None, prompts, args) -> None:
     base_kv = "bf16" if args.device.type == "cuda" else "fp32"  # "auto" = the model's dtype
     for kv, batches in ((base_kv, args.batches), ("fp8", args.fp8_batches)):
-        for system, draft in (("AR", None), ("DFlash", drafter)) if drafter else (("AR", None),):
+        dflash = [("DFlash" if verify == "chain" else f"DFlash {verify}", drafter, verify) for verify in args.verify]
+        for system, draft, verify in [("AR", None, "chain"), *(dflash if drafter else [])]:
             eager_kernels = {}
             # eager first: its kernel time is the reference for the graph rows, and the profiler is
             # initialised before any graph is captured (profiling graphs captured before the profiler's
@@ -257,7 +260,7 @@ def run_rows(info: dict, model: str, drafter: str | None, prompts, args) -> None
                 print(name, file=sys.stderr, flush=True)
                 rows, info["graph_capture_s"][name] = bench_config(
                     model, draft, batches, prompts, args, enforce_eager=not graphs,
-                    kv_cache_dtype="fp8" if kv == "fp8" else "auto")
+                    kv_cache_dtype="fp8" if kv == "fp8" else "auto", verify=verify)
                 nbytes = info["weight_bytes"]["dflash" if draft else "target"]
                 for r in rows:
                     eager = eager_kernels.get(r["batch"]) if graphs else None

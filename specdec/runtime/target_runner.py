@@ -227,21 +227,9 @@ class TargetRunner(ModelRunner):
         return self._block_output(batch * q)
 
     def _tree_body(self, batch: int) -> None:
-        """The token-tree verify of `batch` requests (a graph rung): like `_block_body`, with RoPE at each
-        node's depth past the anchor while K/V go to consecutive slots."""
+        """The token-tree verify of `batch` requests (a graph rung): RoPE at each node's depth past the anchor."""
         q = self.tree_q(batch)
-        n, inputs = batch * q, self.tree_inputs
-        starts = inputs["starts"][:batch, None]
-        slots = (starts + self.arange[:q]).reshape(-1)
-        positions = (starts + inputs["depths"][:n].view(batch, q)).reshape(-1)
-        requests = self.arange[:batch].repeat_interleave(q)
-        self.attn.set_write_slots(*slots_on_device(self.attn.kv_indices, self.attn.kv_indptr, requests, slots,
-                                                   self.page_size))
-        out = self.model(inputs["ids"][:n], positions, self.kv, self.attn, logits_rows=slice(None),
-                         feature_layers=self.feature_layers, logits_out=self.logits_out[:n])
-        torch.argmax(out.logits, dim=-1, out=self.greedy_out[:n])
-        if self.features_out is not None:
-            self.features_out[:n].copy_(out.features)
+        self._fixed_forward(self.tree_inputs, batch, q, self.tree_inputs["depths"][:batch * q].view(batch, q))
 
     def _block_output(self, n: int) -> BlockOutput:
         features = self.features_out[:n] if self.features_out is not None else None
@@ -344,10 +332,17 @@ class TargetRunner(ModelRunner):
 
     def _block_body(self, q: int, batch: int) -> None:
         """The fixed-shape step: reads static inputs and the planned page metadata, writes static outputs."""
-        n, inputs = batch * q, self.inputs[q]
-        positions = (inputs["starts"][:batch, None] + self.arange[:q]).reshape(-1)
+        self._fixed_forward(self.inputs[q], batch, q)
+
+    def _fixed_forward(self, inputs: StaticInputs, batch: int, q: int, offsets: torch.Tensor | None = None) -> None:
+        """q new tokens per request written at consecutive slots from its start, RoPE at start + `offsets`
+        ([batch, q]; None: the slots' own positions), all rows' logits and their argmax, the features."""
+        n = batch * q
+        starts = inputs["starts"][:batch, None]
+        slots = (starts + self.arange[:q]).reshape(-1)
+        positions = slots if offsets is None else (starts + offsets).reshape(-1)
         requests = self.arange[:batch].repeat_interleave(q)
-        self.attn.set_write_slots(*slots_on_device(self.attn.kv_indices, self.attn.kv_indptr, requests, positions,
+        self.attn.set_write_slots(*slots_on_device(self.attn.kv_indices, self.attn.kv_indptr, requests, slots,
                                                    self.page_size))
         out = self.model(inputs["ids"][:n], positions, self.kv, self.attn, logits_rows=slice(None),
                          feature_layers=self.feature_layers, logits_out=self.logits_out[:n])
