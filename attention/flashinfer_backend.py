@@ -159,8 +159,9 @@ class FlashInferBackend(AttentionBackend):
         slot.kv_indices[:n].copy_(slot.stage("kv_indices", layout.kv_indices), non_blocking=True)
         tree = layout.query_masks is not None
         if several_decodes(layout) != slot.several_decodes or tree != slot.tree:
-            raise ValueError(f"a rung captured for {'token trees' if slot.tree else 'several decodes' if slot.several_decodes else 'other steps'} "
-                             f"cannot replay this layout (q_lens {layout.q_lens.tolist()}, masks: {tree})")
+            kind = "token trees" if slot.tree else "several decodes" if slot.several_decodes else "other steps"
+            raise ValueError(f"a rung captured for {kind} cannot replay this layout "
+                             f"(q_lens {layout.q_lens.tolist()}, masks: {tree})")
         packed = layout.packed_query_masks() if tree else None
         if packed is not None and len(packed) > self.tree_mask_bytes:
             raise ValueError(f"a token-tree step's mask of {len(packed)} bytes exceeds the {self.tree_mask_bytes} "

@@ -14,8 +14,9 @@ picks the option that maximizes expected committed tokens per second: E / (draft
 For a chain of q, E(q) = 1 + sum over j < q of P(drafts 1..j all accepted), from running per-position
 acceptance, counted only where it was observed (a step that verified q - 1 drafts says nothing of
 position q onwards). For a tree, E is the running mean of committed tokens of tree steps of that node
-count (before any, the chain's E(block) times a gain measured for trees of that size). Step times are measured on this GPU at
-start-up (`StepCosts`); without them a step verifies the whole chain (or the tree, if only trees are allowed).
+count (before any, the chain's E(block) times a gain measured for trees of that size). Step times are
+measured on this GPU at start-up (`StepCosts`); without them a step verifies the whole chain (or the
+tree, if only trees are allowed).
 """
 
 from __future__ import annotations

@@ -249,7 +249,9 @@ class TargetRunner(ModelRunner):
         chunk_tables, chunk_lens = (prefill.tables, prefill.lens) if prefill is not None else ([], [])
         block_ids = np.zeros((len(tables), q), dtype=np.int64)
         block_ids[:, 0] = first_tokens
-        ids = np.concatenate([block_ids.reshape(-1), prefill.token_ids]) if prefill is not None else block_ids.reshape(-1)
+        ids = block_ids.reshape(-1)
+        if prefill is not None:
+            ids = np.concatenate([ids, prefill.token_ids])
         total = len(ids)
         if total > self.max_step_tokens:
             raise ValueError(f"a step of {total} tokens exceeds the {self.max_step_tokens} the runner was sized for")

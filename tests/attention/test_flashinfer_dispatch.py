@@ -133,7 +133,8 @@ def test_query_masks_must_fit_the_layout():
     with pytest.raises(ValueError, match="bool mask"):
         layout.with_query_masks(torch.ones(2, 3, 3))
     with pytest.raises(ValueError, match="causal"):
-        BatchLayout.for_tokens([3], [7], [[0, 1]], 4, causal=False).with_query_masks(torch.ones(1, 3, 3, dtype=torch.bool))
+        causal_free = BatchLayout.for_tokens([3], [7], [[0, 1]], 4, causal=False)
+        causal_free.with_query_masks(torch.ones(1, 3, 3, dtype=torch.bool))
 
 
 def test_packed_query_masks_are_what_flashinfer_reads():
