@@ -6,7 +6,9 @@
 #   watch:  tail /tmp/trees/run.log; results in /tmp/trees
 # The GGUFs (the demo target, and SmolLM2 for the GPU tests) come as one tar in pieces in /tmp/xfer
 # (ggufs.tar.part.*), or already in $SPECDEC_CACHE/gguf. Env: LIMIT (problems per batch-1 eval, default 20),
-# STAGES (default "tests math500 load humaneval all-tests").
+# ROUNDS (load benchmark requests per level, in multiples of the concurrency; default 2),
+# STAGES (default "tests math500 load humaneval all-tests"; "steps" adds the step benchmark of chain and
+# tree steps with the real target: wall vs GPU kernel time at batch 1 and 8).
 set -uo pipefail
 out=${TREES_OUT:-/tmp/trees}
 mkdir -p "$out"
@@ -43,7 +45,13 @@ fi
 if wanted load; then
   stage "load, chain and auto against plain decoding"
   python3 scripts/bench_load.py --model "$target" --drafter "$drafter" --verify chain auto --overlap-steps \
-    --concurrency 1 8 32 64 128 256 --rounds 2 --out "$out/load.json" 2>&1 | grep -v "Loading weights" | tee "$out/load.md"
+    --concurrency 1 8 32 64 128 256 --rounds "${ROUNDS:-2}" --out "$out/load.json" 2>&1 | grep -v "Loading weights" \
+    | tee "$out/load.md"
+fi
+if wanted steps; then
+  stage "steps, chain and tree, wall vs kernel time"
+  python3 scripts/bench_steps.py --model "$target" --drafter "$drafter" --verify chain tree --batches 1 8 \
+    --fp8-batches 1 --out "$out/steps.json" 2>&1 | grep -v "Loading weights" | tail -30
 fi
 if wanted humaneval; then
   eval_batch1 humaneval chain

@@ -131,8 +131,14 @@ class VerifyPolicy:
         """A step verified q tokens per request and request r had accepted[r] of its q - 1 drafts."""
         self.accepted *= DECAY
         self.seen *= DECAY
-        for a in accepted:
-            # positions 0..a-1 were accepted; position a (if verified) was rejected; beyond it, unseen
-            verified = min(a + 1, q - 1)
-            self.seen[:verified] += 1
-            self.accepted[:a] += 1
+        # positions 0..a-1 were accepted; position a (if verified) was rejected; beyond it, unseen: position
+        # j counts the requests with more than j positions verified (accepted), counted at once
+        a = np.asarray(accepted, dtype=np.int64)
+        n = len(self.seen)
+        self.seen += at_least(np.minimum(a + 1, q - 1), n)
+        self.accepted += at_least(a, n)
+
+
+def at_least(counts: np.ndarray, n: int) -> np.ndarray:
+    """[n]: at index j, how many of `counts` exceed j."""
+    return np.cumsum(np.bincount(counts, minlength=n + 1)[::-1])[::-1][1:n + 1]
