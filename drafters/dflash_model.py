@@ -28,6 +28,9 @@ from specdec.models.decoder import ArchitectureTraits, DecoderLayer
 from specdec.models.layers import RMSNorm, RotaryEmbedding, use_fused_kernels
 
 WEIGHTS_FILE = "model.safetensors"
+# a step drafts block_size - 1 tokens and the target verifies up to block_size per request: beyond this a
+# block only costs (the drafter's acceptance is nil that deep) and its buffers grow with it
+MAX_BLOCK_SIZE = 64
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -64,7 +67,11 @@ class DFlashSpec:
         if mask is None:
             raise ValueError("the drafter config has no dflash_config.mask_token_id")
         ids = value("target_layer_ids") or default_target_layer_ids(num_target_layers, config.num_hidden_layers)
-        return cls(int(value("block_size", 16)), int(num_target_layers), tuple(int(i) for i in ids), int(mask),
+        block = value("block_size", 16)
+        if not (isinstance(block, int) and not isinstance(block, bool) and 2 <= block <= MAX_BLOCK_SIZE):
+            raise ValueError(f"the drafter config's block_size must be an integer in [2, {MAX_BLOCK_SIZE}] (a step "
+                             f"drafts block_size - 1 tokens), got {block!r}")
+        return cls(int(block), int(num_target_layers), tuple(int(i) for i in ids), int(mask),
                    float(value("input_embedding_scale", 1.0)), float(value("output_multiplier", 1.0)),
                    value("final_logit_softcapping"))
 
@@ -115,11 +122,24 @@ def read_dflash_config(path: str | os.PathLike):
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} is not a DFlash drafter directory: no config.json")
-    raw = json.loads(config_file.read_text())
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {config_file}: {err}; it must be the drafter's JSON config") from err
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got a {type(raw).__name__}")
     if "DFlashDraftModel" not in (raw.get("architectures") or []):
         raise ValueError(f"{config_file} does not describe a DFlashDraftModel (architectures: "
                          f"{raw.get('architectures')})")
-    return Qwen3Config.from_dict(raw)  # the layer config is qwen3; extra DFlash fields are kept as attributes
+    try:
+        config = Qwen3Config.from_dict(raw)  # the layer config is qwen3; extra DFlash fields are kept as attributes
+    except Exception as err:  # noqa: BLE001 - transformers raises many kinds for a malformed config
+        raise ValueError(f"{config_file} is not a valid drafter config: {type(err).__name__}: {err}") from err
+    try:
+        DFlashSpec.from_config(config)  # the DFlash fields, checked here so that the message names the file
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{config_file}: {err}") from err
+    return config
 
 
 def load_dflash(path: str | os.PathLike, device: torch.device, dtype: torch.dtype) -> DFlashDraftModel:
@@ -137,7 +157,12 @@ def load_dflash(path: str | os.PathLike, device: torch.device, dtype: torch.dtyp
     state = weight_storage.dequantize(state, getattr(config, weight_storage.STORAGE_KEY, None), str(path))
     with torch.device("meta"):
         model = DFlashDraftModel(config)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as err:  # sizes in config.json that are not the weights' own
+        raise ValueError(f"the drafter weights in {path} do not match its config.json: "
+                         f"{str(err).splitlines()[-1].strip()}; the config and the weights must come from the same "
+                         f"export") from err
     if missing or unexpected:
         raise ValueError(f"drafter weights in {path} do not match the DFlash format: "
                          f"missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}")

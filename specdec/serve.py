@@ -18,6 +18,7 @@ import sys
 
 from specdec.arguments import (DefaultsHelpFormatter, add_engine_arguments, add_model_arguments, chosen_drafter,
                                engine_options)
+from specdec.server.body_limit import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 PROG = "python -m specdec.serve"
 
@@ -34,6 +35,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process instead of a process of its own (one "
                         "process to debug or profile; slower under load: HTTP work shares the engine's interpreter)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="the largest request body accepted (a larger one gets 413 before it is read)")
+    p.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="seconds a client may take to send a request's body (then 408)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -56,7 +61,8 @@ def main(argv=None, prog: str = PROG) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    app = build_app(engine, args.served_model_name or args.target)
+    app = build_app(engine, args.served_model_name or args.target, max_body_bytes=args.max_request_bytes,
+                    body_timeout_s=args.request_body_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handler it

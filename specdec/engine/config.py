@@ -6,7 +6,9 @@ name, with the `help` (and `choices`) of the field's metadata, so a new field ge
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import numbers
+from dataclasses import Field, dataclass, field, fields
 
 import torch
 
@@ -34,6 +36,21 @@ def full_precision_layer_list(value) -> tuple[int, ...] | str | None:
     if not all(p.strip().isdigit() for p in parts):
         return None
     return tuple(sorted({int(p) for p in parts}))
+
+
+def _type_problem(setting: Field, value) -> str | None:
+    """Why `value` is not of the field's declared type (int, float, bool, str, each maybe "| None"), or
+    None. A bool is no number here, a float field takes any finite real, and nothing is converted."""
+    kind = setting.type.replace(" | None", "")
+    if value is None and setting.type.endswith("| None"):
+        return None
+    ok = {"int": lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
+          "float": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v),
+          "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str)}[kind](value)
+    if ok:
+        return None
+    wanted = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}[kind]
+    return f"{setting.name} must be {wanted}{' or None' if setting.type.endswith('| None') else ''}, got {value!r}"
 
 
 def _setting(default, help_text: str, **flag):
@@ -92,7 +109,9 @@ class EngineConfig:
     tree_nodes: int = _setting(63, "token trees (verify tree / auto): draft nodes per request at small batches")
 
     def __post_init__(self):
-        problems = []
+        problems = [problem for setting in fields(self) if (problem := _type_problem(setting, getattr(self, setting.name)))]
+        if problems:  # the checks below assume the types
+            raise ValueError("invalid engine configuration: " + "; ".join(problems))
         if not _valid_device(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype != "auto" and DTYPE_ALIASES.get(self.dtype, self.dtype) not in DTYPES:
@@ -113,6 +132,8 @@ class EngineConfig:
             problems.append(f"page_size must be a positive integer, got {self.page_size!r}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             problems.append(f"num_kv_pages must be positive, got {self.num_kv_pages}")
+        if self.cpu_kv_cache_gib <= 0:
+            problems.append(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:
             problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1 or self.max_prefill_tokens < 1:

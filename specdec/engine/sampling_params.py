@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
 
 # below this, logits / temperature overflows float32 for ordinary logits: use 0 for greedy instead
 MIN_TEMPERATURE = 1e-5
+# above this, sampling is uniform over the vocabulary to within float32 rounding: a value past it is a mistake
+MAX_TEMPERATURE = 100.0
+# stop strings are matched against the text after every committed token: bounded like vLLM's and OpenAI's
+# limits (OpenAI takes 4), so one request cannot slow everyone's steps
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 512
 
 
 def _is_int(value) -> bool:
@@ -15,7 +22,8 @@ def _is_int(value) -> bool:
 
 
 def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    """A finite real number (not a bool, not inf or nan)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -43,15 +51,22 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             problems.append(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not _is_real(self.temperature) or not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
-            problems.append(f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE:g}, got "
-                            f"{self.temperature!r}")
+        if not _is_real(self.temperature) or not (
+                self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            problems.append(f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                            f"got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             problems.append(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             problems.append(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if stop is not None and any(not isinstance(s, str) or not s for s in stop):
-            problems.append(f"stop must be non-empty strings, got {stop!r}")
+            problems.append(f"stop must be non-empty strings, got {_shown(stop)}")
+        elif stop is not None and (len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop)):
+            problems.append(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, "
+                            f"got {len(stop)} of up to {max(map(len, stop))}")
+        for name in ("ignore_eos", "chat"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             problems.append(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if problems:
@@ -60,3 +75,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _shown(value, limit: int = 200) -> str:
+    """repr(value), cut to `limit` characters (an error message must not echo a huge input back)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"

@@ -3,6 +3,7 @@ and GGUF files into one)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,16 +31,37 @@ class LoadedTarget:
     cache_dir: Path | None = None  # where facts measured on this model may be kept (None: nowhere)
 
 
+# sizes every supported architecture has, each a positive integer
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "max_position_embeddings")
+
+
 def read_config(model_dir: Path):
+    config_file = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {config_file}: {err}; it must be the model's JSON config") from err
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got a {type(raw).__name__}; it must be the "
+                         "model's config")
     try:
         config = AutoConfig.from_pretrained(model_dir)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"cannot read a model config from {model_dir}: {err}") from err
+    except Exception as err:  # noqa: BLE001 - transformers raises many kinds for a malformed config
+        raise ValueError(f"{config_file} is not a valid model config: {type(err).__name__}: {err}") from err
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture {config.model_type!r} ({', '.join(config.architectures or [])}) in {model_dir}; "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    bad = [f"{name}={getattr(config, name, None)!r}" for name in SIZE_FIELDS
+           if not (isinstance(getattr(config, name, None), int) and not isinstance(getattr(config, name), bool)
+                   and getattr(config, name) > 0)]
+    if bad:
+        raise ValueError(f"{config_file}: {', '.join(bad)}: each must be a positive integer; fix the config")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(f"{config_file}: num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+                         f"num_key_value_heads ({config.num_key_value_heads}); fix the config")
     return config
 
 
@@ -50,10 +72,21 @@ def load_causal_lm(model_dir: Path, device: torch.device, dtype: torch.dtype) ->
         raise ValueError(f"{model_dir} has a config.json but no weights ({' or '.join(WEIGHT_FILES)}); "
                          f"copy the model's weight files into it")
     try:
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": device})
+        hf, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": device},
+                                                        output_loading_info=True)
     except Exception as err:  # safetensors raises its own error type for truncated or corrupt files
-        raise ValueError(f"cannot read the model weights in {model_dir}: {str(err).splitlines()[0]}; the files "
-                         f"may be truncated or corrupt: download them again") from err
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if any(sign in str(err) for sign in ("size mismatch", "ignore_mismatched_sizes", "shape")):
+            raise ValueError(f"the weights in {model_dir} do not match its config.json: {first}; the config and "
+                             f"the weight files must come from the same model") from err
+        raise ValueError(f"cannot read the model weights in {model_dir}: {first}; the files may be truncated "
+                         f"or corrupt: download them again") from err
+    # a parameter the checkpoint lacks would be left at a random init: the model would answer garbage
+    missing = sorted(set(info.get("missing_keys") or ()) | set(info.get("mismatched_keys") or ()))
+    if missing:
+        raise ValueError(f"the weights in {model_dir} lack {len(missing)} of the model's parameters "
+                         f"({', '.join(map(str, missing[:4]))}{', ...' if len(missing) > 4 else ''}); copy the "
+                         f"model's complete weight files")
     state = hf.state_dict()
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -81,6 +114,7 @@ def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
 
 
 def load_target(model_dir: Path, device: torch.device, dtype: torch.dtype) -> LoadedTarget:
+    read_config(model_dir)  # a broken config is reported as one, not as the tokenizer's failure to read it
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir, device, dtype)
     return LoadedTarget(model, tokenizer, eos_token_ids(model_dir, tokenizer), model_dir,

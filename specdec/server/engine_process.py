@@ -88,8 +88,9 @@ class ProcessEngine(AsyncEngine):
         if not self.healthy:
             return b""
         self.bind_event_loop()
-        self._metrics = asyncio.get_running_loop().create_future()
-        self._send(("metrics",))
+        if self._metrics is None or self._metrics.done():  # scrapes at once share one ask of the engine
+            self._metrics = asyncio.get_running_loop().create_future()
+            self._send(("metrics",))
         try:
             return await asyncio.wait_for(asyncio.shield(self._metrics), 10)
         except asyncio.TimeoutError:

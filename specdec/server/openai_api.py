@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from specdec.engine.prompts import encode_chat, token_ids
 from specdec.engine.request_limits import RequestLimits
 from specdec.server.async_engine import AsyncEngine
+from specdec.server.body_limit import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from specdec.server.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -41,9 +42,11 @@ log = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away (nobody receives it)
 
 
-def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """The API over `engine` (a `ThreadedEngine` or a `ProcessEngine`), serving it as `model_name`. The app
-    stops the engine when it shuts down."""
+    stops the engine when it shuts down. Request bodies are read within `max_body_bytes` and
+    `body_timeout_s` before anything parses them (`body_limit.py`)."""
     limits = engine.limits
     started = int(time.time())
     registry = CollectorRegistry()  # what only the HTTP side sees; the engine's own metrics come from it
@@ -59,6 +62,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             await engine.shutdown()
 
     app = FastAPI(title="specdec", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
 
     def refuse(err: APIError) -> JSONResponse:
         invalid_requests.labels(str(err.status)).inc()
@@ -87,20 +91,17 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
                                             "owned_by": "specdec", "max_model_len": limits.max_context}]}
 
+    # tokenizing and chat templating run on worker threads: a long prompt never holds up the event loop
+    # (other requests' streams, /health)
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prepared = prepare(body, completion_prompt_ids(engine.tokenizer, body.prompt), body.max_tokens)
+        prompt_ids = await asyncio.to_thread(completion_prompt_ids, engine.tokenizer, body.prompt)
+        prepared = prepare(body, prompt_ids, body.max_tokens)
         return await answer(request, body, ResponseShape(chat=False, model=model_name), *prepared)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        try:
-            prompt_ids = encode_chat(engine.tokenizer, body.conversation())
-        except APIError:
-            raise
-        except Exception as err:  # noqa: BLE001 - a template that cannot render these messages: their fault
-            raise APIError(400, f"the messages cannot be formatted with the model's chat template: {err}",
-                           param="messages") from err
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, engine.tokenizer, body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prepared = prepare(body, prompt_ids, max_tokens)
         return await answer(request, body, ResponseShape(chat=True, model=model_name), *prepared)
@@ -143,11 +144,34 @@ def completion_prompt_ids(tokenizer, prompt) -> list[int]:
                            param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        check_text(prompt, "prompt")
         return tokenizer.encode(prompt)
     try:
         return token_ids(prompt)
     except ValueError as err:
         raise APIError(400, str(err), param="prompt") from err
+
+
+def chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
+    conversation = body.conversation()
+    for message in conversation:
+        check_text(message["content"], "messages")
+    try:
+        return encode_chat(tokenizer, conversation)
+    except APIError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a template that cannot render these messages: their fault
+        raise APIError(400, f"the messages cannot be formatted with the model's chat template: {err}",
+                       param="messages") from err
+
+
+def check_text(text: str, param: str) -> None:
+    """Text that cannot be encoded (a lone UTF-16 surrogate, which JSON's \\u escapes can carry) is refused."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise APIError(400, f"{param} is not valid Unicode text: {err.reason} at character {err.start}",
+                       param=param) from err
 
 
 def check_lengths(limits: RequestLimits, prompt_len: int, max_tokens: int | None) -> int:
@@ -212,6 +236,7 @@ async def whole_answer(request: Request, outputs, shape: ResponseShape):
         watching.cancel()
         if not collecting.done():
             collecting.cancel()  # closes `outputs`: the request is aborted
+            await asyncio.gather(collecting, return_exceptions=True)  # ... once that has run
     if collecting.cancelled():
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     text, final = collecting.result()

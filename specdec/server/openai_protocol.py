@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt
 
 from specdec.engine.sampling_params import SamplingParams
 
@@ -35,25 +35,26 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class GenerationFields(BaseModel):
-    """What /v1/completions and /v1/chat/completions share."""
+    """What /v1/completions and /v1/chat/completions share. Numbers and booleans are strict: a value of
+    another JSON type ("8", true for a number) is refused, as the library refuses it, never converted."""
 
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # an extension (vLLM's): 0 or -1 = off
-    n: int = 1
-    seed: int | None = None
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None  # an extension (vLLM's): 0 or -1 = off
+    n: StrictInt = 1
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # an extension (vLLM's)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    ignore_eos: StrictBool = False  # an extension (vLLM's)
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
     user: str | None = None
 
     @property
@@ -75,13 +76,14 @@ class GenerationFields(BaseModel):
         return SamplingParams(max_new_tokens=max_new_tokens,
                               temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if top_k == -1 else top_k,
-                              seed=self.seed, stop=self.stop or None, ignore_eos=self.ignore_eos)
+                              seed=self.seed, stop=None if self.stop in (None, []) else self.stop,
+                              ignore_eos=self.ignore_eos)
 
 
 class CompletionRequest(GenerationFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
     suffix: str | None = None
 
     def unsupported(self) -> list[str]:
@@ -115,9 +117,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
     tools: list | None = None
     response_format: dict | None = None
 

@@ -482,4 +482,7 @@ def resolve_model(
             label=demo.name,
         )
 
+    if path.is_dir():
+        raise FileNotFoundError(f"{path} is a directory but not a model directory: it has no config.json; point "
+                                "at the folder holding the model's config.json, weight and tokenizer files")
     raise _unknown_model_error(text)
