@@ -4,7 +4,8 @@
 directory, so it uses the standard library only. In order:
 
 1. With `--read-only` (it was started inside new user, mount, network and pid namespaces), every
-   mount becomes read-only, nosuid and nodev except a bind mount of the work directory, and the
+   mount becomes read-only, nosuid and nodev except bind mounts of the work directory and of the null
+   device, and the
    mounts are then locked by entering one more user namespace, so the program cannot make them
    writable again.
 2. Resource limits, soft and hard: CPU time, address space, file size, open files, processes (the
@@ -76,11 +77,15 @@ def _set_mount_attributes(libc, path: bytes, flags: int, attributes: MountAttr) 
 def make_filesystem_read_only(work_dir: str) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     work = os.fsencode(work_dir)
-    # the work directory as a mount of its own, so that it can stay writable under a read-only root
+    # the work directory as a mount of its own, so that it can stay writable under a read-only root; the
+    # null device too, so that code that discards output through it still runs
+    null = os.fsencode(os.devnull)
     _checked(libc.mount(work, work, None, MS_BIND | MS_REC, None), "bind-mount the work directory")
+    _checked(libc.mount(null, null, None, MS_BIND, None), "bind-mount the null device")
     _set_mount_attributes(libc, b"/", AT_RECURSIVE,
                           MountAttr(attr_set=MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV))
     _set_mount_attributes(libc, work, 0, MountAttr(attr_clr=MOUNT_ATTR_RDONLY))
+    _set_mount_attributes(libc, null, 0, MountAttr(attr_clr=MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV))
     # mounts copied into a mount namespace that a new user namespace owns are locked there
     _checked(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "lock the mounts")
     os.chdir(work_dir)  # the working directory still pointed into the (now read-only) mount below the bind
@@ -97,10 +102,11 @@ def limit_resources(args) -> None:
 
 
 def _inside(path, work_dir: str) -> bool:
+    """Whether the program may write to `path`: inside its work directory, or the null device."""
     if isinstance(path, int):  # an open file descriptor: opening it was checked
         return True
     resolved = os.path.realpath(os.fsdecode(path))
-    return os.path.commonpath([resolved, work_dir]) == work_dir
+    return resolved == os.devnull or os.path.commonpath([resolved, work_dir]) == work_dir
 
 
 def install_guard(work_dir: str) -> None:

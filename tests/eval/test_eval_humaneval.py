@@ -170,6 +170,9 @@ def test_sandbox_contains_writes_outside_its_directory(tmp_path, namespaces):
     assert not Path("/dev/shm/escaped").exists()
     assert run_program("open('inside.txt', 'w').write('fine')\nassert open('inside.txt').read() == 'fine'",
                        SHORT, namespaces).passed
+    # correct code that discards output through the null device
+    assert run_program("import os\nwith open(os.devnull, 'w') as sink:\n    print('quiet', file=sink)\n",
+                       SHORT, namespaces).passed
 
 
 @pytest.mark.parametrize("namespaces", ISOLATIONS)
