@@ -25,6 +25,7 @@ def _run_rows(run: dict) -> list[tuple[str, str]]:
     rows = [
         (run["metric"], f"{run['accuracy']:.3f} ({run['correct']}/{run['problems']})"),
         ("requests failed", str(run["errors"])),
+        ("answers cut off by max_new_tokens", str(run.get("cut_off", "-"))),
         ("generated tokens", str(s["generated_tokens"])),
         ("wall time (s)", f"{s['wall_time']:.2f}"),
         ("end-to-end tokens/s", f"{s['tokens_per_s']:.1f}"),

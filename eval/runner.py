@@ -38,9 +38,15 @@ class Run:
     def errors(self) -> int:
         return sum(r.finish_reason == "error" for r in self.results)
 
+    @property
+    def cut_off(self) -> int:
+        """Answers that max_new_tokens ended before the model did (graded as they stand)."""
+        return sum(r.finish_reason == "length" for r in self.results)
+
     def as_dict(self) -> dict:
         return {"mode": self.label, "metric": self.metric, "accuracy": self.accuracy, "correct": sum(self.correct),
-                "problems": len(self.correct), "errors": self.errors, "summary": self.summary.as_dict()}
+                "problems": len(self.correct), "errors": self.errors, "cut_off": self.cut_off,
+                "summary": self.summary.as_dict()}
 
 
 def grade_result(grader: Grader, problem, result) -> Graded:

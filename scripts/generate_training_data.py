@@ -105,7 +105,8 @@ def main(argv=None) -> None:
     def target():
         from specdec import LLM
 
-        return LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=args.batch_size,
+        # the target alone: sampled answers reproduce from their seeds whatever drafter is shipped
+        return LLM(args.target, None, device=args.device, dtype=args.dtype, max_num_seqs=args.batch_size,
                    num_kv_pages=args.num_kv_pages)
 
     try:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from drafters import load_drafter
+from drafters import DEFAULT_DRAFTERS, load_drafter
 from specdec.engine.config import EngineConfig
 from specdec.engine.drafter import Drafter
 from specdec.engine.engine import Engine
@@ -39,11 +39,12 @@ class LLM:
     """A target model (and optionally a drafter) ready to generate.
 
     target: a demo model name (see `specdec.weights.demo_models.DEMO_MODELS`), an HF model directory
-    or a .gguf file. drafter: a DFlash checkpoint directory, a shipped drafter's name, or a
-    `drafters.Drafter` instance. Other keyword arguments are `EngineConfig` fields.
+    or a .gguf file. drafter: "auto" (the default: the target's shipped drafter when it has one, as the
+    command line does), None (plain decoding), a DFlash checkpoint directory, a shipped drafter's name,
+    or a `drafters.Drafter` instance. Other keyword arguments are `EngineConfig` fields.
     """
 
-    def __init__(self, target: str | os.PathLike = DEFAULT_TARGET, drafter=None, *,
+    def __init__(self, target: str | os.PathLike = DEFAULT_TARGET, drafter="auto", *,
                  device: str = "auto", dtype: str = "auto", kv_cache_dtype: str = "auto", page_size: int = 16,
                  **engine_options):
         self.config = EngineConfig(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
@@ -51,6 +52,8 @@ class LLM:
         device_obj = self.config.torch_device()
         loaded = load_target(resolve_model(target), device_obj, self.config.torch_dtype(device_obj))
         loaded.cache_dir = default_cache_dir() / "calibration"
+        if isinstance(drafter, str) and drafter == "auto":
+            drafter = DEFAULT_DRAFTERS.get(os.fspath(target))
         # a Drafter object (any implementation of specdec.engine.drafter.Drafter) is used as is
         draft_model = drafter if drafter is None or isinstance(drafter, Drafter) else load_drafter(drafter,
                                                                                                    loaded.model)

@@ -178,3 +178,18 @@ def test_malformed_drafters_are_named(tmp_path, edit, message):
 def test_engine_settings_of_the_wrong_type_are_value_errors(setting, value):
     with pytest.raises(ValueError, match=f"{setting} must be"):
         EngineConfig(**{setting: value})
+
+
+def test_the_library_speculates_with_a_shipped_drafter_by_default(model_dir, tmp_path, monkeypatch):
+    """As the command line does: `drafter="auto"` takes the target's shipped drafter; None decodes plainly."""
+    from transformers import AutoConfig
+
+    from specdec import LLM
+
+    build_random_drafter(tmp_path / "shipped", AutoConfig.from_pretrained(model_dir), block_size=4)
+    monkeypatch.setattr("specdec.llm.DEFAULT_DRAFTERS", {str(model_dir): str(tmp_path / "shipped")})
+    options = dict(device="cpu", dtype="float32", num_kv_pages=64, page_size=4)
+    assert LLM(str(model_dir), **options).engine.drafter is not None
+    assert LLM(str(model_dir), None, **options).engine.drafter is None
+    monkeypatch.setattr("specdec.llm.DEFAULT_DRAFTERS", {})
+    assert LLM(str(model_dir), **options).engine.drafter is None  # no shipped drafter: plain decoding
