@@ -125,16 +125,7 @@ def _run(args) -> int:
     except (InputError, ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
-    engine = llm.engine
-    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
-    kept = (f" (layers {', '.join(map(str, engine.full_precision_layers))} in {name(engine.dtype)})"
-            if engine.full_precision_layers else "")
-    print(f"target {args.target} on {engine.device} ({name(engine.dtype)}, KV {name(engine.kv_dtype)}{kept}, "
-          f"{engine.backend_name} attention, {engine.num_pages} pages of {engine.pool.page_size})"
-          + (f", drafter {drafter} (block {engine.drafter.block_size})" if drafter else ", no drafter")
-          + (f"; CUDA graphs captured in {engine.graph_capture_seconds:.1f} s"
-             if engine.graph_capture_seconds is not None else ""),
-          file=sys.stderr)
+    print(llm.describe(), file=sys.stderr)
     stream = len(prompts) == 1
     if stream:
         print(f"prompt: {prompts[0]}\n", file=sys.stderr, flush=True)

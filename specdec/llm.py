@@ -54,6 +54,9 @@ class LLM:
         loaded.cache_dir = default_cache_dir() / "calibration"
         if isinstance(drafter, str) and drafter == "auto":
             drafter = DEFAULT_DRAFTERS.get(os.fspath(target))
+        self.target_name = os.fspath(target)
+        self.drafter_name = None if drafter is None else type(drafter).__name__ if isinstance(drafter, Drafter) \
+            else os.fspath(drafter)
         # a Drafter object (any implementation of specdec.engine.drafter.Drafter) is used as is
         draft_model = drafter if drafter is None or isinstance(drafter, Drafter) else load_drafter(drafter,
                                                                                                    loaded.model)
@@ -63,6 +66,19 @@ class LLM:
         self.last_summary: Summary | None = None
         self._lock = threading.Lock()
         self._generating: int | None = None  # the thread inside generate(), to catch re-entry from a callback
+
+    def describe(self) -> str:
+        """One line on what was loaded and how it runs (the command line and the server print it)."""
+        engine = self.engine
+        name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+        kept = (f" (layers {', '.join(map(str, engine.full_precision_layers))} in {name(engine.dtype)})"
+                if engine.full_precision_layers else "")
+        drafter = (f", drafter {self.drafter_name} (block {engine.drafter.block_size}, verify {self.config.verify})"
+                   if engine.drafter is not None else ", no drafter")
+        graphs = (f"; CUDA graphs captured in {engine.graph_capture_seconds:.1f} s"
+                  if engine.graph_capture_seconds is not None else "")
+        return (f"target {self.target_name} on {engine.device} ({name(engine.dtype)}, KV {name(engine.kv_dtype)}{kept}, "
+                f"{engine.backend_name} attention, {engine.num_pages} pages of {engine.pool.page_size}){drafter}{graphs}")
 
     def encode(self, prompt: Prompt, chat: bool) -> list[int]:
         if not isinstance(prompt, str):

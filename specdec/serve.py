@@ -81,7 +81,9 @@ def start_engine(llm_args: dict, on_thread: bool, log_level: str):
     if on_thread:
         from specdec.server.async_engine import ThreadedEngine
 
-        return ThreadedEngine(LLM(**llm_args))
+        llm = LLM(**llm_args)
+        logging.getLogger(__name__).info("serving %s", llm.describe())
+        return ThreadedEngine(llm)
     from specdec.server.engine_process import ProcessEngine
 
     return ProcessEngine.start(functools.partial(LLM, **llm_args), log_level=log_level)

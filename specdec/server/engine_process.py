@@ -142,6 +142,8 @@ def run_engine_process(conn, build: Callable, log_level: str) -> None:
         conn.send(("failed", " ".join(str(err).split()) or type(err).__name__))
         return
     loop = EngineLoop(loaded.engine)
+    if hasattr(loaded, "describe"):
+        log.info("serving %s", loaded.describe())
     conn.send(("ready", loaded.engine.limits, str(loaded.model_dir)))
 
     def receive(wait_s: float) -> list:
