@@ -11,6 +11,7 @@ is left, and exit 0. Exit status 2: bad arguments or a model that cannot be load
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import logging
 import signal
@@ -69,9 +70,28 @@ def main(argv=None, prog: str = PROG) -> int:
     # found: with these no-op handlers that re-raise ends nothing, so a stop by signal exits 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
-    server = uvicorn.Server(config)
+    server = draining_server(uvicorn, config, engine, args.timeout_graceful_shutdown)
     server.run()
     return 0 if server.started else 1
+
+
+def draining_server(uvicorn, config, engine, grace_s: float):
+    """uvicorn's server, which ends what is still in flight just before its grace period runs out: every
+    stream gets an error event and `[DONE]`, every whole answer a JSON error (uvicorn alone would cut
+    them off at the deadline: streams without an end, whole answers as a plain-text 500)."""
+
+    class DrainingServer(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig, frame) -> None:  # the signal handler, on the event loop's thread
+            if not self.draining and self.started:
+                self.draining = True
+                loop = asyncio.get_event_loop()
+                loop.call_soon_threadsafe(loop.call_later, max(0.0, grace_s - min(1.0, grace_s / 2)),
+                                          engine.end_all, "the server is shutting down")
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
 
 
 def start_engine(llm_args: dict, on_thread: bool, log_level: str):

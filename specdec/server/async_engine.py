@@ -101,6 +101,14 @@ class AsyncEngine:
             except RuntimeError:  # the event loop is closed: nobody is listening
                 pass
 
+    def end_all(self, message: str) -> None:
+        """End every caller's request now (the server is stopping): each is aborted in the engine, and its
+        caller gets a last output finished "abort" with `message` (on the event loop's thread)."""
+        ended = list(self._queues)
+        for sid in ended:
+            self._send(Abort(sid, "abort"))
+        self.deliver([(sid, RequestOutput("", [], True, "abort", message)) for sid in ended])
+
     def fail_all(self, message: str) -> None:
         """The engine is gone: end every caller's request with an error (on the event loop's thread)."""
         self.deliver([(sid, RequestOutput("", [], True, "error", message)) for sid in list(self._queues)])
@@ -114,7 +122,12 @@ def drain(outputs: asyncio.Queue) -> list[RequestOutput]:
 
 
 def merge(items: list[RequestOutput]) -> RequestOutput:
-    """Consecutive outputs of one request as one (text and tokens joined; the last one's state)."""
+    """Consecutive outputs of one request as one (text and tokens joined; the last one's state). Nothing after
+    a finished output counts: a request the server ended (`end_all`) may still get the engine's tokens of
+    the steps before it saw the abort."""
+    finished = next((i for i, item in enumerate(items) if item.finished), None)
+    if finished is not None:
+        items = items[:finished + 1]
     if len(items) == 1:
         return items[0]
     last = items[-1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import socket
 import threading
 import time
@@ -183,3 +184,35 @@ def test_concurrent_scrapes_all_get_the_engines_metrics(target):
             scrapes = list(pool.map(lambda _: scrape(), range(6)))
     assert all("specdec_kv_pages_in_use" in text for _, text in scrapes)
     assert max(seconds for seconds, _ in scrapes) < 5
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_shutdown_past_the_grace_period_ends_every_answer_cleanly(target, sig):
+    """A signal to the server's process alone, with answers longer than the grace period: each stream
+    ends with an error event and [DONE], each whole answer with a JSON error; the server exits 0."""
+    with ProcessServer("--target", target, "--no-drafter", "--device", "cpu", "--served-model-name", MODEL,
+                       "--num-kv-pages", "512", "--page-size", "4", "--timeout-graceful-shutdown", "1") as served:
+        long = {"model": MODEL, "prompt": "go", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
+        with httpx.Client(timeout=60) as http, ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(http.post, f"{served.base_url}/v1/completions", json=long)
+            with http.stream("POST", f"{served.base_url}/v1/completions", json={**long, "stream": True}) as stream:
+                lines = stream.iter_lines()
+                first = next(line for line in lines if line.startswith("data:"))
+                served.signal(sig)
+                rest = [line for line in lines if line.startswith("data:")]
+            answer = whole.result()
+        assert served.wait(60) == 0
+    events = [first, *rest]
+    assert events[-1] == "data: [DONE]"
+    assert '"error"' in events[-2] and "shutting down" in events[-2], events[-3:]
+    assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"]
+
+
+def test_nothing_after_a_finished_output_counts():
+    """The server ends a request (shutdown) while the engine still sends the tokens of earlier steps."""
+    from specdec.server.async_engine import merge
+    from specdec.server.engine_loop import RequestOutput
+
+    merged = merge([RequestOutput("a", [1]), RequestOutput("", [], True, "abort", "shutting down"),
+                    RequestOutput("b", [2])])
+    assert merged.finished and merged.finish_reason == "abort" and merged.text == "a" and merged.token_ids == [1]
