@@ -63,14 +63,16 @@ class ThreadServer:
 class ProcessServer:
     """`python -m specdec.serve ARGS` in a process of its own, for signals and the command line."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, new_session: bool = False):
+        """new_session: the server leads a process group of its own (signals to the group reach only it and
+        its engine process)."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "specdec.serve", *args, "--host", "127.0.0.1", "--port", str(self.port),
                    "--log-level", "warning"]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+                                     text=True, start_new_session=new_session)
 
     def __enter__(self) -> "ProcessServer":
         try:
@@ -80,8 +82,11 @@ class ProcessServer:
             raise RuntimeError(f"the server did not start:\n{self.output()}")
         return self
 
-    def signal(self, sig: signal.Signals) -> None:
-        self.proc.send_signal(sig)
+    def signal(self, sig: signal.Signals, group: bool = False) -> None:
+        if group:
+            os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
 
     def wait(self, timeout_s: float) -> int:
         return self.proc.wait(timeout=timeout_s)

@@ -10,8 +10,9 @@ limits (to refuse bad input before it travels).
     child -> parent   ("ready", limits, model_dir) once; ("outputs", [(sid, RequestOutput)]) per step;
                       ("metrics", text); ("failed", message) if the model cannot be loaded
 
-over one `multiprocessing` pipe. The child ignores SIGINT (a Ctrl-C in the terminal reaches the whole
-process group; the server decides when the engine stops) and exits when the pipe closes.
+over one `multiprocessing` pipe. The child ignores SIGINT and SIGTERM (a Ctrl-C in the terminal, or a
+SIGTERM to the whole process group, reaches it too; the server decides when the engine stops, after its
+in-flight answers have ended) and exits when told to stop or when the pipe closes.
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ def _resolve(future: asyncio.Future, value) -> None:
 
 def run_engine_process(conn, build: Callable, log_level: str) -> None:
     """The engine process: load the model, then serve commands until told to stop or the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine): %(message)s")
     try:
         loaded = build()

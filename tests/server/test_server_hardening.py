@@ -186,22 +186,27 @@ def test_concurrent_scrapes_all_get_the_engines_metrics(target):
     assert max(seconds for seconds, _ in scrapes) < 5
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
-def test_shutdown_past_the_grace_period_ends_every_answer_cleanly(target, sig):
-    """A signal to the server's process alone, with answers longer than the grace period: each stream
-    ends with an error event and [DONE], each whole answer with a JSON error; the server exits 0."""
+@pytest.mark.parametrize("sig, group", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)],
+                         ids=["sigterm", "sigint", "sigterm-to-the-group"])
+def test_shutdown_past_the_grace_period_ends_every_answer_cleanly(target, sig, group):
+    """A signal to the server's process alone or to its process group (the engine process too), with answers
+    longer than the grace period: each stream ends with an error event and [DONE], each whole answer with
+    a JSON error; the server exits 0 and leaks nothing (no semaphore left to the resource tracker)."""
     with ProcessServer("--target", target, "--no-drafter", "--device", "cpu", "--served-model-name", MODEL,
-                       "--num-kv-pages", "512", "--page-size", "4", "--timeout-graceful-shutdown", "1") as served:
+                       "--num-kv-pages", "512", "--page-size", "4", "--timeout-graceful-shutdown", "1",
+                       new_session=group) as served:
         long = {"model": MODEL, "prompt": "go", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
         with httpx.Client(timeout=60) as http, ThreadPoolExecutor(1) as pool:
             whole = pool.submit(http.post, f"{served.base_url}/v1/completions", json=long)
             with http.stream("POST", f"{served.base_url}/v1/completions", json={**long, "stream": True}) as stream:
                 lines = stream.iter_lines()
                 first = next(line for line in lines if line.startswith("data:"))
-                served.signal(sig)
+                served.signal(sig, group)
                 rest = [line for line in lines if line.startswith("data:")]
             answer = whole.result()
         assert served.wait(60) == 0
+        log = served.output()
+    assert "leaked" not in log and "Traceback" not in log, log[-2000:]
     events = [first, *rest]
     assert events[-1] == "data: [DONE]"
     assert '"error"' in events[-2] and "shutting down" in events[-2], events[-3:]
