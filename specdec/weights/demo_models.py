@@ -371,11 +371,12 @@ def _convert_cached(
     models.mkdir(parents=True, exist_ok=True)
     _remove_stale_temp(root)
     size = gguf_path.stat().st_size
-    # Measured on 2 CPU cores: 135M ~20 s, 0.5B ~55 s, 1.5B ~80 s.
+    # Measured on 2 CPU cores: 135M ~20 s, 0.5B ~55 s, 1.5B 76-193 s (a busy machine takes twice as long
+    # or more; the GPU machine's 16 cores 76-97 s): a range, not a promise
     rough_s = int(20 + 55 * size / 1e9)
     _say(
         f"Converting {label} to a Hugging Face model directory "
-        f"(once; about {rough_s} s on a small CPU) ..."
+        f"(once; {rough_s}-{3 * rough_s} s on a small CPU; reading the file comes before the progress bar) ..."
     )
     t0 = time.monotonic()
     work = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-{dir_name}-", dir=models))
