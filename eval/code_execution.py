@@ -13,20 +13,29 @@ directory read-only, and every process it starts dies with it. Where namespaces 
 (some containers forbid them), the audit hook alone refuses sockets and name lookups, starting
 processes and writing outside the work directory; that holds for model-written code, not for code
 written to defeat it. `isolation()` says which applies; results.json records it.
+
+`run_tests` grades a function: the module runs in the sandbox and answers calls of it; the tests run
+here, so the verdict is this process's own observation. `run_program` runs a whole program (passed
+when it ran to its end): for programs that are not graded.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from eval import value_codec
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +74,11 @@ def _environment(work_dir: str) -> dict:
     return {"PATH": os.defpath, "HOME": work_dir, "TMPDIR": work_dir, "LANG": "C.UTF-8", **threads}
 
 
-def _command(work_dir: str, limits: Limits, namespaces: bool) -> list[str]:
+def _command(work_dir: str, limits: Limits, namespaces: bool, serve: str | None = None) -> list[str]:
     python = [sys.executable, "-I", "-B", str(ENTRY), "program.py", "--work-dir", work_dir,
               "--cpu-seconds", str(int(limits.timeout_s) + 1), "--memory-bytes", str(limits.memory_bytes),
-              "--file-bytes", str(limits.file_bytes), "--processes", str(limits.processes)]
+              "--file-bytes", str(limits.file_bytes), "--processes", str(limits.processes),
+              *(["--serve", serve] if serve else [])]
     return [*NAMESPACES, *python, "--read-only"] if namespaces else python
 
 
@@ -121,6 +131,110 @@ def run_program(source: str, limits: Limits = Limits(), namespaces: bool | None 
     use_namespaces = namespaces_available() if namespaces is None else namespaces
     with tempfile.TemporaryDirectory(prefix="specdec-sandbox-", ignore_cleanup_errors=True) as work_dir:
         return _execute(source, os.path.realpath(work_dir), limits, use_namespaces)
+
+
+def run_tests(module: str, helpers: str, tests: str, entry_point: str, limits: Limits = Limits(),
+              namespaces: bool | None = None) -> Execution:
+    """Grade `module`'s `entry_point` with `tests` (which define `check(candidate)`), the verdict observed here:
+    the module runs in the sandbox and only answers calls of `entry_point`; `check` runs in this process
+    (with `helpers`, the trusted code the tests may call, e.g. a HumanEval prompt) against a stand-in that
+    sends each call there and decodes the answer (`eval/value_codec.py`). Passed when `check` returns. The
+    sandboxed program can make its answers wrong or stop answering, nothing more: no exit status, file or
+    output of its own counts."""
+    use_namespaces = namespaces_available() if namespaces is None else namespaces
+    with tempfile.TemporaryDirectory(prefix="specdec-sandbox-", ignore_cleanup_errors=True) as work_dir:
+        work = Path(os.path.realpath(work_dir))
+        (work / "program.py").write_text(module, encoding="utf-8")
+        with open(work / "stderr.txt", "wb") as stderr:
+            process = subprocess.Popen(_command(str(work), limits, use_namespaces, serve=entry_point), cwd=work,
+                                       env=_environment(str(work)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=stderr, start_new_session=True)
+            try:
+                return _check_against(process, helpers, tests, entry_point, limits)
+            finally:
+                _kill_group(process)
+                process.communicate()
+
+
+class _Stopped(Exception):
+    """The sandboxed program stopped answering: it ended, or its time ran out."""
+
+
+def _check_against(process: subprocess.Popen, helpers: str, tests: str, entry_point: str,
+                   limits: Limits) -> Execution:
+    deadline = time.monotonic() + limits.timeout_s
+    answers = _Answers(process, deadline)
+    try:
+        first = answers.next()
+    except _Stopped as stop:
+        return Execution("timed out" if "time" in str(stop) else "failed", f"the program {stop}")
+    if not first.get("ready"):
+        return Execution("failed", f"the program did not load: {_error_name(first.get('error'))}")
+
+    def candidate(*args):
+        process.stdin.write((value_codec.encode(list(args)) + "\n").encode())
+        process.stdin.flush()
+        answer = answers.next()
+        if "ok" not in answer:
+            raise CandidateError(_error_name(answer.get("error")))
+        return value_codec.decode(answer["ok"])
+
+    namespace: dict = {"__name__": "__grader__"}
+    try:
+        exec(compile(helpers, "<helpers>", "exec"), namespace)  # noqa: S102 - the problem's own (trusted) code
+        namespace[entry_point] = candidate  # tests that call the function by its name get the sandboxed one too
+        exec(compile(tests, "<tests>", "exec"), namespace)  # noqa: S102
+        namespace["check"](candidate)
+    except _Stopped as stop:
+        return Execution("timed out" if "time" in str(stop) else "failed", f"the program {stop}")
+    except (BrokenPipeError, OSError):
+        return Execution("failed", "the program stopped answering")
+    except CandidateError as err:
+        return Execution("failed", f"the function raised {err}")
+    except Exception as err:  # noqa: BLE001 - a failed test (the tests' own message is trusted text), bounded
+        return Execution("failed", f"{type(err).__name__}: {str(err)[:200]}".rstrip(": "))
+    return Execution("passed", "")
+
+
+def _error_name(error) -> str:
+    """The exception's name from a sandboxed program's error text, and nothing else it wrote (it could hold
+    anything the program can read)."""
+    name = str(error or "").split(":", 1)[0].strip()
+    return name if name.replace(".", "").replace("_", "").isalnum() and len(name) <= 60 else "an error"
+
+
+class CandidateError(Exception):
+    """A call of the sandboxed function raised (the exception named in the message) or could not answer."""
+
+
+class _Answers:
+    """Reply lines from the sandboxed program, each JSON, each awaited until the run's deadline."""
+
+    def __init__(self, process: subprocess.Popen, deadline: float):
+        self.stream, self.deadline, self.buffer = process.stdout, deadline, b""
+
+    def next(self) -> dict:
+        while b"\n" not in self.buffer:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise _Stopped("ran out of time")
+            ready, _, _ = select.select([self.stream], [], [], left)
+            if not ready:
+                raise _Stopped("ran out of time")
+            chunk = os.read(self.stream.fileno(), 1 << 16)
+            if not chunk:
+                raise _Stopped("stopped answering")
+            self.buffer += chunk
+            if len(self.buffer) > value_codec.MAX_LINE_CHARS:
+                raise _Stopped("answered over the size limit")
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise _Stopped("answered with something else than an answer")
+        return answer
 
 
 @functools.cache

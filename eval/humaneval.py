@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 from eval import command
-from eval.code_execution import Limits, isolation, namespaces_available, run_program
+from eval.code_execution import Limits, isolation, namespaces_available, run_tests
 from eval.code_extraction import completed_module, extract_code
 from eval.data_file import read_rows
 from eval.problem_set import DataUnavailable, Graded, ProblemSet
@@ -67,11 +67,6 @@ def user_turn(problem: Problem) -> str:
     return PROMPT_TEMPLATE.format(prompt=problem.prompt)
 
 
-def program_with_tests(problem: Problem, module: str) -> str:
-    """The completed module followed by the problem's tests, run as HumanEval's reference harness does."""
-    return f"{module}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
-
-
 @dataclass(frozen=True)
 class ExecutionGrader:
     """Passes a response when the problem's tests pass against its code (`eval.problem_set.Grader`)."""
@@ -87,13 +82,15 @@ class ExecutionGrader:
 
     def grade(self, problem: Problem, text: str) -> Graded:
         code, module = completed_module(problem.prompt, extract_code(text, problem.entry_point), problem.entry_point)
-        execution = run_program(program_with_tests(problem, module), self.limits)
+        # the tests run here against the sandboxed function: the verdict is this process's own observation
+        execution = run_tests(module, problem.prompt, problem.test, problem.entry_point, self.limits)
         return Graded(code, execution.passed, {"execution": execution.describe()})
 
     def describe(self) -> dict:
         return {"name": self.name, "version": _package_version(),
-                "rule": "the response's code (eval/code_extraction.py) completes the prompt; passed when "
-                        "`check(entry_point)` of the problem's tests runs without an exception",
+                "rule": "the response's code (eval/code_extraction.py) completes the prompt and runs in the "
+                        "sandbox, answering calls of the entry point; passed when the problem's "
+                        "`check(entry_point)`, run by the grader against those answers, returns",
                 "sandbox": isolation(self.limits)}
 
 

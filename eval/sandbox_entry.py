@@ -19,15 +19,20 @@ directory, so it uses the standard library only. In order:
    harness does not run it as `__main__` either), so a solution's own `if __name__ == "__main__":`
    demo does not run. Its stdout goes to a file in the work directory; the original stdout receives
    PASSED only when the program ran to its end, so an early `exit()` cannot pass.
+   With `--serve FUNCTION` (how HumanEval is graded) the program is a module: once it has run, the
+   original stdout answers calls of FUNCTION read from stdin, and the grader runs the tests against
+   those answers (`eval.code_execution.run_tests`): nothing this process writes is a verdict.
 """
 
 import argparse
 import ctypes
+import json
 import os
 import resource
 import runpy
 import sys
 import traceback
+from pathlib import Path
 
 PASSED = "passed"
 # <linux/mount.h>, <fcntl.h>, <sched.h>; mount_setattr has one number on every architecture (it is newer
@@ -101,24 +106,28 @@ def limit_resources(args) -> None:
         resource.setrlimit(limit, (value, value))
 
 
-def _inside(path, work_dir: str) -> bool:
-    """Whether the program may write to `path`: inside its work directory, or the null device."""
-    if isinstance(path, int):  # an open file descriptor: opening it was checked
-        return True
-    resolved = os.path.realpath(os.fsdecode(path))
-    return resolved == os.devnull or os.path.commonpath([resolved, work_dir]) == work_dir
-
-
 def install_guard(work_dir: str) -> None:
+    """The audit hook. Everything it consults is bound here, when it is installed: a program that rebinds
+    this module's globals or the os module's functions afterwards changes nothing it checks (code out to
+    defeat it can still reach its closure through the garbage collector: see the module's docstring)."""
     work_dir = os.path.realpath(work_dir)
+    refused, path_events, writing = frozenset(REFUSED_EVENTS), dict(PATH_EVENTS), OPEN_FOR_WRITING
+    realpath, commonpath, fsdecode, devnull = os.path.realpath, os.path.commonpath, os.fsdecode, os.devnull
+
+    def inside(path) -> bool:
+        """Whether the program may write to `path`: inside its work directory, or the null device."""
+        if isinstance(path, int):  # an open file descriptor: opening it was checked
+            return True
+        resolved = realpath(fsdecode(path))
+        return resolved == devnull or commonpath([resolved, work_dir]) == work_dir
 
     def guard(event: str, args: tuple) -> None:
-        if event in REFUSED_EVENTS:
+        if event in refused:
             raise PermissionError(f"{event} is refused in the sandbox")
-        if event == "open" and args[2] & OPEN_FOR_WRITING and not _inside(args[0], work_dir):
+        if event == "open" and args[2] & writing and not inside(args[0]):
             raise PermissionError(f"writing {args[0]!r} is refused in the sandbox (outside its directory)")
-        paths = PATH_EVENTS.get(event, 0)
-        if any(not _inside(path, work_dir) for path in args[:paths] if path is not None):
+        paths = path_events.get(event, 0)
+        if any(not inside(path) for path in args[:paths] if path is not None):
             raise PermissionError(f"{event} {args[:paths]!r} is refused in the sandbox (outside its directory)")
 
     sys.addaudithook(guard)
@@ -143,6 +152,46 @@ def run(program: str) -> int:
     return 0
 
 
+def serve(program: str, entry_point: str) -> int:
+    """Run the program (a module defining `entry_point`), then answer calls of that function: one request per
+    line on stdin (its encoded arguments), one reply per line on the original stdout ({"ok": result} or
+    {"error": why}). The grader runs the tests and judges the answers; nothing written here is a verdict."""
+    codec = _load_codec()
+    replies = os.fdopen(os.dup(1), "w")
+    own_stdout = os.open("stdout.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(own_stdout, 1)
+    os.close(own_stdout)
+
+    def reply(**message) -> None:
+        replies.write(json.dumps(message) + "\n")
+        replies.flush()
+
+    try:
+        function = runpy.run_path(program, run_name="__sandboxed__")[entry_point]
+    except BaseException as err:  # noqa: BLE001 - whatever stops the module from loading fails the program
+        traceback.print_exc()
+        reply(error=f"the program did not load: {type(err).__name__}")
+        return 1
+    reply(ready=True)
+    for line in sys.stdin:
+        try:
+            result = function(*codec.decode(line))
+            reply(ok=codec.encode(result))
+        except BaseException as err:  # noqa: BLE001 - the call's failure is the answer
+            reply(error=f"{type(err).__name__}: {str(err)[:200]}")
+    return 0
+
+
+def _load_codec():
+    """eval/value_codec.py beside this file (the interpreter runs isolated: no package path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("value_codec", Path(__file__).with_name("value_codec.py"))
+    codec = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(codec)
+    return codec
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="run a program in the sandbox (started by eval.code_execution)")
     p.add_argument("program", help="the program file, inside the work directory")
@@ -153,6 +202,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-bytes", type=int, required=True)
     p.add_argument("--file-bytes", type=int, required=True)
     p.add_argument("--processes", type=int, required=True)
+    p.add_argument("--serve", metavar="FUNCTION", help="after the program, answer calls of FUNCTION (see serve)")
     return p.parse_args(argv)
 
 
@@ -162,7 +212,7 @@ def main() -> int:
         make_filesystem_read_only(args.work_dir)
     limit_resources(args)
     install_guard(args.work_dir)
-    return run(args.program)
+    return serve(args.program, args.serve) if args.serve else run(args.program)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 
 from eval import command, humaneval
 from eval.chat_prompt import chat_prompt_ids
-from eval.code_execution import Limits, namespaces_available, run_program
+from eval.code_execution import Limits, namespaces_available, run_program, run_tests
 from eval.code_extraction import completed_module, defines, extract_code, keep_definitions
 from eval.problem_set import select
 from tests.conftest import build_tiny_model
@@ -139,15 +139,75 @@ def test_defines_only_top_level_functions_and_unparsable_code_is_kept():
 
 # ---- the sandbox -----------------------------------------------------------------------------------------------
 
+def graded(problem, body: str, namespaces=None, limits=SHORT):
+    """The problem's tests against `body` completing its prompt, the verdict observed by the grader."""
+    _, module = completed_module(problem.prompt, body, problem.entry_point)
+    return run_tests(module, problem.prompt, problem.test, problem.entry_point, limits, namespaces)
+
+
 @pytest.mark.parametrize("namespaces", ISOLATIONS)
 def test_sandbox_passes_correct_and_fails_wrong_solutions(problems, namespaces):
     problem = problems[0]
-    _, right = completed_module(problem.prompt, problem.canonical_solution, problem.entry_point)
-    _, wrong = completed_module(problem.prompt, "    return False\n", problem.entry_point)
-    passed = run_program(humaneval.program_with_tests(problem, right), SHORT, namespaces)
-    failed = run_program(humaneval.program_with_tests(problem, wrong), SHORT, namespaces)
+    passed, failed = graded(problem, problem.canonical_solution, namespaces), graded(problem, "    return False\n",
+                                                                                      namespaces)
     assert passed.status == "passed" and passed.describe() == "passed"
     assert failed.status == "failed" and failed.detail.startswith("AssertionError"), failed
+
+
+def test_every_canonical_solution_passes_and_every_wrong_one_fails(problems):
+    """All 164 problems with their canonical solutions (the tests run by the grader against the sandboxed
+    function, some calling it by name), and with the next problem's solution, which fails each."""
+    wrong = problems[1:] + problems[:1]
+    for problem, other in zip(problems, wrong):
+        assert graded(problem, problem.canonical_solution).passed, problem.id
+        assert not graded(problem, other.canonical_solution).passed, problem.id
+
+
+SELF_GRADING = {  # completions that try to pass without answering right
+    "verdict-on-stdout": "    import os\n    os.write(1, b'passed')\n    os._exit(0)\n",
+    "verdict-on-every-fd": "    import os\n    for fd in range(3, 20):\n        try:\n            os.write(fd, b'passed\\n')\n"
+                           "        except OSError:\n            pass\n    os._exit(0)\n",
+    "fake-answers": "    import os\n    for fd in range(3, 20):\n        try:\n            os.write(fd, "
+                    "b'{\"ready\": true}\\n{\"ok\": \"true\"}\\n' * 50)\n        except OSError:\n"
+                    "            pass\n    return None\n",
+    "exit-zero-at-import": "    pass\nimport os\nos._exit(0)\n",
+    "patched-assert": "    import builtins\n    builtins.AssertionError = type('Quiet', (Exception,), {})\n"
+                      "    return None\n",
+}
+
+
+@pytest.mark.parametrize("namespaces", ISOLATIONS)
+@pytest.mark.parametrize("name", sorted(SELF_GRADING))
+def test_a_completion_cannot_grade_itself(problems, name, namespaces):
+    result = graded(problems[0], SELF_GRADING[name], namespaces)
+    assert not result.passed, result
+
+
+def test_tampering_with_the_audit_hook_changes_nothing_it_checks(tmp_path):
+    """Rebinding the hook module's globals and the os module's functions leaves the hook refusing (the
+    hook-only mode, where it is the only barrier)."""
+    outside = tmp_path / "escaped.txt"
+    program = textwrap.dedent(f"""
+        import os, sys
+        entry = sys.modules["__main__"]
+        entry.REFUSED_EVENTS = frozenset()
+        entry.PATH_EVENTS = {{}}
+        entry.OPEN_FOR_WRITING = 0
+        os.path.realpath = lambda path: os.getcwd()
+        os.path.commonpath = lambda paths: os.getcwd()
+        open({str(outside)!r}, "w").write("out")
+        """)
+    result = run_program(program, SHORT, namespaces=False)
+    assert not result.passed and "refused in the sandbox" in result.detail, result
+    assert not outside.exists()
+
+
+def test_an_error_detail_carries_no_text_of_the_program(problems, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the-secret-value")
+    body = f"    raise ValueError(open({str(secret)!r}).read())\n"
+    result = graded(problems[0], body)
+    assert not result.passed and "the-secret-value" not in result.detail and "ValueError" in result.detail
 
 
 @pytest.mark.parametrize("namespaces", ISOLATIONS)
