@@ -1,7 +1,8 @@
 """Plain values to a line of JSON and back, for calls between a sandboxed program and the grader.
 
-What a test hands a function and gets back: numbers (nan and infinities too), strings, bytes, booleans,
-None, and lists, tuples, sets and dicts of them, each keeping its type (a tuple stays a tuple). Nothing
+What a test hands a function and gets back: numbers (nan and infinities too; numpy's scalars and other
+number types as the plain number they equal), strings, bytes, booleans, None, and lists, tuples, sets
+and dicts of them, each keeping its type (a tuple stays a tuple). Nothing
 else crosses: decoding builds only these types, so the grader never runs or unpickles anything the
 sandboxed program wrote. Standard library only (the sandbox side imports it by path).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 
 MAX_LINE_CHARS = 16 << 20  # a reply longer than this is refused: one answer must not exhaust the grader
 
@@ -33,6 +35,13 @@ def _plain(value):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else {"float": repr(value)}
+    # other numbers as the plain ones they equal (numpy's scalars, Fraction, Decimal): a test compares values
+    if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
+        return _plain(value.item())
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return _plain(float(value))
     if isinstance(value, (list, tuple, set, frozenset)):
         items = [_plain(v) for v in value]
         return items if type(value) is list else {type(value).__name__: items}

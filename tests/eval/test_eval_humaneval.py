@@ -402,3 +402,24 @@ def test_gzip_data_file(tmp_path, problems):
                     + "\n")
     assert humaneval.load_problems(str(path)) == [humaneval.Problem(p.index, p.id, p.prompt, p.test, p.entry_point)
                                                   for p in problems[:2]]
+
+
+def test_values_cross_the_sandbox_with_their_types():
+    from fractions import Fraction
+
+    import numpy as np
+
+    from eval import value_codec
+
+    values = [None, True, 3, -2.5, float("inf"), "s", b"\x00b", (1, (2, [3])), {1, 2}, frozenset({3}),
+              {"a": [1, (2,)], 3: None}, 1 + 2j]
+    assert value_codec.decode(value_codec.encode(values)) == values
+    assert type(value_codec.decode(value_codec.encode((1,)))) is tuple
+    nan = value_codec.decode(value_codec.encode(float("nan")))
+    assert nan != nan
+    assert value_codec.decode(value_codec.encode([np.int64(5), np.float32(0.5), np.bool_(True), Fraction(1, 2)])) \
+        == [5, 0.5, True, 0.5]
+    with pytest.raises(value_codec.Unrepresentable):
+        value_codec.encode(object())
+    with pytest.raises(value_codec.Unrepresentable):
+        value_codec.decode('{"callable": "os.system"}')
