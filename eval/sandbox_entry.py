@@ -58,7 +58,8 @@ REFUSED_EVENTS = frozenset({
 # events whose leading path arguments must lie inside the work directory
 PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.rename": 2, "os.link": 2, "os.symlink": 2,
                "os.chmod": 1, "os.chown": 1, "os.truncate": 1, "os.utime": 1, "os.mkfifo": 1, "os.mknod": 1,
-               "os.setxattr": 1, "os.removexattr": 1, "os.chflags": 1, "shutil.rmtree": 1}
+               "os.setxattr": 1, "os.removexattr": 1, "os.chflags": 1, "shutil.rmtree": 1,
+               "sqlite3.connect": 1}  # a database file is opened for writing by sqlite's own code, unseen
 OPEN_FOR_WRITING = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 

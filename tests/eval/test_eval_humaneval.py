@@ -200,6 +200,12 @@ def test_tampering_with_the_audit_hook_changes_nothing_it_checks(tmp_path):
     result = run_program(program, SHORT, namespaces=False)
     assert not result.passed and "refused in the sandbox" in result.detail, result
     assert not outside.exists()
+    database = tmp_path / "escaped.db"
+    result = run_program(f"import sqlite3\nsqlite3.connect({str(database)!r}).execute('create table t (x)')\n", SHORT,
+                         namespaces=False)
+    assert not result.passed and not database.exists(), result
+    assert run_program("import sqlite3\nsqlite3.connect(':memory:').execute('create table t (x)')\n", SHORT,
+                       namespaces=False).passed
 
 
 def test_an_error_detail_carries_no_text_of_the_program(problems, tmp_path):
