@@ -157,7 +157,14 @@ def run_tests(module: str, helpers: str, tests: str, entry_point: str, limits: L
 
 
 class _Stopped(Exception):
-    """The sandboxed program stopped answering: it ended, or its time ran out."""
+    """The sandboxed program stopped answering: it ended, or its time ran out (`timed_out`)."""
+
+    def __init__(self, why: str, timed_out: bool = False):
+        super().__init__(why)
+        self.timed_out = timed_out
+
+    def execution(self) -> Execution:
+        return Execution("timed out" if self.timed_out else "failed", f"the program {self}")
 
 
 def _check_against(process: subprocess.Popen, helpers: str, tests: str, entry_point: str,
@@ -167,7 +174,7 @@ def _check_against(process: subprocess.Popen, helpers: str, tests: str, entry_po
     try:
         first = answers.next()
     except _Stopped as stop:
-        return Execution("timed out" if "time" in str(stop) else "failed", f"the program {stop}")
+        return stop.execution()
     if not first.get("ready"):
         return Execution("failed", f"the program did not load: {_error_name(first.get('error'))}")
 
@@ -186,7 +193,7 @@ def _check_against(process: subprocess.Popen, helpers: str, tests: str, entry_po
         exec(compile(tests, "<tests>", "exec"), namespace)  # noqa: S102
         namespace["check"](candidate)
     except _Stopped as stop:
-        return Execution("timed out" if "time" in str(stop) else "failed", f"the program {stop}")
+        return stop.execution()
     except (BrokenPipeError, OSError):
         return Execution("failed", "the program stopped answering")
     except CandidateError as err:
@@ -216,11 +223,8 @@ class _Answers:
     def next(self) -> dict:
         while b"\n" not in self.buffer:
             left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise _Stopped("ran out of time")
-            ready, _, _ = select.select([self.stream], [], [], left)
-            if not ready:
-                raise _Stopped("ran out of time")
+            if left <= 0 or not select.select([self.stream], [], [], left)[0]:
+                raise _Stopped("ran out of time", timed_out=True)
             chunk = os.read(self.stream.fileno(), 1 << 16)
             if not chunk:
                 raise _Stopped("stopped answering")

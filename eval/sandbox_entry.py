@@ -134,11 +134,18 @@ def install_guard(work_dir: str) -> None:
     sys.addaudithook(guard)
 
 
-def run(program: str) -> int:
-    verdict = os.fdopen(os.dup(1), "w")
+def _own_stdout():
+    """The original stdout, kept for this runner's own lines; the program's stdout goes to a file of the work
+    directory."""
+    kept = os.fdopen(os.dup(1), "w")
     own_stdout = os.open("stdout.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(own_stdout, 1)
     os.close(own_stdout)
+    return kept
+
+
+def run(program: str) -> int:
+    verdict = _own_stdout()
     try:
         runpy.run_path(program, run_name="__sandboxed__")
     except SystemExit as exit_:
@@ -158,10 +165,7 @@ def serve(program: str, entry_point: str) -> int:
     line on stdin (its encoded arguments), one reply per line on the original stdout ({"ok": result} or
     {"error": why}). The grader runs the tests and judges the answers; nothing written here is a verdict."""
     codec = _load_codec()
-    replies = os.fdopen(os.dup(1), "w")
-    own_stdout = os.open("stdout.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(own_stdout, 1)
-    os.close(own_stdout)
+    replies = _own_stdout()
 
     def reply(**message) -> None:
         replies.write(json.dumps(message) + "\n")

@@ -77,8 +77,9 @@ class LLM:
                    if engine.drafter is not None else ", no drafter")
         graphs = (f"; CUDA graphs captured in {engine.graph_capture_seconds:.1f} s"
                   if engine.graph_capture_seconds is not None else "")
-        return (f"target {self.target_name} on {engine.device} ({name(engine.dtype)}, KV {name(engine.kv_dtype)}{kept}, "
-                f"{engine.backend_name} attention, {engine.num_pages} pages of {engine.pool.page_size}){drafter}{graphs}")
+        pages = f"{engine.num_pages} pages of {engine.pool.page_size}"
+        return (f"target {self.target_name} on {engine.device} ({name(engine.dtype)}, KV {name(engine.kv_dtype)}"
+                f"{kept}, {engine.backend_name} attention, {pages}){drafter}{graphs}")
 
     def encode(self, prompt: Prompt, chat: bool) -> list[int]:
         if not isinstance(prompt, str):

@@ -109,7 +109,8 @@ class EngineConfig:
     tree_nodes: int = _setting(63, "token trees (verify tree / auto): draft nodes per request at small batches")
 
     def __post_init__(self):
-        problems = [problem for setting in fields(self) if (problem := _type_problem(setting, getattr(self, setting.name)))]
+        typed = (_type_problem(setting, getattr(self, setting.name)) for setting in fields(self))
+        problems = [problem for problem in typed if problem]
         if problems:  # the checks below assume the types
             raise ValueError("invalid engine configuration: " + "; ".join(problems))
         if not _valid_device(self.device):

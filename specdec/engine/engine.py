@@ -48,7 +48,7 @@ from specdec.models.kv_precision import calibrated_fp8_errors, full_precision_la
 from specdec.models.loader import LoadedTarget
 from specdec.runtime.cuda_graphs import collector_paused, ladder_sizes
 from specdec.runtime.model_runner import GraphMemory
-from specdec.runtime.target_runner import TREE_GRAPH_MAX_BATCH, PrefillChunks, TargetRunner
+from specdec.runtime.target_runner import TREE_GRAPH_MAX_BATCH, TREE_STEP, PrefillChunks, TargetRunner
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +161,9 @@ class Engine:
             verify = {q: self.runner.replay_seconds(q) for q in policy.lengths}
             if policy.tree:  # a tree step: its verify, its drafting with candidates, building and acceptance
                 tree, drafting = self.decoding.tree, self.drafter.step_seconds(candidates=True)
-                verify[TREE] = {rung: self.runner.tree_seconds(rung) + tree.overhead_seconds(rung)
-                                + drafting.get(rung, 0.0) - draft.get(rung, 0.0)
-                                for rung in ladder_sizes(self.config.max_num_seqs) if rung <= TREE_GRAPH_MAX_BATCH}
+                verify[TREE] = {rung: seconds + tree.overhead_seconds(rung) + drafting.get(rung, 0.0)
+                                      - draft.get(rung, 0.0)
+                                for rung, seconds in self.runner.replay_seconds(TREE_STEP).items()}
             policy.costs = StepCosts(draft, verify)
         log.info("captured CUDA graphs for batch sizes %s in %.1f s (%.0f MiB; %.0f MiB reserved)",
                  ladder_sizes(self.config.max_num_seqs), seconds, self.graph_memory_bytes / 2**20,

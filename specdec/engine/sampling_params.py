@@ -53,8 +53,8 @@ class SamplingParams:
             problems.append(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not _is_real(self.temperature) or not (
                 self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
-            problems.append(f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
-                            f"got {self.temperature!r}")
+            problems.append(f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, "
+                            f"{MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             problems.append(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:

@@ -54,9 +54,9 @@ def read_config(model_dir: Path):
             f"unsupported architecture {config.model_type!r} ({', '.join(config.architectures or [])}) in {model_dir}; "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    bad = [f"{name}={getattr(config, name, None)!r}" for name in SIZE_FIELDS
-           if not (isinstance(getattr(config, name, None), int) and not isinstance(getattr(config, name), bool)
-                   and getattr(config, name) > 0)]
+    sizes = {name: getattr(config, name, None) for name in SIZE_FIELDS}
+    bad = [f"{name}={value!r}" for name, value in sizes.items()
+           if isinstance(value, bool) or not isinstance(value, int) or value <= 0]
     if bad:
         raise ValueError(f"{config_file}: {', '.join(bad)}: each must be a positive integer; fix the config")
     if config.num_attention_heads % config.num_key_value_heads:

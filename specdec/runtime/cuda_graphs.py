@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
 import time
 from collections.abc import Iterator
 from typing import Callable
@@ -53,6 +54,19 @@ def captured_size_for(sizes: tuple[int, ...], graphs: dict, n: int) -> int | Non
     if not graphs:
         return None
     return next((s for s in sizes if s >= n), None)
+
+
+def gpu_seconds(run: Callable[[], object], repeats: int = 5) -> float:
+    """GPU seconds of one `run()` (a graph replay), the median of `repeats`, timed with CUDA events."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
 
 
 def graph_max_pages(num_pages: int, max_batch: int, new_rows_per_request: int, page_size: int) -> int:
@@ -166,20 +180,10 @@ class BatchGraphs:
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    def replay_seconds(self, rung: int, repeats: int = 5) -> float:
-        """GPU seconds of one replay of the graph of `rung` (median of `repeats`; 0 if not captured)."""
+    def replay_seconds(self, rung: int) -> float:
+        """GPU seconds of one replay of the graph of `rung` (0 if not captured)."""
         graph = self.graphs.get(rung)
-        if graph is None:
-            return 0.0
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return sorted(times)[len(times) // 2]
+        return 0.0 if graph is None else gpu_seconds(graph.replay)
 
     def run(self, batch: int) -> tuple[torch.Tensor, ...]:
         """The outputs for the first `batch` rows (a replay of the rung that holds them, else eager)."""

@@ -20,7 +20,6 @@ subclasses.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,7 +28,7 @@ import torch
 from attention import make_backend
 from attention.batch_layout import BatchLayout
 from attention.kv_cache import KVCache
-from specdec.runtime.cuda_graphs import GraphLadder, StaticInputs, graph_max_pages, ladder_sizes
+from specdec.runtime.cuda_graphs import GraphLadder, StaticInputs, gpu_seconds, graph_max_pages, ladder_sizes
 from specdec.runtime.piecewise_graphs import Cut, PiecewiseGraphs, skip_gaps, token_sizes
 
 SLOT_INDEX_BYTES_PER_PAGE = 4  # a graph rung's page-index buffer holds an int32 for every KV page
@@ -139,25 +138,16 @@ class ModelRunner:
         self.ladders[step.key] = ladder
         return seconds
 
-    def replay_seconds(self, key, repeats: int = 5, rungs: tuple[int, ...] | None = None) -> dict[int, float]:
-        """GPU seconds of one replay of step `key`'s graph at each rung (or those of `rungs` it has; median of
-        `repeats`), on the dummy layout it was captured with (its writes go to the scratch page); empty
-        without graphs."""
+    def replay_seconds(self, key) -> dict[int, float]:
+        """GPU seconds of one replay of step `key`'s graph at each rung (`gpu_seconds`), on the dummy layout
+        it was captured with (its writes go to the scratch page); empty without graphs."""
         ladder = self.ladders.get(key)
         if ladder is None:
             return {}
         seconds = {}
-        for rung in (r for r in ladder.sizes if rungs is None or r in rungs):
+        for rung in ladder.sizes:
             self.attn.plan_graph(ladder.slot(rung), ladder.dummy_layout(rung), self.kv.scratch_page)
-            times = []
-            for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                ladder.replay(rung)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            seconds[rung] = statistics.median(times)
+            seconds[rung] = gpu_seconds(lambda: ladder.replay(rung))
         return seconds
 
     def graph_memory(self) -> GraphMemory:

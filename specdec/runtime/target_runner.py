@@ -18,7 +18,6 @@ until the next forward.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Callable
 
@@ -278,32 +277,6 @@ class TargetRunner(ModelRunner):
         features = self.features_out[n:total] if self.features_out is not None else None
         prefill.out = ForwardOutput(logits, features)
         return self._block_output(n)
-
-    def tree_seconds(self, batch: int, repeats: int = 5) -> float:
-        """GPU seconds of a token-tree verify of `batch` requests (`tree_q(batch)` tokens each; median of
-        `repeats`), on padding requests whose K/V go to the scratch page: the tree step's graph where one is
-        captured for that batch, else the mixed token step planned with masks (its host time included)."""
-        captured = self.replay_seconds(TREE_STEP, repeats, rungs=(batch,))
-        if batch in captured:
-            return captured[batch]
-        q = self.tree_q(batch)
-        layout = BatchLayout.dummy(batch, q, q, self.page_size, self.kv.scratch_page, causal=True)
-        masks = torch.ones(q, q, dtype=torch.bool, device=self.device).tril().expand(batch, q, q).contiguous()
-        n = batch * q
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.attn.plan(layout.with_query_masks(masks), write_slots=False)
-            self.stage_token_rows(self.mixed_step, layout)
-            self.mixed.inputs.fill("ids", np.zeros(n, dtype=np.int64))
-            self.mixed.inputs.upload()
-            self.run_tokens(self.mixed_step, n, eager=not self._graphs_usable())
-            self.model.logits(self.mixed.hidden[:n], self.logits_out[:n])
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
 
     def _graphs_usable(self) -> bool:
         """An FP8 cache still calibrating its scales reads them back on the host: not capturable."""
