@@ -2,10 +2,14 @@
 
 A `PagePool` hands out fixed-size pages; a `PageTable` is one sequence's ordered list of pages
 plus its length in tokens. Slot `s` of a sequence lives in page `pages[s // page_size]` at
-offset `s % page_size`. Invariants (tested property-based):
-- a page belongs to at most one table or to the free list, never both;
+offset `s % page_size`. A page is counted by the tables that hold it: a prefix cache
+(`attention/prefix_cache.py`) lets tables share the full pages of a common prefix (`PageTable.adopt`), and
+keeps a page no table holds any more until the pool needs it back. Invariants (tested property-based):
+- a page is free, or held by the tables counted in its reference count, or kept by the prefix cache with
+  no reference, never two of these;
 - a table holds exactly ceil(length / page_size) pages;
-- truncation returns every page that lies wholly past the new length; a partly used last page stays.
+- truncation returns every page that lies wholly past the new length; a partly used last page stays;
+- a shared page is never written: only full pages are shared, and a table writes past its length.
 """
 
 from __future__ import annotations
@@ -31,21 +35,60 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self._free: deque[int] = deque(range(num_pages))
+        self._refs = [0] * num_pages  # tables holding each page
+        self.keeper = None  # a PrefixCache keeping unreferenced pages of cached prefixes (None: no caching)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages a request can take: the free ones and those the prefix cache keeps but nobody holds."""
+        return len(self._free) + (self.keeper.num_evictable if self.keeper is not None else 0)
+
+    @property
+    def num_referenced(self) -> int:
+        """Pages some table holds."""
+        return sum(1 for refs in self._refs if refs)
+
+    def refs(self, page: int) -> int:
+        return self._refs[page]
 
     def pages_for(self, num_tokens: int) -> int:
         return pages_for(num_tokens, self.page_size)
 
     def take(self, count: int) -> list[int]:
+        if count > len(self._free) and self.keeper is not None:
+            self.keeper.evict(count - len(self._free))  # the least recently used cached pages come back
         if count > len(self._free):
             raise OutOfPagesError(f"need {count} free KV pages, only {len(self._free)} of {self.num_pages} left")
-        return [self._free.popleft() for _ in range(count)]
+        pages = [self._free.popleft() for _ in range(count)]
+        for page in pages:
+            self._refs[page] = 1
+        return pages
 
-    def give_back(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+    def share(self, pages) -> None:
+        """One more table holds each of `pages` (cached pages a new sequence starts with)."""
+        for page in pages:
+            if self._refs[page] == 0:
+                self.keeper.reused(self, page)
+            self._refs[page] += 1
+
+    def give_back(self, pages) -> None:
+        """One table fewer holds each of `pages`. The last holder's page goes to the free list, or stays with
+        the prefix cache when it holds cached tokens. Given back last page first, so that a cache evicting
+        least recently used pages drops a prefix's tail before its head."""
+        for page in reversed(pages):
+            refs = self._refs[page] - 1
+            if refs < 0:
+                raise RuntimeError(f"KV page {page} given back more often than it was taken")
+            self._refs[page] = refs
+            if refs == 0:
+                if self.keeper is not None and self.keeper.keeps(self, page):
+                    self.keeper.released(self, page)
+                else:
+                    self._free.append(page)
+
+    def put_free(self, page: int) -> None:
+        """An unreferenced page the prefix cache lets go of."""
+        self._free.append(page)
 
 
 class PageTable:
@@ -68,6 +111,18 @@ class PageTable:
     @property
     def pages(self) -> list[int]:
         return self.array.tolist()
+
+    def adopt(self, pages: list[int], num_tokens: int) -> None:
+        """Start an empty table with shared full pages holding its first `num_tokens` tokens (a cached prefix)."""
+        if self.num_pages or self.length:
+            raise ValueError("only an empty table can adopt cached pages")
+        if num_tokens != len(pages) * self.pool.page_size:
+            raise ValueError(f"{len(pages)} cached pages hold {len(pages) * self.pool.page_size} tokens, not {num_tokens}")
+        self.pool.share(pages)
+        self._ids = np.resize(self._ids, max(len(pages), len(self._ids)))
+        self._ids[:len(pages)] = pages
+        self.num_pages = len(pages)
+        self.length = num_tokens
 
     def can_grow(self, num_tokens: int) -> bool:
         return self.pool.pages_for(self.length + num_tokens) - self.num_pages <= self.pool.num_free

@@ -139,6 +139,20 @@ class DFlashDrafter(ModelRunner, Drafter):
         for request, row, count in zip(requests, rows, counts):
             self.pending[request.request_id] = (row, count)
 
+    @property
+    def context_pool(self) -> PagePool | None:
+        return getattr(self, "pool", None)
+
+    def context_table(self, request: DraftRequest) -> PageTable | None:
+        return self.tables.get(request.request_id)
+
+    def adopt_context(self, request: DraftRequest, pages: list[int], num_tokens: int) -> None:
+        if request.request_id in self.tables:
+            raise ValueError(f"request {request.request_id} already has a drafter context")
+        table = PageTable(self.pool)
+        table.adopt(pages, num_tokens)
+        self.tables[request.request_id] = table
+
     def release(self, request: DraftRequest) -> None:
         table = self.tables.pop(request.request_id, None)
         if table is not None:

@@ -1,7 +1,7 @@
 """Load generator for OpenAI-compatible servers, in the spirit of `vllm bench serve`.
 
     python scripts/bench_serve.py (--base-url URL [--label NAME] | --serve [LABEL=]"SERVER ARGS" ...)
-        [--model NAME] [--dataset math500|code|mixed]
+        [--model NAME] [--dataset math500|code|mixed|multiturn]
         [--concurrency 1,8,32,64 | --request-rate R[,R...] [--max-concurrency C]]
         [--num-prompts N] [--max-tokens 512] [--temperature 0] [--seed 0] [--ignore-eos]
         [--warmup-requests 4] [--warmup-tokens 16] [--request-timeout-s 600] [--time-limit-s 3600]
@@ -21,9 +21,13 @@ rate). Before the first level each server gets --warmup-requests short requests 
 tokens each), not measured.
 
 Prompts (`scripts/bench/chat_prompts.py`): math500 (eval/data, with the eval's instruction), code
-(everyday coding requests, scripts/bench/code_requests.jsonl) or mixed (both, equally). Every server
-and level gets the same prompts in the same seeded order. Each request is one user turn through
+(everyday coding requests, scripts/bench/code_requests.jsonl), mixed (both, equally) or multiturn
+(conversations of 3-5 turns under a shared system prompt, each turn sent with the conversation so far
+once the previous answer arrived; the level's concurrency and --num-prompts count conversations). Every
+server and level gets the same prompts in the same seeded order. Each request is one user turn through
 /v1/chat/completions with the official `openai` client, streamed with usage included, no retries.
+With conversations the report adds TTFT of first and later turns and the share of later turns' prompt
+tokens the server reported cached (`usage.prompt_tokens_details.cached_tokens`).
 
 Measured per request (`scripts/bench/chat_request.py`): TTFT (first content chunk), the gaps between
 content chunks (ITL per chunk; a speculative server sends several tokens per chunk, so ITL per token
@@ -65,7 +69,7 @@ import httpx  # noqa: E402
 from scripts.bench import serving_report  # noqa: E402
 from scripts.bench.acceptance_metrics import acceptance_between, read_acceptance_totals  # noqa: E402
 from scripts.bench.chat_prompts import DATASETS, ChatPrompt, load_prompts, take  # noqa: E402
-from scripts.bench.chat_request import SamplingSettings, send_chat_request  # noqa: E402
+from scripts.bench.chat_request import SamplingSettings, send_chat_request, send_conversation  # noqa: E402
 from scripts.bench.host_environment import environment  # noqa: E402
 from scripts.bench.latency_summary import summarize  # noqa: E402
 from scripts.bench.load_generator import LoadLevel, run_level  # noqa: E402
@@ -223,6 +227,8 @@ async def measure_level(client, http: httpx.AsyncClient, base_url: str, model: s
     def send(index: int, prompt: ChatPrompt):
         # per-request seeds: a sampled answer does not depend on which requests share its batch
         sampling = SamplingSettings(args.max_tokens, args.temperature, args.seed + index, args.ignore_eos)
+        if prompt.follow_ups:  # a conversation: its turns one after the other, one record each
+            return send_conversation(client, model, prompt, sampling, args.request_timeout_s)
         return send_chat_request(client, model, prompt, sampling, args.request_timeout_s)
 
     before = await read_acceptance_totals(http, base_url)
@@ -347,6 +353,9 @@ def main(argv=None) -> int:
     print(serving_report.throughput_table(result))
     print("\n## Latency (mean / median / p90 / p99)\n")
     print(serving_report.latency_table(result))
+    if serving_report.has_turns(result):
+        print("\n## Conversations: first and later turns\n")
+        print(serving_report.turns_table(result))
     extra = serving_report.notes(result)
     if extra:
         print("\n" + "\n".join(extra))

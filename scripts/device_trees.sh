@@ -11,20 +11,10 @@
 # tree steps with the real target: wall vs GPU kernel time at batch 1 and 8).
 set -uo pipefail
 out=${TREES_OUT:-/tmp/trees}
-mkdir -p "$out"
-export SPECDEC_CACHE=${SPECDEC_CACHE:-/tmp/specdec-cache} PYTHONUNBUFFERED=1 SPECDEC_REPORT_DIR=$out
-here=$(pwd)
-target=qwen2.5-coder-1.5b-instruct
-drafter=$here/drafters/checkpoints/qwen2.5-coder-1.5b-dflash-b16
+default_stages="tests math500 load humaneval all-tests"
+source scripts/device_job.sh
+drafter=$(pwd)/drafters/checkpoints/qwen2.5-coder-1.5b-dflash-b16
 limit=${LIMIT:-20}
-stage() { echo "=== $(date +%T) $1"; }
-wanted() { [[ " ${STAGES:-tests math500 load humaneval all-tests} " == *" $1 "* ]]; }
-mkdir -p "$SPECDEC_CACHE/gguf"
-if ls /tmp/xfer/ggufs.tar.part.* > /dev/null 2>&1 && [ ! -e "$SPECDEC_CACHE/gguf/.unpacked" ]; then
-  cat /tmp/xfer/ggufs.tar.part.* | tar xf - -C "$SPECDEC_CACHE/gguf" && touch "$SPECDEC_CACHE/gguf/.unpacked"
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
-python3 -c "from specdec.weights.demo_models import resolve_model; print(resolve_model('$target'))" || exit 1
 if wanted tests; then
   stage "GPU tests of token trees"
   python3 -m pytest -q tests/gpu -k "tree" -s -rA > "$out/gpu-trees.log" 2>&1

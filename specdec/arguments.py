@@ -86,7 +86,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, aliases: dict[str, list[str
     group = p.add_argument_group("engine settings", "one flag per EngineConfig field (specdec/engine/config.py)")
     hints = typing.get_type_hints(EngineConfig)
     for setting in fields(EngineConfig):
-        names = [flag_name(setting), *(aliases or {}).get(setting.name, [])]
+        names = [flag_name(setting), *setting.metadata.get("aliases", ()), *(aliases or {}).get(setting.name, [])]
         group.add_argument(*names, **_flag_options(setting, hints[setting.name]))
 
 

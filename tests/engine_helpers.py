@@ -54,10 +54,22 @@ def failing_at(after: int, error: BaseException):
 
 
 def assert_no_leak(engine):
-    assert engine.pool.num_free == engine.pool.num_pages
+    """Every page of the target's and the drafter's pools is free or kept by the prefix cache, none is held."""
     drafter_pool = getattr(engine.drafter, "pool", None)
-    if drafter_pool is not None:
-        assert drafter_pool.num_free == drafter_pool.num_pages
+    for index, pool in enumerate([engine.pool] + ([drafter_pool] if drafter_pool is not None else [])):
+        assert pool.num_free == pool.num_pages
+        assert pool.num_referenced == 0, "a page is still held"
+        assert_pages_accounted(pool, engine.prefix_cache, index)
+
+
+def assert_pages_accounted(pool, cache, index: int) -> None:
+    """Each page is exactly one of free, held (referenced) or cached and unheld."""
+    free = list(pool._free)
+    cached = cache.cached_pages(index) if cache is not None else set()
+    held = {p for p in range(pool.num_pages) if pool.refs(p)}
+    assert len(free) == len(set(free)), "a page is free twice"
+    assert not set(free) & (cached | held), "a free page is also held or cached"
+    assert len(free) + len(cached | held) == pool.num_pages, "a page was lost"
 
 
 PLANTED = 300.0  # a k_proj bias this large in a few channels, as Qwen2's layer 0 has (~360)

@@ -1,4 +1,5 @@
-"""The prompts of `scripts/bench_serve.py`: one user turn each, sent through /v1/chat/completions.
+"""The prompts of `scripts/bench_serve.py`, sent through /v1/chat/completions: one user turn each, or
+conversations (multiturn).
 
     math500  the 500 MATH-500 problems shipped in eval/data, each with the eval's instruction
              (`eval.problems.user_turn`), so that the server sees what `python -m eval.math500` sends
@@ -6,6 +7,10 @@
              bug in given code, a SQL query, explain and implement, ...), written for this benchmark
     mixed    every code request and as many math500 problems (a seeded choice), so both kinds weigh
              the same
+    multiturn conversations of 3-5 turns under one shared system prompt (system_prompt.txt beside this
+             file): the first turn is a mixed prompt, each later turn a follow-up (`FOLLOW_UPS`) sent with
+             the whole conversation so far once the previous answer has arrived, as chat clients do; what
+             a prefix cache is for
 
 Each dataset is shuffled with the seed; a run of N requests takes the first N of that order, cycling
 when N is larger, so that every server and every load level gets the same requests in the same order.
@@ -19,14 +24,27 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-DATASETS = ("math500", "code", "mixed")
+DATASETS = ("math500", "code", "mixed", "multiturn")
 CODE_REQUESTS = Path(__file__).with_name("code_requests.jsonl")
+SYSTEM_PROMPT = Path(__file__).with_name("system_prompt.txt")
+FOLLOW_UPS = (
+    "Explain the key step of your answer again, in two sentences.",
+    "Check your answer: is there a mistake anywhere? Say where, or say it is right.",
+    "Now give a shorter version of the answer.",
+    "What would change if the input were twice as large?",
+    "Write one test or check that would catch a wrong answer here.",
+    "Give a second, different way to get the same result.",
+    "Which part of this is easiest to get wrong, and why?",
+    "Summarize everything so far in three bullet points.",
+)
 
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    id: str  # "math500/<unique_id>" or "code/<id>"
-    text: str  # the user turn
+    id: str  # "math500/<unique_id>" or "code/<id>" (multiturn: "multiturn/<n>/" and the first turn's id)
+    text: str  # the (first) user turn
+    follow_ups: tuple[str, ...] = ()  # multiturn: the user turns after the first, in order
+    system: str | None = None  # multiturn: the system prompt every conversation shares
 
 
 def math500_prompts() -> list[ChatPrompt]:
@@ -40,16 +58,25 @@ def code_prompts(path: Path = CODE_REQUESTS) -> list[ChatPrompt]:
     return [ChatPrompt(f"code/{row['id']}", row["request"]) for row in rows]
 
 
+def conversations(first_turns: list[ChatPrompt], rng: random.Random) -> list[ChatPrompt]:
+    """Each first turn as a conversation of 3-5 turns under the shared system prompt."""
+    system = SYSTEM_PROMPT.read_text(encoding="utf-8").strip()
+    return [ChatPrompt(f"multiturn/{n}/{p.id}", p.text, tuple(rng.sample(FOLLOW_UPS, rng.randint(2, 4))), system)
+            for n, p in enumerate(first_turns)]
+
+
 def load_prompts(dataset: str, seed: int) -> list[ChatPrompt]:
     """The dataset's prompts in its seeded order."""
     rng = random.Random(seed)
     if dataset == "math500":
         prompts = math500_prompts()
-    elif dataset == "code":
-        prompts = code_prompts()
-    elif dataset == "mixed":
+    elif dataset in ("mixed", "multiturn"):
         code = code_prompts()
         prompts = code + rng.sample(math500_prompts(), len(code))
+        if dataset == "multiturn":
+            prompts = conversations(prompts, rng)
+    elif dataset == "code":
+        prompts = code_prompts()
     else:
         raise ValueError(f"unknown dataset {dataset!r}; known: {', '.join(DATASETS)}")
     rng.shuffle(prompts)

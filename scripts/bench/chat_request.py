@@ -38,6 +38,9 @@ class RequestRecord:
     chunk_gaps_s: list[float] = field(default_factory=list)
     content_chunks: int = 0
     finish_reason: str | None = None
+    turn: int = 0  # a conversation's turns count from 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
+    answer: str = field(default="", repr=False)  # the answer's text: the next turn sends it back (not saved)
 
     @property
     def tpot_s(self) -> float | None:
@@ -58,7 +61,9 @@ class RequestRecord:
         return [gap / tokens_per_chunk for gap in self.chunk_gaps_s]
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "tpot_s": self.tpot_s}
+        fields = asdict(self)
+        del fields["answer"]
+        return {**fields, "tpot_s": self.tpot_s}
 
 
 @dataclass(frozen=True)
@@ -69,8 +74,13 @@ class SamplingSettings:
     ignore_eos: bool = False  # a vLLM extension the specdec server also takes: every answer runs to max_tokens
 
 
-def request_body(model: str, prompt: ChatPrompt, sampling: SamplingSettings) -> dict:
-    body = dict(model=model, messages=[{"role": "user", "content": prompt.text}], max_tokens=sampling.max_tokens,
+def first_messages(prompt: ChatPrompt) -> list[dict]:
+    system = [{"role": "system", "content": prompt.system}] if prompt.system else []
+    return system + [{"role": "user", "content": prompt.text}]
+
+
+def request_body(model: str, messages: list[dict], sampling: SamplingSettings) -> dict:
+    body = dict(model=model, messages=messages, max_tokens=sampling.max_tokens,
                 temperature=sampling.temperature, stream=True, stream_options={"include_usage": True})
     if sampling.temperature > 0 and sampling.seed is not None:
         body["seed"] = sampling.seed
@@ -79,15 +89,31 @@ def request_body(model: str, prompt: ChatPrompt, sampling: SamplingSettings) -> 
     return body
 
 
+async def send_conversation(client, model: str, prompt: ChatPrompt, sampling: SamplingSettings,
+                            timeout_s: float) -> list[RequestRecord]:
+    """Every turn of a conversation in order, each sent with the whole conversation so far once the answer
+    before it has arrived; a failed turn ends the conversation. One record per turn sent."""
+    messages, records = first_messages(prompt), []
+    for turn, follow_up in enumerate((None, *prompt.follow_ups)):
+        if follow_up is not None:
+            messages = messages + [{"role": "assistant", "content": records[-1].answer},
+                                   {"role": "user", "content": follow_up}]
+        records.append(await send_chat_request(client, model, prompt, sampling, timeout_s, messages, turn))
+        if not records[-1].ok:
+            break
+    return records
+
+
 async def send_chat_request(client, model: str, prompt: ChatPrompt, sampling: SamplingSettings,
-                            timeout_s: float) -> RequestRecord:
-    """Stream one answer through `client` (an `openai.AsyncOpenAI`); never raises for a failed request
-    (the record says why), only for cancellation."""
-    record = RequestRecord(prompt.id)
+                            timeout_s: float, messages: list[dict] | None = None, turn: int = 0) -> RequestRecord:
+    """Stream one answer through `client` (an `openai.AsyncOpenAI`) to `messages` (default: the prompt's
+    first turn); never raises for a failed request (the record says why), only for cancellation."""
+    record = RequestRecord(prompt.id, turn=turn)
     start = time.perf_counter()
+    body = request_body(model, messages or first_messages(prompt), sampling)
     try:
         # the client's timeout bounds each read; this bounds the whole answer
-        await asyncio.wait_for(read_stream(client, model, prompt, sampling, record, start), timeout_s)
+        await asyncio.wait_for(read_stream(client, body, record, start), timeout_s)
     except asyncio.TimeoutError:
         record.error = f"no complete answer within {timeout_s:g} s"
     except Exception as err:  # noqa: BLE001 - any failure of one request is a result, not a crash
@@ -100,11 +126,9 @@ async def send_chat_request(client, model: str, prompt: ChatPrompt, sampling: Sa
     return record
 
 
-async def read_stream(client, model: str, prompt: ChatPrompt, sampling: SamplingSettings, record: RequestRecord,
-                      start: float) -> None:
-    last_content = None
-    async with client.chat.completions.with_streaming_response.create(**request_body(model, prompt, sampling)) \
-            as response:
+async def read_stream(client, body: dict, record: RequestRecord, start: float) -> None:
+    last_content, pieces = None, []
+    async with client.chat.completions.with_streaming_response.create(**body) as response:
         async for data in sse_data(response.iter_lines()):
             now = time.perf_counter()
             if data == "[DONE]":
@@ -116,11 +140,14 @@ async def read_stream(client, model: str, prompt: ChatPrompt, sampling: Sampling
             usage = chunk.get("usage")
             if usage:
                 record.prompt_tokens, record.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+                record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             for choice in chunk.get("choices") or ():
                 if choice.get("finish_reason") is not None:
                     record.finish_reason = choice["finish_reason"]
-                if not (choice.get("delta") or {}).get("content"):
+                content = (choice.get("delta") or {}).get("content")
+                if not content:
                     continue
+                pieces.append(content)
                 if last_content is None:
                     record.ttft_s = now - start
                 else:
@@ -128,6 +155,7 @@ async def read_stream(client, model: str, prompt: ChatPrompt, sampling: Sampling
                 record.content_chunks += 1
                 last_content = now
     record.e2e_s = time.perf_counter() - start
+    record.answer = "".join(pieces)
 
 
 class StreamError(RuntimeError):

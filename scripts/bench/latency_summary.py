@@ -7,7 +7,9 @@ defines them:
   successful requests (ITL: over all their chunk gaps pooled; TPOT: requests of at least 2 tokens);
 - ITL per token: chunk gaps divided by their request's tokens per chunk (`RequestRecord.per_token_gaps_s`);
 - tokens per chunk: completion tokens / content chunks over all successful requests (for a speculative
-  server, close to its acceptance length as the client sees it).
+  server, close to its acceptance length as the client sees it);
+- conversations (records of turns after the first): TTFT of first turns and of later turns apart, and
+  the share of later turns' prompt tokens the server reported cached (None where it reports none).
 """
 
 from __future__ import annotations
@@ -53,6 +55,22 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict:
         "itl_per_token_ms": describe_ms([gap for r in done for gap in r.per_token_gaps_s]),
         "e2e_ms": describe_ms([r.e2e_s for r in done]),
         "errors": first_errors(records),
+        **turn_summary(done),
+    }
+
+
+def turn_summary(done: list[RequestRecord]) -> dict:
+    """First against later turns of conversations (nothing for single-turn requests)."""
+    later = [r for r in done if r.turn > 0]
+    if not later:
+        return {}
+    reported = [r for r in later if r.cached_tokens is not None and r.prompt_tokens]
+    return {
+        "ttft_first_turn_ms": describe_ms([r.ttft_s for r in done if r.turn == 0]),
+        "ttft_later_turns_ms": describe_ms([r.ttft_s for r in later]),
+        "later_turns": len(later),
+        "cached_share_later_turns": (sum(r.cached_tokens for r in reported) / sum(r.prompt_tokens for r in reported)
+                                     if reported else None),
     }
 
 

@@ -46,7 +46,7 @@ class LevelRun:
     duration_s: float
 
 
-Send = Callable[[int, ChatPrompt], Awaitable[RequestRecord]]
+Send = Callable[[int, ChatPrompt], Awaitable[RequestRecord | list[RequestRecord]]]  # a list: a conversation's turns
 
 
 async def run_level(send: Send, prompts: list[ChatPrompt], level: LoadLevel, seed: int,
@@ -76,4 +76,6 @@ async def run_level(send: Send, prompts: list[ChatPrompt], level: LoadLevel, see
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-    return LevelRun([t.result() for t in tasks if t in done], len(pending), duration)
+    results = [t.result() for t in tasks if t in done]
+    records = [r for result in results for r in (result if isinstance(result, list) else [result])]
+    return LevelRun(records, len(pending), duration)

@@ -64,6 +64,24 @@ def latency_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def has_turns(result: dict) -> bool:
+    return any("ttft_later_turns_ms" in level["summary"] for server in result["servers"] for level in server["levels"])
+
+
+def turns_table(result: dict) -> str:
+    """Conversations: TTFT of first and later turns, and how much of the later prompts was cached."""
+    lines = ["| level | server | TTFT ms, turn 1 | TTFT ms, turns >= 2 | later turns | cached share of later prompts |",
+             "|---|---|---|---|---|---|"]
+    for label, server, level in rows_by_level(result):
+        s = level["summary"]
+        if "ttft_later_turns_ms" not in s:
+            continue
+        lines.append(f"| {label} | {server['label']} | {spread(s['ttft_first_turn_ms'])} "
+                     f"| {spread(s['ttft_later_turns_ms'])} | {s['later_turns']} "
+                     f"| {fmt(s['cached_share_later_turns'], '.0%')} |")
+    return "\n".join(lines)
+
+
 def notes(result: dict) -> list[str]:
     """Servers that failed, levels skipped, and the errors requests met."""
     lines = []
@@ -91,6 +109,8 @@ def markdown(result: dict) -> str:
              f"GPUs {', '.join(result['environment'].get('gpus') or []) or 'none'}\n",
              "## Throughput\n", throughput_table(result),
              "\n## Latency (mean / median / p90 / p99)\n", latency_table(result)]
+    if has_turns(result):
+        parts += ["\n## Conversations: first and later turns\n", turns_table(result)]
     extra = notes(result)
     if extra:
         parts += ["\n## Notes\n", "\n".join(extra)]

@@ -107,6 +107,11 @@ class EngineConfig:
     # a token tree's draft nodes per request at small batches; fewer as the batch grows, since a step
     # verifies at most max(max_num_seqs x block_size, tree_nodes + 1) tokens
     tree_nodes: int = _setting(63, "token trees (verify tree / auto): draft nodes per request at small batches")
+    # full pages of committed tokens (the target's KV and the drafter's context) are kept and shared by later
+    # requests that start with the same tokens (attention/prefix_cache.py)
+    enable_prefix_caching: bool = _setting(True, "reuse the KV (and drafter context) of cached prompt prefixes "
+                                                 "(--no-prefix-caching: prefill every prompt in full)",
+                                           aliases=("--prefix-caching",))
 
     def __post_init__(self):
         typed = (_type_problem(setting, getattr(self, setting.name)) for setting in fields(self))

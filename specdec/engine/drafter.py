@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from attention.page_pool import PagePool, PageTable
 from specdec.runtime.model_runner import GraphMemory
 
 
@@ -105,6 +106,22 @@ class Drafter(ABC):
     def extend(self, requests: list[DraftRequest], features: torch.Tensor, rows: list[int], counts: list[int]) -> None:
         """Positions were committed: request i's newly committed positions (anchor and accepted
         drafts) have the target features features[rows[i] : rows[i] + counts[i]]."""
+
+    @property
+    def context_pool(self) -> PagePool | None:
+        """The pool of the drafter's paged context cache, once allocated (None for drafters without one). A
+        prefix cache keeps its pages beside the target's: a position's context is a function of the
+        target's features there, so a cached prefix's context is as exact as its KV."""
+        return None
+
+    def context_table(self, request: DraftRequest) -> PageTable | None:
+        """The request's context cache: positions 0 .. length - 1 hold written context (None if none yet)."""
+        return None
+
+    def adopt_context(self, request: DraftRequest, pages: list[int], num_tokens: int) -> None:
+        """The request's context starts with cached full pages holding positions 0 .. num_tokens - 1; its
+        `add_context` goes on from there."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no context cache to adopt pages into")
 
     @abstractmethod
     def release(self, request: DraftRequest) -> None:

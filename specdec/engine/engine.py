@@ -31,6 +31,7 @@ import torch
 from attention import resolve_backend_name
 from attention.kv_cache import FP8_DTYPE, KVCache, layer_dtypes
 from attention.page_pool import PagePool, PageTable
+from attention.prefix_cache import PrefixCache
 from attention.transfer import upload
 from specdec.engine.config import EngineConfig, full_precision_layer_list
 from specdec.engine.decoding import DecodePhase, PlainDecoding
@@ -125,10 +126,15 @@ class Engine:
                 TreeDecoding(self.runner, drafter) if trees else None)
         else:
             self.decoding = PlainDecoding(self.runner)
+        # one entry per cached page: the target's KV page and, when the drafter keeps a context cache, its page
+        context_pool = drafter.context_pool if drafter is not None else None
+        self.prefix_cache = PrefixCache([self.pool] + ([context_pool] if context_pool is not None else [])) \
+            if config.enable_prefix_caching else None
         # overlapped steps: plain decoding only (a speculative step's plans need the previous acceptance)
         self.overlap = config.overlap_steps and drafter is None
         self.flight: Flight | None = None  # the launched step whose tokens are not committed yet
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, lookahead)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, lookahead,
+                                   self.prefix_cache)
         self.limits = RequestLimits(self.max_context, mc.vocab_size, self.num_pages, config.page_size, lookahead)
         self._next_id = 0
         self.graph_capture_seconds: float | None = None
@@ -277,6 +283,7 @@ class Engine:
         if self.drafter is not None:
             for request in plan.preempted:
                 self.drafter.release(request)
+            self._adopt_cached_context(plan.admitted)
         if plan.empty and self.scheduler.waiting and self.flight is None:
             raise RuntimeError("scheduler stalled with waiting requests and nothing to run")
         out = StepOutput(preempted=plan.preempted)
@@ -291,6 +298,8 @@ class Engine:
             self._decode(plan.decode, commit, plan.prefill)
         elif plan.prefill:
             self._prefill(plan.prefill, commit)
+        if self.prefix_cache is not None:
+            self._cache_committed_pages(self.scheduler.running)
         out.finished = self._retire()
         return out
 
@@ -350,11 +359,41 @@ class Engine:
         if request.params.stop:
             request.use_detokenizer(self.tokenizer)
 
+    # ---- the prefix cache ----------------------------------------------------------------------
+    def _adopt_cached_context(self, admitted: list[Request]) -> None:
+        """The drafter's context cache starts with the cached pages the scheduler found for the target's."""
+        if self.prefix_cache is None or len(self.prefix_cache.pools) < 2:
+            return
+        for request in admitted:
+            if request.prefix_chain:
+                self.drafter.adopt_context(request, self.prefix_cache.pool_pages(request.prefix_chain, 1),
+                                           request.num_cached)
+
+    def _cache_committed_pages(self, requests: list[Request]) -> None:
+        """Every full page of committed tokens whose K/V (and drafter context) are written enters the
+        prefix cache, once per request. A token in flight is not known yet: only committed ones count."""
+        cache, ps = self.prefix_cache, self.config.page_size
+        with_context = len(cache.pools) > 1
+        for request in requests:
+            if request.finish_reason == "error":  # a failed request's cache rows are not trusted
+                continue
+            known = min(request.num_cached, len(request.prompt_ids) + len(request.output_ids))
+            context = self.drafter.context_table(request) if with_context else None
+            if with_context:
+                known = min(known, context.length if context is not None else 0)
+            chain = request.prefix_chain
+            for page in range(len(chain), known // ps):
+                pages = (int(request.target_pages.array[page]),) + (
+                    (int(context.array[page]),) if with_context else ())
+                chain.append(cache.insert(chain[-1] if chain else None,
+                                          tuple(request.token_slice(page * ps, (page + 1) * ps)), pages))
+
     def _retire(self) -> list[Request]:
         done = [r for r in self.scheduler.running if r.finished]
         for request in done:
             # out of the running set first: a failure below must not release a request twice
             self.scheduler.running.remove(request)
+            request.prefix_chain = []
             request.target_pages.free()
             if self.drafter is not None:
                 self.drafter.release(request)

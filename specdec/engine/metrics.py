@@ -26,6 +26,7 @@ class RequestStats:
     verify_lengths: list[int] = field(default_factory=list)  # tokens verified per verify step (anchor included)
     block_size: int = 0  # 0 = no drafter
     preemptions: int = 0  # times the request gave its KV pages back and was recomputed later
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission (not prefilled)
 
     @property
     def verify_steps(self) -> int:
@@ -53,6 +54,7 @@ class RequestStats:
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens or 0,
             "generated_tokens": self.generated_tokens,
             "ttft_s": self.ttft,
             "tpot_s": self.tpot,

@@ -50,6 +50,8 @@ class Request:
     max_total_tokens: int | None = None  # the model's context: prompt + output never exceed it
     in_flight: int = 0  # overlapped steps: tokens sampled on the device, not yet committed (1 between steps)
     flight_row: int = -1  # where that token sits in its step's device tokens
+    # the prefix cache's entries for the request's first full pages (adopted or cached by it), in order
+    prefix_chain: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         self.stats.prompt_tokens = len(self.prompt_ids)

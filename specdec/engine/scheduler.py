@@ -8,7 +8,10 @@ as fit. Each step is planned oldest request first (first come, first served):
     prefilling request  gets a chunk of its prefill, at most `max_prefill_tokens` per step over all
                         requests, so a long prompt never stalls the decoding of the others
     waiting request     is admitted while the budget, `max_num_seqs` and the free pages allow; the
-                        queue is first in, first out, so nothing is overtaken for ever
+                        queue is first in, first out, so nothing is overtaken for ever. With a prefix
+                        cache it starts with the cached full pages its prefill begins with (shared, not
+                        recomputed) and prefills only the rest; its last prefill token always runs, for
+                        the logits of its first token
 
 When the pool cannot hold what a request needs, the newest running request is preempted: its pages
 (target's now, the drafter's when the engine gets the plan) go back and it returns to the front of the queue, keeping its output; on
@@ -23,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from attention.page_pool import PagePool
+from attention.prefix_cache import PrefixCache
 from specdec.engine.request import Request, Status
 
 
@@ -31,6 +35,7 @@ class StepPlan:
     decode: list[Request] = field(default_factory=list)  # each decodes one step (`lookahead` slots)
     prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens of its prefill this step)
     preempted: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # joined the running set in this step
 
     @property
     def empty(self) -> bool:
@@ -38,8 +43,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_num_seqs: int, max_prefill_tokens: int, lookahead: int):
+    def __init__(self, pool: PagePool, max_num_seqs: int, max_prefill_tokens: int, lookahead: int,
+                 prefix_cache: PrefixCache | None = None):
         self.pool = pool
+        self.prefix_cache = prefix_cache  # its first pool is `pool`
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.lookahead = lookahead  # slots a decode step may write past the committed length
@@ -110,16 +117,35 @@ class Scheduler:
             request = self.waiting[0]
             if request.in_flight:  # preempted with a token on its way back: it recomputes once that has landed
                 break
-            whole = self.pool.pages_for(request.prefill_len + self.lookahead)
-            if whole > self.pool.num_free - planned:
+            hit = self._cached_prefix(request)
+            # new pages, plus the cached ones nobody holds: adopting those takes them out of the free count
+            whole = self.pool.pages_for(request.prefill_len + self.lookahead) - len(hit)
+            if whole + (self.prefix_cache.evictable_among(hit) if hit else 0) > self.pool.num_free - planned:
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
-            tokens = min(request.prefill_len, budget)
+            plan.admitted.append(request)
+            if self.prefix_cache is not None:
+                self._adopt(request, hit)
+            tokens = min(request.prefill_len - request.num_cached, budget)
             plan.prefill.append((request, tokens))
             planned += whole  # held back from later admissions in this step, though only a chunk runs now
             budget -= tokens
+
+    def _cached_prefix(self, request: Request) -> list:
+        """The cached full pages the request's prefill starts with, short of its last token."""
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.match(request.token_slice(0, request.prefill_len - 1))
+
+    def _adopt(self, request: Request, hit: list) -> None:
+        cache = self.prefix_cache
+        request.prefix_chain = list(hit)
+        request.target_pages.adopt(cache.pool_pages(hit, 0), len(hit) * cache.page_size)
+        if request.stats.cached_tokens is None:  # counted at a request's first admission, not after preemptions
+            request.stats.cached_tokens = request.num_cached
+            cache.record_lookup(request.prefill_len, request.num_cached)
 
     def _growth(self, request: Request, tokens: int) -> int:
         """New pages `request` needs to hold `tokens` more slots."""
@@ -133,6 +159,7 @@ class Scheduler:
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)
         request.target_pages.free()  # the engine releases the drafter's pages when it gets the plan
+        request.prefix_chain = []
         request.status = Status.WAITING
         request.stats.preemptions += 1
         self.num_preemptions += 1

@@ -40,6 +40,7 @@ class RequestOutput:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0  # tokens so far
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (not prefilled)
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ class EngineLoop:
     def _output(self, live: _Live, out: RequestOutput) -> tuple[int, RequestOutput]:
         live.tokens_sent += len(out.token_ids)
         out.prompt_tokens, out.completion_tokens = len(live.request.prompt_ids), live.tokens_sent
+        out.cached_tokens = live.request.stats.cached_tokens or 0
         return live.sid, out
 
 

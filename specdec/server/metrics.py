@@ -41,6 +41,13 @@ class ServerMetrics:
         self.kv_pages_in_use = Gauge("specdec_kv_pages_in_use", "KV pages held by requests", ["cache"],
                                      registry=registry)
         self.kv_pages_total = Gauge("specdec_kv_pages_total", "KV pages in the pool", ["cache"], registry=registry)
+        # prefix cache hit rate = hits / queries: prompt tokens of finished requests that were admitted
+        self.prefix_queries = Counter("specdec_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=registry)
+        self.prefix_hits = Counter("specdec_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   registry=registry)
+        self.prefix_cached_pages = Gauge("specdec_prefix_cache_pages", "Pages the prefix cache holds an entry for",
+                                         registry=registry)
         self.waiting = Gauge("specdec_requests_waiting", "Requests queued (preempted ones included)",
                              registry=registry)
         self.running = Gauge("specdec_requests_running", "Requests in the running batch", registry=registry)
@@ -58,6 +65,9 @@ class ServerMetrics:
             self.kv_pages_in_use.labels(name).set(pool.num_pages - pool.num_free)
         self.waiting.set(len(engine.scheduler.waiting))
         self.running.set(len(engine.scheduler.running))
+        cache = engine.prefix_cache
+        if cache is not None:
+            self.prefix_cached_pages.set(cache.num_cached)
 
     # ---- called by the engine loop after each step and request -----------------------------------
     def on_step(self, engine: Engine, out: StepOutput, seconds: float) -> None:
@@ -74,6 +84,9 @@ class ServerMetrics:
         stats = request.stats
         self.requests.labels(request.finish_reason or "unknown").inc()
         self.prompt_tokens.inc(stats.prompt_tokens)
+        if stats.cached_tokens is not None:  # looked up at admission (a prefix cache is on)
+            self.prefix_queries.inc(stats.prompt_tokens)
+            self.prefix_hits.inc(stats.cached_tokens)
         if stats.ttft is not None:
             self.ttft.observe(stats.ttft)
         if stats.tpot is not None:

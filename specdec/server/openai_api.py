@@ -209,7 +209,7 @@ async def stream_events(outputs, shape: ResponseShape, include_usage: bool):
             if out.finished:
                 final = out
         if final is not None and include_usage:
-            yield sse(shape.usage_chunk(usage(final.prompt_tokens, final.completion_tokens)))
+            yield sse(shape.usage_chunk(usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens)))
         yield "data: [DONE]\n\n"
     finally:
         await outputs.aclose()
@@ -243,7 +243,7 @@ async def whole_answer(request: Request, outputs, shape: ResponseShape):
     if final.finish_reason in ("error", "abort"):
         return JSONResponse(error_body(final.error or "the request was aborted", "internal_server_error"),
                             status_code=500 if final.finish_reason == "error" else 503)
-    return shape.whole(text, final.finish_reason, usage(final.prompt_tokens, final.completion_tokens))
+    return shape.whole(text, final.finish_reason, usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens))
 
 
 async def wait_for_disconnect(request: Request) -> None:

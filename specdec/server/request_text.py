@@ -52,6 +52,6 @@ class RequestText:
             mirror.finish(out.finish_reason, out.error)
         if not mirror.finished:
             return RequestOutput(self.stream.take(), tokens, prompt_tokens=out.prompt_tokens,
-                                 completion_tokens=len(mirror.output_ids))
+                                 completion_tokens=len(mirror.output_ids), cached_tokens=out.cached_tokens)
         return RequestOutput(self.stream.take(final_text(self.tokenizer, mirror)), tokens, True, mirror.finish_reason,
-                             mirror.error, out.prompt_tokens, len(mirror.output_ids))
+                             mirror.error, out.prompt_tokens, len(mirror.output_ids), out.cached_tokens)

@@ -27,6 +27,7 @@ ACCEPTANCE_STEPS = (3.0, 1.0)  # observed per answer: the acceptance length mean
 STALL_MARKER = "__stall__"  # a prompt holding this gets no answer for STALL_S
 STALL_S = 5.0
 FAIL_MARKER = "__fail__"  # a prompt holding this gets an error event after its first chunk
+CACHED_TOKENS = 5  # what the usage says was cached, for a request that continues a conversation
 
 
 # ---- the stand-in server ---------------------------------------------------------------------------
@@ -35,6 +36,7 @@ def stand_in_app() -> FastAPI:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 
     app = FastAPI()
+    app.state.conversations = []  # the messages of every request that continued a conversation
     registry = CollectorRegistry()
     acceptance = Histogram("specdec_acceptance_length", "tokens per verify step", buckets=(1, 2, 3, 4),
                            registry=registry)
@@ -62,6 +64,8 @@ def stand_in_app() -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await request.json()
+        if len(body["messages"]) > 2:
+            app.state.conversations.append(body["messages"])
         if body.get("model") != MODEL:
             return error(404, f"the model {body.get('model')!r} does not exist")
         if body.get("temperature", 1.0) > 1.5:
@@ -82,8 +86,10 @@ def stand_in_app() -> FastAPI:
             for length in ACCEPTANCE_STEPS:
                 acceptance.observe(length)
             if (body.get("stream_options") or {}).get("include_usage"):
+                cached = CACHED_TOKENS if len(body["messages"]) > 2 else 0
                 yield chunk(choices=[], usage={"prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS,
-                                               "total_tokens": PROMPT_TOKENS + COMPLETION_TOKENS})
+                                               "total_tokens": PROMPT_TOKENS + COMPLETION_TOKENS,
+                                               "prompt_tokens_details": {"cached_tokens": cached}})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -344,6 +350,38 @@ def test_concurrency_levels_end_to_end(stand_in, tmp_path, capsys):
     assert "| C=4 | stand-in | 6 | 0 | 0 |" in markdown and "2.00 |" in markdown
     printed = capsys.readouterr().out
     assert "## Throughput" in printed and "| C=1 | stand-in |" in printed
+
+
+def test_conversations_send_each_turn_after_the_answer_before_it(tmp_path):
+    """multiturn: every later turn resends the system prompt, the earlier turns and their answers; the report
+    gives first and later turns' TTFT and the cached share the server reported."""
+    with ThreadedStandIn() as server:
+        out = tmp_path / "turns.json"
+        status = run_bench("--base-url", server.base_url, "--dataset", "multiturn", "--concurrency", "2",
+                           "--num-prompts", "3", "--warmup-requests", "0", "--time-limit-s", "60", "--output", str(out))
+        seen = server.server.config.app.state.conversations
+    assert status == 0
+    (level,) = json.loads(out.read_text())["servers"][0]["levels"]
+    records, s = level["requests"], level["summary"]
+    turns = [r["turn"] for r in records]
+    assert turns.count(0) == 3 and 3 * 3 <= len(records) <= 3 * 5 and s["later_turns"] == len(records) - 3
+    assert s["cached_share_later_turns"] == pytest.approx(CACHED_TOKENS / PROMPT_TOKENS)
+    assert s["ttft_later_turns_ms"]["mean"] > 0 and "answer" not in records[0]
+    assert len(seen) == len(records) - 3
+    for messages in seen:
+        assert messages[0]["role"] == "system" and len(messages) % 2 == 0 and len(messages) >= 4
+        assert [m["role"] for m in messages[1:]] == ["user", "assistant"] * ((len(messages) - 2) // 2) + ["user"]
+        assert all(m["content"] == "".join(CHUNKS) for m in messages if m["role"] == "assistant")
+    assert "Conversations: first and later turns" in out.with_suffix(".md").read_text()
+
+
+def test_multiturn_prompts_share_one_system_prompt():
+    from scripts.bench.chat_prompts import load_prompts
+
+    conversations = load_prompts("multiturn", 0)
+    assert len({c.system for c in conversations}) == 1 and len(conversations[0].system) > 1000
+    assert all(2 <= len(c.follow_ups) <= 4 and c.text for c in conversations)
+    assert [c.id for c in conversations] == [c.id for c in load_prompts("multiturn", 0)]
 
 
 def test_request_rate_level_with_a_cap(stand_in, tmp_path):

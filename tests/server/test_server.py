@@ -19,6 +19,7 @@ import pytest
 from transformers import AutoConfig
 
 from specdec import LLM, SamplingParams
+from specdec.engine.prompts import encode_chat
 from specdec.engine.request import Request
 from specdec.server.async_engine import ThreadedEngine
 from specdec.server.openai_api import build_app
@@ -177,6 +178,34 @@ def finished_count(server, reason: str) -> float:
         if line.startswith(f'specdec_requests_total{{finish_reason="{reason}"}}'):
             return float(line.split()[-1])
     return 0.0
+
+
+def metric_value(server, name: str) -> float:
+    for line in httpx.get(f"{server.base_url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+def test_a_second_turn_reports_its_cached_prompt_tokens(server, client, reference):
+    """A conversation's second turn resends the first: its answer equals the library's, its usage says how
+    many prompt tokens came from the prefix cache, and /metrics counts the hits."""
+    system = {"role": "system", "content": "You answer briefly. " * 6}
+    hits_before = metric_value(server, "specdec_prefix_cache_hits_total")
+    first = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "Hi"}],
+                                           max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages = [system, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And then?"}]
+    second = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    cached = second[-1].usage.prompt_tokens_details.cached_tokens
+    assert cached >= 4 * 20 and cached % 4 == 0 and cached < second[-1].usage.prompt_tokens
+    want, _, _ = library_text(reference, encode_chat(reference.tokenizer, messages), False, max_new_tokens=8)
+    assert "".join(c.choices[0].delta.content or "" for c in second if c.choices) == want
+    assert metric_value(server, "specdec_prefix_cache_hits_total") >= hits_before + cached
+    assert_pools_full(server)
 
 
 def test_models_health_and_metrics(server, client):

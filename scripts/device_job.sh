@@ -1,0 +1,14 @@
+# Sourced by the device job scripts (device_trees.sh, device_prefix_cache.sh) after they set `out` and the
+# default STAGES: the cache and report directories, the carried GGUFs unpacked once (one tar in pieces in
+# /tmp/xfer, ggufs.tar.part.*), the device recorded, the demo target converted; `stage` and `wanted`.
+mkdir -p "$out"
+export SPECDEC_CACHE=${SPECDEC_CACHE:-/tmp/specdec-cache} PYTHONUNBUFFERED=1 SPECDEC_REPORT_DIR=$out
+target=qwen2.5-coder-1.5b-instruct
+stage() { echo "=== $(date +%T) $1"; }
+wanted() { [[ " ${STAGES:-$default_stages} " == *" $1 "* ]]; }
+mkdir -p "$SPECDEC_CACHE/gguf"
+if ls /tmp/xfer/ggufs.tar.part.* > /dev/null 2>&1 && [ ! -e "$SPECDEC_CACHE/gguf/.unpacked" ]; then
+  cat /tmp/xfer/ggufs.tar.part.* | tar xf - -C "$SPECDEC_CACHE/gguf" && touch "$SPECDEC_CACHE/gguf/.unpacked"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+python3 -c "from specdec.weights.demo_models import resolve_model; print(resolve_model('$target'))" || exit 1
