@@ -28,6 +28,7 @@ from attention.batch_layout import BatchLayout, slots_on_device
 from attention.page_pool import PagePool, PageTable
 from drafters.dflash_model import DFlashDraftModel
 from specdec.engine.drafter import DraftContext, Drafter, DraftRequest
+from specdec.models.logprobs import log_normalizer
 from specdec.runtime.cuda_graphs import StaticInputs
 from specdec.runtime.model_runner import FixedStep, ModelRunner, TokenStep
 from specdec.runtime.piecewise_graphs import Cut
@@ -257,12 +258,4 @@ class DFlashDrafter(ModelRunner, Drafter):
         for layer, layer_kv in zip(m.layers, self.kv.layers):
             x, residual = layer(x, residual, self._block_attention(ctx, ctx_rope, blk_rope, layer_kv))
         return x + residual
-
-
-def log_normalizer(logits: torch.Tensor) -> torch.Tensor:
-    """logsumexp over the last dimension in fp32 [..., 1], with one temporary of the logits' own size and
-    dtype (not an fp32 copy of them: a batch's block logits are hundreds of MiB)."""
-    top = logits.amax(dim=-1, keepdim=True)
-    shifted = logits - top
-    return top.float() + shifted.exp_().sum(dim=-1, keepdim=True, dtype=torch.float32).log()
 

@@ -16,6 +16,7 @@ from specdec.engine.config import EngineConfig
 from specdec.engine.drafter import Drafter
 from specdec.engine.engine import Engine
 from specdec.engine.metrics import RequestStats, Summary, summarize
+from specdec.engine.logprobs import TokenLogprob
 from specdec.engine.prompts import Prompt, encode_chat, prompt_list, token_ids
 from specdec.engine.request import Request
 from specdec.engine.sampling_params import SamplingParams
@@ -33,6 +34,8 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "error" | "abort" (the call was interrupted)
     stats: RequestStats
     error: str | None = None
+    # with SamplingParams.logprobs: the target's log-probability of each generated token and its alternatives
+    logprobs: list[TokenLogprob] | None = None
 
 
 class LLM:
@@ -157,4 +160,5 @@ class LLM:
 
     def _result(self, prompt: Prompt, request: Request) -> GenerationResult:
         return GenerationResult(prompt, request.prompt_ids, list(request.output_ids),
-                                final_text(self.tokenizer, request), request.finish_reason, request.stats, request.error)
+                                final_text(self.tokenizer, request), request.finish_reason, request.stats, request.error,
+                                request.output_logprobs)

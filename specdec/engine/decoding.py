@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from specdec.engine.logprobs import LogprobRows, TokenLogprob
 from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
 from specdec.runtime.target_runner import Carried, PrefillChunks, TargetRunner
@@ -23,6 +24,7 @@ from specdec.runtime.target_runner import Carried, PrefillChunks, TargetRunner
 
 class DecodePhase(Protocol):
     tokens_per_step: int  # the most tokens one request can commit in a step
+    logprobs: list[list[TokenLogprob] | None] | None  # the last step's, per request (None: nobody asked)
 
     def step(self, running: list[Request], prefill: PrefillChunks | None = None) -> list[list[int]]:
         """One forward of the target for every running request (and `prefill`'s prompt chunks, whose
@@ -34,37 +36,48 @@ class PlainDecoding:
 
     def __init__(self, runner: TargetRunner):
         self.runner = runner
+        self.logprobs = None
 
     @torch.no_grad()
     def step(self, running: list[Request], prefill: PrefillChunks | None = None) -> list[list[int]]:
         out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], None, 1,
                                      prefill)
-        return to_host(sample_block(out, running, 1)[:, None], prefill)
+        tokens = sample_block(out, running, 1)
+        rows = LogprobRows.start(out.logits, tokens, running, 1)
+        host = to_host(tokens[:, None], prefill)
+        self.logprobs = rows.read(host) if rows is not None else None
+        return host
 
     @torch.no_grad()
-    def launch(self, running: list[Request], prefill: PrefillChunks | None, carried: Carried | None) -> "Launched":
+    def launch(self, running: list[Request], prefill: PrefillChunks | None, carried: Carried | None,
+               starting: list[Request] = ()) -> "Launched":
         """The same step without waiting for its tokens (overlapped steps): they stay on the device, where
         the next step can read them (`carried`: this step's first tokens that are still there), and are
-        on their way to the host, where `Launched.tokens` reads them."""
-        parts = []
+        on their way to the host, where `Launched.tokens` reads them. `starting`: the requests whose first
+        tokens the prefill samples (their logprobs, when asked)."""
+        parts, logprobs = [], [None, None]
         if running:
             out = self.runner.run_block([r.target_pages for r in running],
                                         [0 if r.in_flight else r.pending_token for r in running], None, 1, prefill,
                                         carried)
             parts.append(sample_block(out, running, 1).view(-1).long())
+            logprobs[0] = LogprobRows.start(out.logits, parts[-1], running, 1)
         else:
             self.runner.run_prefill(prefill)
         if prefill is not None and prefill.sample_first is not None:
             parts.append(prefill.sample_first(prefill.out.logits).view(-1).long())
-        return Launched(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.runner.device))
+            logprobs[1] = LogprobRows.start(prefill.out.logits, parts[-1], starting, 1)
+        return Launched(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.runner.device),
+                        tuple(logprobs))
 
 
 class Launched:
     """A step's sampled tokens on the device (a tensor of their own: the next step overwrites the static
     buffers) and their copy on its way to pinned host memory, started as soon as the step's work is queued."""
 
-    def __init__(self, on_device: torch.Tensor):
+    def __init__(self, on_device: torch.Tensor, logprobs: tuple[LogprobRows | None, LogprobRows | None] = (None, None)):
         self.on_device = on_device
+        self.logprobs = logprobs  # of the running requests' rows, and of the first tokens' (None: nobody asked)
         cuda = on_device.device.type == "cuda"
         self._host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=cuda)
         self._host.copy_(on_device, non_blocking=cuda)

@@ -37,6 +37,7 @@ from specdec.engine.config import EngineConfig, full_precision_layer_list
 from specdec.engine.decoding import DecodePhase, PlainDecoding
 from specdec.engine.drafter import DraftContext
 from specdec.engine.flight import Flight
+from specdec.engine.logprobs import LogprobRows, TokenLogprob, wants_logprobs
 from specdec.engine.request import Request
 from specdec.engine.request_limits import RequestLimits
 from specdec.engine.sampler import make_generator, sample_batch
@@ -399,11 +400,13 @@ class Engine:
                 self.drafter.release(request)
         return done
 
-    def commit(self, request: Request, tokens: list[int], on_commit: OnCommit) -> int:
-        """Commit tokens in order until one finishes the request; returns how many were taken. A failure
-        of this request alone (its stop strings, its detokenizer) fails only this request."""
+    def commit(self, request: Request, tokens: list[int], on_commit: OnCommit,
+               logprobs: list[TokenLogprob] | None = None) -> int:
+        """Commit tokens (with their logprobs, when the request asked) in order until one finishes the request;
+        returns how many were taken. A failure of this request alone (its stop strings, its detokenizer) fails
+        only this request."""
         try:
-            taken = request.commit_many(tokens)
+            taken = request.commit_many(tokens, logprobs)
         except Exception as err:  # noqa: BLE001 - contained to the request; logged with its traceback
             log.exception("request %s failed while committing tokens", request.request_id)
             request.finish("error", f"request {request.request_id} failed: {type(err).__name__}: {err}")
@@ -454,8 +457,13 @@ class Engine:
                 request.stats.block_size = self.drafter.block_size
             self.drafter.add_context(requests, prefill.out.features, prefill.lens)
         if starting:
-            for request, token in zip(starting, prefill.first_tokens):
-                self.commit(request, [token], on_commit)
+            tokens = prefill.first_tokens
+            logprobs = [None] * len(starting)
+            if wants_logprobs(starting):  # the first token's, from the prefill's last row
+                rows = LogprobRows.start(prefill.out.logits, self.ids_tensor(tokens), starting, 1)
+                logprobs = rows.read([[t] for t in tokens])
+            for request, token, logprob in zip(starting, tokens, logprobs):
+                self.commit(request, [token], on_commit, logprob)
 
     def _capture_graphs_if_due(self) -> None:
         """Graphs not captured at start-up (FP8 scales calibrated by the first prefill) before the first decode."""
@@ -472,7 +480,8 @@ class Engine:
             launched = Flight.launch(self.decoding, running, prefill, starting, self.flight, self.device)
         previous, self.flight = self.flight, launched
         if previous is not None:
-            previous.land(lambda request, token: self.commit(request, [token], on_commit))
+            previous.land(lambda request, token, logprob: self.commit(
+                request, [token], on_commit, [logprob] if logprob is not None else None))
             self.scheduler.drop_finished_waiting()  # a request preempted with a token in flight may have ended
 
     def _decode(self, running: list[Request], on_commit: OnCommit,
@@ -481,10 +490,11 @@ class Engine:
         self._capture_graphs_if_due()
         prefill, starting = self._prefill_chunks(chunks) if chunks else (None, [])
         tokens = self.decoding.step(running, prefill)
+        logprobs = self.decoding.logprobs or [None] * len(running)
         if prefill is not None:  # arrivals first, as in a step that prefills alone
             self._prefilled(chunks, prefill, starting, on_commit)
-        for request, committed in zip(running, tokens):
-            taken = self.commit(request, committed, on_commit)
+        for request, committed, logprob in zip(running, tokens, logprobs):
+            taken = self.commit(request, committed, on_commit, logprob)
             # acceptance length: what the step committed (0: the request failed alone while committing)
             if self.drafter is not None and taken:
                 request.stats.acceptance_lengths.append(taken)

@@ -23,6 +23,7 @@ import torch
 
 from attention.transfer import upload
 from specdec.engine.decoding import Launched, PlainDecoding
+from specdec.engine.logprobs import TokenLogprob
 from specdec.engine.request import Request
 from specdec.runtime.target_runner import Carried, PrefillChunks
 
@@ -37,7 +38,7 @@ class Flight:
     def launch(cls, decoding: PlainDecoding, running: list[Request], prefill: PrefillChunks | None,
                starting: list[Request], previous: Flight | None, device: torch.device) -> Flight:
         carried = previous.carried(running, device) if previous is not None else None
-        launched = decoding.launch(running, prefill, carried)
+        launched = decoding.launch(running, prefill, carried, starting)
         for row, request in enumerate([*running, *starting]):
             request.in_flight += 1
             request.flight_row = row
@@ -56,15 +57,20 @@ class Flight:
         targets, sources = index.split(len(rows))
         return Carried(targets, self.launched.on_device[sources])
 
-    def land(self, commit: Callable[[Request, int], None]) -> None:
-        """Wait for the step's tokens and commit each to its request (first tokens of arrivals first, as
-        a step that runs to the end commits them); a request finished meanwhile takes none."""
+    def land(self, commit: Callable[[Request, int, TokenLogprob | None], None]) -> None:
+        """Wait for the step's tokens and commit each to its request with its logprob, when asked (first
+        tokens of arrivals first, as a step that runs to the end commits them); a request finished meanwhile
+        takes none."""
         tokens = self.launched.tokens()
         n = len(self.running)
-        for request, token in [*zip(self.starting, tokens[n:]), *zip(self.running, tokens[:n])]:
+        running, first = ([[t] for t in part] for part in (tokens[:n], tokens[n:]))
+        logprobs = [rows.read(part) if rows is not None else [None] * len(part)
+                    for rows, part in zip(self.launched.logprobs, (running, first))]
+        for request, token, logprob in [*zip(self.starting, tokens[n:], logprobs[1]),
+                                        *zip(self.running, tokens[:n], logprobs[0])]:
             request.in_flight -= 1
             if not request.finished:
-                commit(request, token)
+                commit(request, token, logprob[0] if logprob is not None else None)
 
     def drop(self) -> list[Request]:
         """Forget the step (its requests are being aborted); returns them."""

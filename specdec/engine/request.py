@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from attention.page_pool import PageTable
 from specdec.engine.detokenizer import IncrementalDetokenizer
+from specdec.engine.logprobs import TokenLogprob
 from specdec.engine.metrics import RequestStats
 from specdec.engine.sampling_params import SamplingParams
 
@@ -50,12 +51,16 @@ class Request:
     max_total_tokens: int | None = None  # the model's context: prompt + output never exceed it
     in_flight: int = 0  # overlapped steps: tokens sampled on the device, not yet committed (1 between steps)
     flight_row: int = -1  # where that token sits in its step's device tokens
+    # one per output token when params.logprobs is set (None otherwise)
+    output_logprobs: list[TokenLogprob] | None = None
     # the prefix cache's entries for the request's first full pages (adopted or cached by it), in order
     prefix_chain: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         self.stats.prompt_tokens = len(self.prompt_ids)
         self.stats.arrival_time = time.perf_counter()
+        if self.params.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs = []
 
     @property
     def finished(self) -> bool:
@@ -102,9 +107,14 @@ class Request:
         if self.detokenizer is None:
             self.detokenizer = IncrementalDetokenizer(tokenizer)
 
-    def commit(self, token: int) -> bool:
-        """Append one generated token; returns True when the request has just finished."""
+    def commit(self, token: int, logprob: TokenLogprob | None = None) -> bool:
+        """Append one generated token (and its log-probability, when the request asked for them); returns True
+        when the request has just finished."""
         self.output_ids.append(token)
+        if self.output_logprobs is not None:
+            if logprob is None or logprob.token != token:
+                raise RuntimeError(f"request {self.request_id} asked for logprobs but token {token} came without its own")
+            self.output_logprobs.append(logprob)
         new_text = self.detokenizer.push(token) if self.detokenizer is not None else ""
         self.stats.generated_tokens = len(self.output_ids)
         now = time.perf_counter()
@@ -119,10 +129,10 @@ class Request:
             self.finish("length")
         return self.finished
 
-    def commit_many(self, tokens: list[int]) -> int:
+    def commit_many(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> int:
         """Commit tokens in order until one finishes the request; returns how many were taken."""
         for n, token in enumerate(tokens, start=1):
-            if self.commit(token):
+            if self.commit(token, logprobs[n - 1] if logprobs is not None else None):
                 return n
         return len(tokens)
 

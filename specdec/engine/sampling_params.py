@@ -15,6 +15,7 @@ MAX_TEMPERATURE = 100.0
 # limits (OpenAI takes 4), so one request cannot slow everyone's steps
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 512
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 
 
 def _is_int(value) -> bool:
@@ -36,6 +37,9 @@ class SamplingParams:
     stop: tuple[str, ...] | None = None
     ignore_eos: bool = False
     chat: bool = False  # apply the tokenizer's chat template to string prompts
+    # the target's log-probability of each generated token and of its `logprobs` most likely alternatives
+    # (0 to 20); None: none
+    logprobs: int | None = None
 
     def __post_init__(self):
         problems = []
@@ -67,6 +71,9 @@ class SamplingParams:
         for name in ("ignore_eos", "chat"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            problems.append(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives per "
+                            f"token), got {self.logprobs!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             problems.append(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if problems:

@@ -20,6 +20,7 @@ import torch
 from specdec.engine.acceptance import accept
 from specdec.engine.decoding import to_host
 from specdec.engine.drafter import Drafter
+from specdec.engine.logprobs import LogprobRows, TokenLogprob, wants_logprobs
 from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
 from specdec.engine.tree_speculator import TreeDecoding
@@ -38,6 +39,7 @@ class SpeculativeDecoding:
             raise ValueError("a verify policy with trees needs the tree step")
         self.tree = tree
         self.verify_length = drafter.block_size  # tokens per request the last step verified
+        self.logprobs: list[list[TokenLogprob] | None] | None = None  # the last step's, per request (None: none asked)
 
     def capture(self) -> float:
         """CUDA graphs of the tree step's small pieces (none for chains: the runners hold theirs)."""
@@ -46,8 +48,10 @@ class SpeculativeDecoding:
     @torch.no_grad()
     def step(self, running: list[Request], prefill: PrefillChunks | None = None) -> list[list[int]]:
         batch = len(running)
+        self.logprobs = None
         nodes = self.tree.nodes_for(batch) if self.tree is not None else 0
-        q = self.policy.choose(batch, nodes)
+        # logprobs come from the rows of a chain's verify: a step with a request that asks verifies the whole chain
+        q = self.policy.block_size if wants_logprobs(running) else self.policy.choose(batch, nodes)
         if q == TREE:
             tokens = self.tree.step(running, prefill)
             self.verify_length = self.tree.verify_length
@@ -60,7 +64,9 @@ class SpeculativeDecoding:
         drafts = self.drafter.propose(running)[:, :q - 1]  # [B, q-1] on the device
         out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], drafts, q,
                                      prefill)
-        accepted, bonus = accept(drafts, sample_block(out, running, q).view(batch, q))
+        targets = sample_block(out, running, q)
+        accepted, bonus = accept(drafts, targets.view(batch, q))
+        rows = LogprobRows.start(out.logits, targets, running, q)  # committed token j is the target's at row j
         host = to_host(torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1), prefill)
         tokens = []
         for row, request, start in zip(host, running, starts):
@@ -68,6 +74,8 @@ class SpeculativeDecoding:
             tokens.append(row[:a] + [row[q]])
             # keep K/V of the anchor and the accepted drafts; the bonus is the new pending token
             request.target_pages.truncate(start + a + 1)
+        if rows is not None:
+            self.logprobs = rows.read(tokens)
         self.policy.observe([len(t) - 1 for t in tokens], q)
         # request i's verify features start at row i * q
         self.drafter.extend(running, out.features, [i * q for i in range(batch)], [len(t) for t in tokens])

@@ -132,7 +132,8 @@ def merge(items: list[RequestOutput]) -> RequestOutput:
         return items[0]
     last = items[-1]
     return RequestOutput("".join(o.text for o in items), [t for o in items for t in o.token_ids], last.finished,
-                         last.finish_reason, last.error, last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+                         last.finish_reason, last.error, last.prompt_tokens, last.completion_tokens, last.cached_tokens,
+                         None if all(o.logprobs is None for o in items) else [e for o in items for e in o.logprobs or []])
 
 
 class ThreadedEngine(AsyncEngine):

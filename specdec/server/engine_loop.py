@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from specdec.engine.engine import Engine
+from specdec.engine.logprobs import TokenLogprob
 from specdec.engine.request import Request
 from specdec.engine.sampling_params import SamplingParams
 from specdec.server.metrics import ServerMetrics
@@ -41,6 +42,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # tokens so far
     cached_tokens: int = 0  # prompt tokens the prefix cache held (not prefilled)
+    logprobs: list[TokenLogprob] | None = None  # the new tokens', when the request asked for logprobs
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,9 @@ class EngineLoop:
                                                 request.error))
 
     def _output(self, live: _Live, out: RequestOutput) -> tuple[int, RequestOutput]:
+        asked = live.request.output_logprobs
+        if asked is not None:
+            out.logprobs = asked[live.tokens_sent:live.tokens_sent + len(out.token_ids)]
         live.tokens_sent += len(out.token_ids)
         out.prompt_tokens, out.completion_tokens = len(live.request.prompt_ids), live.tokens_sent
         out.cached_tokens = live.request.stats.cached_tokens or 0

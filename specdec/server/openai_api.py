@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 
 from specdec.engine.prompts import encode_chat, token_ids
 from specdec.engine.request_limits import RequestLimits
+from specdec.engine.sampling_params import SamplingParams
 from specdec.server.async_engine import AsyncEngine
 from specdec.server.body_limit import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from specdec.server.openai_protocol import (
@@ -97,14 +98,20 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
     async def completions(body: CompletionRequest, request: Request):
         prompt_ids = await asyncio.to_thread(completion_prompt_ids, engine.tokenizer, body.prompt)
         prepared = prepare(body, prompt_ids, body.max_tokens)
-        return await answer(request, body, ResponseShape(chat=False, model=model_name), *prepared)
+        return await answer(request, body, ResponseShape(False, model_name, token_text(prepared[1])), *prepared)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         prompt_ids = await asyncio.to_thread(chat_prompt_ids, engine.tokenizer, body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prepared = prepare(body, prompt_ids, max_tokens)
-        return await answer(request, body, ResponseShape(chat=True, model=model_name), *prepared)
+        return await answer(request, body, ResponseShape(True, model_name, token_text(prepared[1])), *prepared)
+
+    def token_text(params: SamplingParams):
+        """A token id's text for answers with logprobs (None when the request asked for none)."""
+        if params.logprobs is None:
+            return None
+        return lambda token: engine.tokenizer.decode([token])
 
     def prepare(body: GenerationFields, prompt_ids: list[int], max_tokens: int | None):
         """Check everything up front; returns (prompt ids, sampling params)."""
@@ -204,8 +211,8 @@ async def stream_events(outputs, shape: ResponseShape, include_usage: bool):
             if out.finished and out.finish_reason in ("error", "abort"):
                 yield sse(error_body(out.error or "the request was aborted", "internal_server_error"))
                 break
-            if out.text or out.finished:
-                yield sse(shape.chunk(out.text, out.finish_reason if out.finished else None))
+            if out.text or out.finished or out.logprobs:
+                yield sse(shape.chunk(out.text, out.finish_reason if out.finished else None, out.logprobs))
             if out.finished:
                 final = out
         if final is not None and include_usage:
@@ -219,14 +226,15 @@ async def whole_answer(request: Request, outputs, shape: ResponseShape):
     """Collect the whole text, unless the client disconnects first (then the request is aborted)."""
 
     async def collect():
-        text, final = [], None
+        text, logprobs, final = [], [], None
         try:
             async for out in outputs:
                 text.append(out.text)
+                logprobs += out.logprobs or []
                 final = out
         finally:
             await outputs.aclose()
-        return "".join(text), final
+        return "".join(text), logprobs, final
 
     collecting = asyncio.ensure_future(collect())
     watching = asyncio.ensure_future(wait_for_disconnect(request))
@@ -239,11 +247,12 @@ async def whole_answer(request: Request, outputs, shape: ResponseShape):
             await asyncio.gather(collecting, return_exceptions=True)  # ... once that has run
     if collecting.cancelled():
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    text, final = collecting.result()
+    text, logprobs, final = collecting.result()
     if final.finish_reason in ("error", "abort"):
         return JSONResponse(error_body(final.error or "the request was aborted", "internal_server_error"),
                             status_code=500 if final.finish_reason == "error" else 503)
-    return shape.whole(text, final.finish_reason, usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens))
+    return shape.whole(text, final.finish_reason, usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens),
+                       logprobs)
 
 
 async def wait_for_disconnect(request: Request) -> None:

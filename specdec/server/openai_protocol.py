@@ -1,17 +1,19 @@
 """The OpenAI API's request bodies (pydantic), their checks, and the JSON the server answers with.
 
-Fields the engine cannot honour (n > 1, logprobs, penalties, echo, tools) are refused with a 400 that
-names the field, rather than silently ignored; unknown extra fields are ignored, as OpenAI does.
+Fields the engine cannot honour (n > 1, penalties, echo, tools) are refused with a 400 that names the
+field, rather than silently ignored; unknown extra fields are ignored, as OpenAI does. `logprobs` are
+answered in each endpoint's own format (`ResponseShape`).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Callable, Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt
 
+from specdec.engine.logprobs import TokenLogprob
 from specdec.engine.sampling_params import SamplingParams
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none
@@ -70,10 +72,14 @@ class GenerationFields(BaseModel):
             found.append("presence_penalty/frequency_penalty (penalties are not supported)")
         return found
 
+    def logprobs_wanted(self) -> int | None:
+        """Alternatives per token the answer carries logprobs with (None: no logprobs)."""
+        return None
+
     def sampling_params(self, max_new_tokens: int) -> SamplingParams:
         """Raises ValueError naming every bad value (SamplingParams checks them all)."""
         top_k = self.top_k if self.top_k is not None else 0
-        return SamplingParams(max_new_tokens=max_new_tokens,
+        return SamplingParams(max_new_tokens=max_new_tokens, logprobs=self.logprobs_wanted(),
                               temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if top_k == -1 else top_k,
                               seed=self.seed, stop=None if self.stop in (None, []) else self.stop,
@@ -83,15 +89,16 @@ class GenerationFields(BaseModel):
 class CompletionRequest(GenerationFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: StrictBool = False
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = None  # alternatives per token (OpenAI allows 5; up to 20 here, as vLLM)
     suffix: str | None = None
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     def unsupported(self) -> list[str]:
         found = super().unsupported()
         if self.echo:
             found.append("echo")
-        if self.logprobs is not None:
-            found.append("logprobs")
         if self.suffix:
             found.append("suffix")
         return found
@@ -123,10 +130,13 @@ class ChatCompletionRequest(GenerationFields):
     tools: list | None = None
     response_format: dict | None = None
 
+    def logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> list[str]:
         found = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            found.append("logprobs")
         if self.tools:
             found.append("tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
@@ -138,12 +148,33 @@ class ChatCompletionRequest(GenerationFields):
 
 
 class ResponseShape:
-    """The JSON of one endpoint's answers: whole and streamed."""
+    """The JSON of one endpoint's answers: whole and streamed. With `token_text` (a token id's text), answers
+    carry the logprobs they are given, in the endpoint's format."""
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, token_text: Callable[[int], str] | None = None):
+        self.chat, self.model, self.token_text = chat, model, token_text
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.text_offset = 0  # completions: where the next token's text starts in the answer
+
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """OpenAI's logprobs object for these tokens: chat's {"content": [...]}, or completions' parallel lists."""
+        if self.token_text is None or entries is None:
+            return None
+        if self.chat:
+            def item(token: int, logprob: float) -> dict:
+                text = self.token_text(token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                                for e in entries]}
+        texts = [self.token_text(e.token) for e in entries]
+        offsets = []
+        for text in texts:
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
 
     def _envelope(self, obj: str, choices: list, usage: dict | None = None) -> dict:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -151,12 +182,12 @@ class ResponseShape:
             body["usage"] = usage
         return body
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def whole(self, text: str, finish_reason: str, usage: dict, logprobs: list[TokenLogprob] | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(logprobs),
                       "finish_reason": finish_reason}
             return self._envelope("chat.completion", [choice], usage)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice], usage)
 
     def first_chunk(self) -> dict | None:
@@ -166,12 +197,12 @@ class ResponseShape:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return self._envelope("chat.completion.chunk", [choice])
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
+    def chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+            choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": self.logprobs(logprobs),
                       "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, usage: dict) -> dict:

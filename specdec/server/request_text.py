@@ -41,17 +41,19 @@ class RequestText:
         """The client's view of the engine's output `out` (tokens only)."""
         mirror = self.mirror
         try:
-            taken = mirror.commit_many(out.token_ids)
+            taken = mirror.commit_many(out.token_ids, out.logprobs)
         except Exception as err:  # noqa: BLE001 - this request fails alone, as it would in the engine
             mirror.finish("error", f"detokenizing failed: {type(err).__name__}: {err}")
             taken = 0
         tokens = out.token_ids[:taken]
+        logprobs = out.logprobs[:taken] if out.logprobs is not None else None
         if mirror.finished and not out.finished:  # a stop string (or a failure) ended it first
             self.stopped_early = True
         elif out.finished and not mirror.finished:
             mirror.finish(out.finish_reason, out.error)
         if not mirror.finished:
             return RequestOutput(self.stream.take(), tokens, prompt_tokens=out.prompt_tokens,
-                                 completion_tokens=len(mirror.output_ids), cached_tokens=out.cached_tokens)
+                                 completion_tokens=len(mirror.output_ids), cached_tokens=out.cached_tokens,
+                                 logprobs=logprobs)
         return RequestOutput(self.stream.take(final_text(self.tokenizer, mirror)), tokens, True, mirror.finish_reason,
-                             mirror.error, out.prompt_tokens, len(mirror.output_ids), out.cached_tokens)
+                             mirror.error, out.prompt_tokens, len(mirror.output_ids), out.cached_tokens, logprobs)

@@ -55,8 +55,8 @@ def test_no_step_runs_a_request_past_its_length_limit(target_dir):
     engine = overlapped(target_dir)
     rows = []
     launch = engine.decoding.launch
-    engine.decoding.launch = lambda running, prefill, carried: (rows.append(len(running)),
-                                                                launch(running, prefill, carried))[1]
+    engine.decoding.launch = lambda running, prefill, carried, starting: (rows.append(len(running)),
+                                                                          launch(running, prefill, carried, starting))[1]
     requests = engine.generate_ids(MANY_PROMPTS[:3], SamplingParams(max_new_tokens=4))
     assert all(len(r.output_ids) == 4 for r in requests)
     # one prefill step, then three decode steps of all three requests: no fifth token is computed

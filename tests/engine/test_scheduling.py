@@ -165,10 +165,10 @@ def test_one_request_failing_while_committing_fails_alone(target_dir, drafter_di
     broken = requests[1]
     original = broken.commit_many
 
-    def failing(tokens):
+    def failing(tokens, logprobs=None):
         if len(broken.output_ids) >= 5:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return original(tokens)
+        return original(tokens, logprobs)
 
     broken.commit_many = failing
     drain(engine)

@@ -143,3 +143,24 @@ def test_token_trees_equal_autoregressive(verify):
     if verify == "tree":
         assert spec_one.last_summary.verified_per_step == 64  # 63 nodes at batch 1
     assert spec_one.engine.pool.num_free == spec_one.engine.pool.num_pages
+
+
+def test_logprobs_with_graphs_match_plain_decoding_and_a_direct_forward(drafter_dir):
+    """Logprobs read from the verify's rows (CUDA graphs, FlashInfer) against plain decoding's and the
+    target's own next-token logits, up to bf16's rounding, wherever both engines chose the same tokens."""
+    import torch
+
+    params = SamplingParams(max_new_tokens=24, logprobs=5)
+    ar_llm = LLM(MODEL, device="cuda", num_kv_pages=2048, attention_backend="flashinfer")
+    spec_llm = LLM(MODEL, drafter=drafter_dir, device="cuda", num_kv_pages=2048, attention_backend="flashinfer")
+    checked = 0
+    for a, s in zip(ar_llm.generate(PROMPTS, params, chat=True), spec_llm.generate(PROMPTS, params, chat=True)):
+        assert len(a.logprobs) == len(a.token_ids) and len(s.logprobs) == len(s.token_ids)
+        same = next((p for p, (x, y) in enumerate(zip(a.token_ids, s.token_ids)) if x != y), len(a.token_ids))
+        for p in range(same):
+            assert s.logprobs[p].token == a.logprobs[p].token == a.token_ids[p]
+            assert abs(s.logprobs[p].logprob - a.logprobs[p].logprob) < 0.1
+            checked += 1
+        direct = torch.log_softmax(ar_llm.engine.next_token_logits(a.prompt_token_ids), dim=-1)
+        assert abs(direct[a.token_ids[0]].item() - a.logprobs[0].logprob) < 0.1
+    assert checked >= len(PROMPTS) * 4

@@ -180,6 +180,45 @@ def finished_count(server, reason: str) -> float:
     return 0.0
 
 
+def test_logprobs_are_the_librarys_in_each_endpoints_format(server, client, reference):
+    """Chat (logprobs + top_logprobs) and completions (logprobs = alternatives): the answer's logprobs equal
+    the library's for the same tokens, streamed chunks add up to the whole answer's, and the alternatives
+    come most likely first."""
+    prompt = PROMPTS[0]
+    [lib] = reference.generate([prompt], SamplingParams(max_new_tokens=10, logprobs=3), chat=True)
+    messages = [{"role": "user", "content": prompt}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([t.logprob for t in lib.logprobs], abs=1e-4)
+    assert [c.token for c in content] == [reference.tokenizer.decode([t.token]) for t in lib.logprobs]
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob for c in content)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [c for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)  # (a cache hit)
+    [lib_text] = reference.generate([prompt], SamplingParams(max_new_tokens=10, logprobs=2), chat=False)
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=2)
+    lp = completion.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in lib_text.logprobs], abs=1e-4)
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == completion.choices[0].text or completion.choices[0].finish_reason == "stop"
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+    assert_pools_full(server)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+    ({"logprobs": True, "top_logprobs": 21}, "logprobs must be None or an integer in"),
+])
+def test_bad_logprobs_requests_get_a_400(server, body, message):
+    answer = httpx.post(f"{server.base_url}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body})
+    assert answer.status_code == 400 and message in answer.json()["error"]["message"]
+
+
 def metric_value(server, name: str) -> float:
     for line in httpx.get(f"{server.base_url}/metrics").text.splitlines():
         if line.startswith(name + " "):
@@ -239,7 +278,9 @@ def bad_bodies() -> list[tuple[str, dict | str, int, str]]:
         ("/v1/chat/completions", {**chat, "top_k": -5}, 400, "top_k"),
         ("/v1/chat/completions", {**chat, "seed": -1}, 400, "seed"),
         ("/v1/chat/completions", {**chat, "n": 2}, 400, "n"),
-        ("/v1/chat/completions", {**chat, "logprobs": True}, 400, "logprobs"),
+        ("/v1/chat/completions", {**chat, "top_logprobs": 2}, 400, "logprobs"),
+        ("/v1/completions", {**done, "logprobs": 21}, 400, "logprobs"),
+        ("/v1/completions", {**done, "echo": True}, 400, "echo"),
         ("/v1/chat/completions", {**chat, "stop": [""]}, 400, "stop"),
         ("/v1/chat/completions", {k: v for k, v in chat.items() if k != "messages"}, 400, "messages"),
         ("/v1/chat/completions", {**chat, "messages": []}, 400, "messages"),
@@ -281,10 +322,10 @@ def test_a_request_failing_inside_the_engine_fails_alone(server, client, referen
     poisoned = server.llm.tokenizer.encode(PROMPTS[4])
     original = Request.commit_many
 
-    def commit_many(request, tokens):
+    def commit_many(request, tokens, logprobs=None):
         if request.prompt_ids == poisoned and len(request.output_ids) >= 3:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return original(request, tokens)
+        return original(request, tokens, logprobs)
 
     monkeypatch.setattr(Request, "commit_many", commit_many)
     want = [library_text(reference, p, False, max_new_tokens=16)[0] for p in PROMPTS[:2]]
@@ -467,3 +508,11 @@ def test_command_line_refuses_a_missing_model(tmp_path):
     r = subprocess.run([sys.executable, "-m", "specdec.serve", "--target", str(tmp_path / "nowhere"), "--device", "cpu",
                         "--port", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error:") and "nowhere" in r.stderr
+
+
+def test_logprobs_cross_the_engine_process(served, reference):
+    """`specdec-serve` as users run it (the engine in its own process): logprobs arrive as the library's."""
+    client = openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    [lib] = reference.generate([PROMPTS[3]], SamplingParams(max_new_tokens=8, logprobs=1), chat=False)
+    answer = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=8, temperature=0, logprobs=1)
+    assert answer.choices[0].logprobs.token_logprobs == pytest.approx([t.logprob for t in lib.logprobs], abs=1e-4)

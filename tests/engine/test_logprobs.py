@@ -1,0 +1,96 @@
+"""Logprobs are the target's: equal with and without the drafter (chains, trees, overlapped steps, arrivals
+mid-run), equal to a direct forward of the target over prompt + output, and only for requests that ask."""
+
+import pytest
+import torch
+
+from specdec.engine.sampling_params import SamplingParams
+from tests.conftest import build_tiny_model
+from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, spec_engine, tiny_engine
+
+ASK = SamplingParams(max_new_tokens=11, logprobs=4)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("logprobs")
+    build_tiny_model("qwen3", path, seed=4)
+    return path
+
+
+def direct_logprobs(engine, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """log_softmax of the target's logits at every output position, from one forward of prompt + output."""
+    ids = prompt + output
+    rows = []
+    for n in range(len(prompt), len(ids)):  # the logits that chose ids[n]
+        rows.append(torch.log_softmax(engine.next_token_logits(ids[:n]), dim=-1))
+    return torch.stack(rows)
+
+
+def assert_logprobs_close(got, want, atol=1e-4):
+    assert [t.token for t in got] == [t.token for t in want]
+    for a, b in zip(got, want):
+        assert a.logprob == pytest.approx(b.logprob, abs=atol)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top] or all(
+            x == pytest.approx(y, abs=atol) for (_, x), (_, y) in zip(a.top, b.top))  # ties may swap places
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_plain_decoding_logprobs_equal_a_direct_forward(target_dir, overlap):
+    engine = tiny_engine(target_dir, eos=(), overlap_steps=overlap)
+    requests = engine.generate_ids(MANY_PROMPTS[:5], ASK)
+    for request in requests:
+        assert len(request.output_logprobs) == len(request.output_ids) == 11
+        direct = direct_logprobs(engine, request.prompt_ids, request.output_ids)
+        for position, (entry, row) in enumerate(zip(request.output_logprobs, direct)):
+            assert entry.token == request.output_ids[position]
+            assert entry.logprob == pytest.approx(row[entry.token].item(), abs=1e-4)
+            top = row.topk(4)
+            assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+            assert entry.top[0][1] >= entry.logprob - 1e-6  # greedy: the chosen token is the most likely
+    assert_no_leak(engine)
+
+
+SPEC_CONFIGS = [dict(), dict(verify="tree", tree_nodes=7), dict(verify="auto", max_num_seqs=2)]
+SPEC_IDS = ["chain", "tree", "auto-with-arrivals"]
+
+
+@pytest.mark.parametrize("config", SPEC_CONFIGS, ids=SPEC_IDS)
+def test_speculative_logprobs_equal_plain_decoding(target_dir, tmp_path, config):
+    plain = tiny_engine(target_dir, eos=()).generate_ids(MANY_PROMPTS, ASK)
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), **config)
+    spec = engine.generate_ids(MANY_PROMPTS, ASK)
+    for a, b in zip(spec, plain):
+        assert a.output_ids == b.output_ids
+        assert_logprobs_close(a.output_logprobs, b.output_logprobs)
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("config", SPEC_CONFIGS, ids=SPEC_IDS)
+def test_sampled_speculative_logprobs_are_the_targets_at_each_committed_token(target_dir, tmp_path, config):
+    """Sampled speculation draws other tokens than plain sampling with the same seed (equal in distribution
+    only), so its logprobs are checked against a direct forward over its own output."""
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), **config)
+    params = SamplingParams(max_new_tokens=11, logprobs=2, temperature=0.8, seed=5)
+    for request in engine.generate_ids(MANY_PROMPTS[:4], params):
+        direct = direct_logprobs(engine, request.prompt_ids, request.output_ids)
+        assert [t.token for t in request.output_logprobs] == request.output_ids
+        assert [t.logprob for t in request.output_logprobs] == pytest.approx(
+            direct.gather(1, torch.tensor(request.output_ids)[:, None]).squeeze(1).tolist(), abs=1e-4)
+
+
+def test_only_requests_that_ask_get_logprobs(target_dir, tmp_path):
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4))
+    asking = engine.make_request(MANY_PROMPTS[0], ASK)
+    silent = engine.make_request(MANY_PROMPTS[1], SamplingParams(max_new_tokens=11))
+    zero = engine.make_request(MANY_PROMPTS[2], SamplingParams(max_new_tokens=11, logprobs=0))
+    engine.run([asking, silent, zero])
+    assert silent.output_logprobs is None
+    assert len(asking.output_logprobs) == 11 and all(len(t.top) == 4 for t in asking.output_logprobs)
+    assert len(zero.output_logprobs) == 11 and all(t.top == () for t in zero.output_logprobs)
+
+
+@pytest.mark.parametrize("value", [-1, 21, 2.0, True])
+def test_bad_logprobs_are_refused(value):
+    with pytest.raises(ValueError, match="logprobs must be None or an integer in"):
+        SamplingParams(logprobs=value)
