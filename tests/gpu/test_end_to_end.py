@@ -17,6 +17,7 @@ from tests.drafter_helpers import ScriptedDrafter, build_random_drafter
 from tests.gpu.gpu_helpers import MODEL, PROMPTS
 
 NEAR_TIE, NEW_TOKENS, BATCH_ONE_PROMPTS = 0.5, 96, 4
+LOGIT_STEP = 0.25  # two bf16 steps of a logit between 16 and 32
 
 
 def report(name, data):
@@ -147,7 +148,9 @@ def test_token_trees_equal_autoregressive(verify):
 
 def test_logprobs_with_graphs_match_plain_decoding_and_a_direct_forward(drafter_dir):
     """Logprobs read from the verify's rows (CUDA graphs, FlashInfer) against plain decoding's and the
-    target's own next-token logits, up to bf16's rounding, wherever both engines chose the same tokens."""
+    target's own next-token logits, up to bf16's rounding, wherever both engines chose the same tokens: bf16
+    logits near 16-32 are 0.125 apart, so two kernels may differ by that (measured: 0.125 at most); a row
+    taken from the wrong position is off by whole units."""
     import torch
 
     params = SamplingParams(max_new_tokens=24, logprobs=5)
@@ -159,8 +162,8 @@ def test_logprobs_with_graphs_match_plain_decoding_and_a_direct_forward(drafter_
         same = next((p for p, (x, y) in enumerate(zip(a.token_ids, s.token_ids)) if x != y), len(a.token_ids))
         for p in range(same):
             assert s.logprobs[p].token == a.logprobs[p].token == a.token_ids[p]
-            assert abs(s.logprobs[p].logprob - a.logprobs[p].logprob) < 0.1
+            assert abs(s.logprobs[p].logprob - a.logprobs[p].logprob) <= LOGIT_STEP
             checked += 1
         direct = torch.log_softmax(ar_llm.engine.next_token_logits(a.prompt_token_ids), dim=-1)
-        assert abs(direct[a.token_ids[0]].item() - a.logprobs[0].logprob) < 0.1
+        assert abs(direct[a.token_ids[0]].item() - a.logprobs[0].logprob) <= LOGIT_STEP
     assert checked >= len(PROMPTS) * 4
