@@ -121,7 +121,9 @@ class LLM:
         params = params or SamplingParams()
         chat = params.chat if chat is None else chat
         prompts = prompt_list(prompts)
-        requests = [self.engine.make_request(self.encode(p, chat), params) for p in prompts]
+        # n answers per prompt, consecutive: result i * n + j is prompt i's answer j
+        requests = [r for p in prompts for r in self.engine.make_samples(self.encode(p, chat), params)]
+        prompts = [p for p in prompts for _ in range(params.n)]
         if on_text is not None:
             for request in requests:
                 request.use_detokenizer(self.tokenizer)

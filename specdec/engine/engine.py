@@ -40,7 +40,8 @@ from specdec.engine.flight import Flight
 from specdec.engine.logprobs import LogprobRows, TokenLogprob, wants_logprobs
 from specdec.engine.request import Request
 from specdec.engine.request_limits import RequestLimits
-from specdec.engine.sampler import make_generator, sample_batch
+from specdec.engine.penalties import penalized
+from specdec.engine.sampler import make_generator, sample_rows
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.speculator import SpeculativeDecoding
@@ -254,17 +255,38 @@ class Engine:
 
     def why_invalid(self, prompt_ids: list[int], params: SamplingParams) -> str | None:
         """Why a request can never be served (None if it can)."""
-        return self.limits.why_invalid(prompt_ids, params.max_new_tokens)
+        return self.limits.why_invalid(prompt_ids, params.max_new_tokens, params.logit_bias)
 
     # ---- the loop ----------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, lead: Request | None = None) -> Request:
         """Queue a request for the coming steps. One that can never be served comes back finished
-        with an error (`finish_reason "error"`), and nothing else is touched."""
+        with an error (`finish_reason "error"`), and nothing else is touched. `lead`: an earlier request of
+        the same prompt (another of its n answers), whose prompt pages this one waits for and shares."""
+        if params.n != 1:
+            raise ValueError(f"add_request queues one answer, got n={params.n}; add_samples queues n")
         request = self.make_request(prompt_ids, params)
+        request.lead = lead
         if not request.finished:
             self._prepare(request)
             self.scheduler.add(request)
         return request
+
+    def make_samples(self, prompt_ids: list[int], params: SamplingParams) -> list[Request]:
+        """The params.n answers of one prompt as requests (answer j seeded with seed + j); the later ones
+        follow the first (`Request.lead`), so that they share its prefill."""
+        samples = [self.make_request(prompt_ids, params.for_sample(j)) for j in range(params.n)]
+        for sample in samples[1:]:
+            sample.lead = samples[0]
+        return samples
+
+    def add_samples(self, prompt_ids: list[int], params: SamplingParams) -> list[Request]:
+        """Queue the params.n answers of one prompt (`make_samples`)."""
+        samples = self.make_samples(prompt_ids, params)
+        for sample in samples:
+            if not sample.finished:
+                self._prepare(sample)
+                self.scheduler.add(sample)
+        return samples
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -293,10 +315,17 @@ class Engine:
             out.committed.append((request, tokens))
             on_commit(request, tokens)
 
-        if self.overlap:
-            self._overlapped(plan.decode, plan.prefill, commit)
-        elif plan.decode:  # prompt chunks ride along in the decode forward: an arrival never stalls the batch
-            self._decode(plan.decode, commit, plan.prefill)
+        decode = plan.decode
+        # penalties count every output token on the host: a step with such a request runs in order, after the
+        # step in flight has landed
+        in_order = self.overlap and any(penalized(r.params) for r in decode)
+        if in_order and self.flight is not None:
+            self._overlapped([], [], commit)
+            decode = [r for r in decode if not r.finished]
+        if self.overlap and not in_order:
+            self._overlapped(decode, plan.prefill, commit)
+        elif decode:  # prompt chunks ride along in the decode forward: an arrival never stalls the batch
+            self._decode(decode, commit, plan.prefill)
         elif plan.prefill:
             self._prefill(plan.prefill, commit)
         if self.prefix_cache is not None:
@@ -435,9 +464,7 @@ class Engine:
         starting = [chunks[i][0] for i in first]
         prefill = PrefillChunks([r.target_pages for r, _ in chunks], ids, lens, (np.cumsum(lens) - 1)[first])
         if starting:
-            prefill.sample_first = lambda logits: sample_batch(logits, [1] * len(starting),
-                                                               [r.params for r in starting],
-                                                               [r.generator for r in starting])
+            prefill.sample_first = lambda logits: sample_rows(logits, None, starting, 1)
         return prefill, starting
 
     def _prefill(self, chunks: list[tuple[Request, int]], on_commit: OnCommit) -> None:
@@ -515,7 +542,7 @@ class Engine:
 
     def generate_ids(self, prompts: list[list[int]], params: SamplingParams,
                      on_commit: OnCommit | None = None) -> list[Request]:
-        requests = [self.make_request(p, params) for p in prompts]
+        requests = [r for p in prompts for r in self.make_samples(p, params)]  # n answers per prompt, in order
         start = time.perf_counter()
         self.run(requests, on_commit)
         self.last_wall_time = time.perf_counter() - start

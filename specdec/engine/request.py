@@ -53,6 +53,9 @@ class Request:
     flight_row: int = -1  # where that token sits in its step's device tokens
     # one per output token when params.logprobs is set (None otherwise)
     output_logprobs: list[TokenLogprob] | None = None
+    # another answer of the same prompt (n > 1): with a prefix cache, this one is admitted once the lead's
+    # prefill is done, and shares its prompt pages instead of prefilling them too
+    lead: Request | None = field(default=None, repr=False)
     # the prefix cache's entries for the request's first full pages (adopted or cached by it), in order
     prefix_chain: list = field(default_factory=list, repr=False)
 

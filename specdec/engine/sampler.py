@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from attention.transfer import upload
+from specdec.engine.penalties import penalized, penalized_rows
 from specdec.engine.sampling_params import SamplingParams
 
 
@@ -73,10 +74,35 @@ def make_generator(seed: int | None) -> random.Random:
     return random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
 
 
-def sample_block(out, requests: list, rows_per_request: int) -> torch.Tensor:
+def sample_block(out, requests: list, rows_per_request: int, drafts: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens for every row of a block step (`out` has the rows' `logits` and their argmax `greedy`):
-    the in-step argmax when every request is greedy, else sampled."""
-    if all(r.params.greedy for r in requests):
-        return out.greedy
-    return sample_batch(out.logits, [rows_per_request] * len(requests), [r.params for r in requests],
-                        [r.generator for r in requests])
+    the in-step argmax when every request is greedy, else sampled (`sample_rows`)."""
+    return sample_rows(out.logits, out.greedy, requests, rows_per_request, drafts)
+
+
+def sample_rows(logits: torch.Tensor, greedy: torch.Tensor | None, requests: list, rows_per_request: int,
+                drafts: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens for `rows_per_request` rows of logits per request ([B * rows, vocab]; `greedy`: their argmax if
+    known). Requests with penalties or a logit bias are sampled from their rows with those applied
+    (specdec/engine/penalties.py; `drafts` [B, rows - 1]: what each row follows); each request's random
+    stream is drawn from once per row either way."""
+    penalties = [i for i, r in enumerate(requests) if penalized(r.params)]
+    if not penalties:
+        if all(r.params.greedy for r in requests):
+            return greedy if greedy is not None else logits.argmax(dim=-1)
+        return sample_batch(logits, [rows_per_request] * len(requests), [r.params for r in requests],
+                            [r.generator for r in requests])
+    tokens = (greedy if greedy is not None else logits.argmax(dim=-1))[:len(requests) * rows_per_request].clone()
+    others = [i for i in range(len(requests)) if i not in set(penalties) and not requests[i].params.greedy]
+    for chosen, rows_of in ((others, None), (penalties, penalized_rows)):
+        if not chosen:
+            continue
+        index = upload((np.asarray(chosen)[:, None] * rows_per_request + np.arange(rows_per_request)).reshape(-1),
+                       logits.device)
+        picked = [requests[i] for i in chosen]
+        source = logits[index] if rows_of is None else torch.cat([
+            rows_of(logits[i * rows_per_request:(i + 1) * rows_per_request], requests[i],
+                    drafts[i] if drafts is not None else None) for i in chosen])
+        tokens[index] = sample_batch(source, [rows_per_request] * len(chosen), [r.params for r in picked],
+                                     [r.generator for r in picked])
+    return tokens

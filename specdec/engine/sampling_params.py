@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 # below this, logits / temperature overflows float32 for ordinary logits: use 0 for greedy instead
@@ -16,6 +16,9 @@ MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 512
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+MAX_SAMPLES = 64  # answers per prompt (n)
+MAX_LOGIT_BIAS = 300  # token ids one logit_bias may name (OpenAI's limit)
+MAX_REPETITION_PENALTY = 10.0
 
 
 def _is_int(value) -> bool:
@@ -40,6 +43,15 @@ class SamplingParams:
     # the target's log-probability of each generated token and of its `logprobs` most likely alternatives
     # (0 to 20); None: none
     logprobs: int | None = None
+    # answers per prompt: n requests of one prompt, sample j seeded with seed + j (when seeded); they share
+    # the prompt's prefill through the prefix cache
+    n: int = 1
+    # penalties and bias on the target's logits (specdec/engine/penalties.py): presence and frequency as
+    # OpenAI's ([-2, 2]), repetition as vLLM's (1 = off; > 1 discourages repeats), logit_bias {token id: bias}
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         problems = []
@@ -74,6 +86,20 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             problems.append(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives per "
                             f"token), got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                problems.append(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            problems.append(f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got "
+                            f"{self.repetition_penalty!r}")
+        bias = self.logit_bias
+        if bias is not None and (not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS or not all(
+                _is_int(k) and k >= 0 and _is_real(v) and -100 <= v <= 100 for k, v in bias.items())):
+            problems.append(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids (integers >= 0) to numbers in "
+                            f"[-100, 100], got {_shown(bias)}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
+            problems.append(f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             problems.append(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if problems:
@@ -82,6 +108,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def for_sample(self, j: int) -> SamplingParams:
+        """The settings of answer j of n: one answer, seeded with seed + j (mod 2**63) when seeded."""
+        return replace(self, n=1, seed=None if self.seed is None else (self.seed + j) % 2**63)
 
 
 def _shown(value, limit: int = 200) -> str:

@@ -117,6 +117,8 @@ class Scheduler:
             request = self.waiting[0]
             if request.in_flight:  # preempted with a token on its way back: it recomputes once that has landed
                 break
+            if self._lead_prefilling(request):  # its prompt's pages are about to be cached: wait for them
+                break
             hit = self._cached_prefix(request)
             # new pages, plus the cached ones nobody holds: adopting those takes them out of the free count
             whole = self.pool.pages_for(request.prefill_len + self.lookahead) - len(hit)
@@ -126,12 +128,19 @@ class Scheduler:
             request.status = Status.RUNNING
             self.running.append(request)
             plan.admitted.append(request)
+            request.lead = None  # waited for it once; a later recompute shares what is cached by then
             if self.prefix_cache is not None:
                 self._adopt(request, hit)
             tokens = min(request.prefill_len - request.num_cached, budget)
             plan.prefill.append((request, tokens))
             planned += whole  # held back from later admissions in this step, though only a chunk runs now
             budget -= tokens
+
+    def _lead_prefilling(self, request: Request) -> bool:
+        """Whether the request's lead (another answer of its prompt) is still prefilling what it would share."""
+        lead = request.lead
+        return (self.prefix_cache is not None and lead is not None and lead.status is Status.RUNNING
+                and not lead.output_ids and not lead.finished)
 
     def _cached_prefix(self, request: Request) -> list:
         """The cached full pages the request's prefill starts with, short of its last token."""

@@ -21,6 +21,7 @@ from specdec.engine.acceptance import accept
 from specdec.engine.decoding import to_host
 from specdec.engine.drafter import Drafter
 from specdec.engine.logprobs import LogprobRows, TokenLogprob, wants_logprobs
+from specdec.engine.penalties import penalized
 from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
 from specdec.engine.tree_speculator import TreeDecoding
@@ -50,8 +51,10 @@ class SpeculativeDecoding:
         batch = len(running)
         self.logprobs = None
         nodes = self.tree.nodes_for(batch) if self.tree is not None else 0
-        # logprobs come from the rows of a chain's verify: a step with a request that asks verifies the whole chain
-        q = self.policy.block_size if wants_logprobs(running) else self.policy.choose(batch, nodes)
+        # logprobs and penalties work on the rows of a chain's verify: a step with a request that asks for either
+        # verifies the whole chain
+        chain_only = wants_logprobs(running) or any(penalized(r.params) for r in running)
+        q = self.policy.block_size if chain_only else self.policy.choose(batch, nodes)
         if q == TREE:
             tokens = self.tree.step(running, prefill)
             self.verify_length = self.tree.verify_length
@@ -64,7 +67,7 @@ class SpeculativeDecoding:
         drafts = self.drafter.propose(running)[:, :q - 1]  # [B, q-1] on the device
         out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], drafts, q,
                                      prefill)
-        targets = sample_block(out, running, q)
+        targets = sample_block(out, running, q, drafts)
         accepted, bonus = accept(drafts, targets.view(batch, q))
         rows = LogprobRows.start(out.logits, targets, running, q)  # committed token j is the target's at row j
         host = to_host(torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1), prefill)

@@ -56,17 +56,28 @@ class AsyncEngine:
         raise NotImplementedError
 
     # ---- callers -------------------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; leaving the loop early (or being cancelled) aborts it.
         Outputs that arrive while the caller is busy are merged, so a slow reader gets fewer, larger pieces."""
+        [stream] = self.generate_samples(prompt_ids, params)
+        return stream
+
+    def generate_samples(self, prompt_ids: list[int], params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
+        """The params.n answers of one prompt, each a `generate` stream (answer j seeded with seed + j). A stream
+        submits its request when first read: read them in order (the first one first), and the others share
+        its prefill."""
         if not self.healthy:
             raise RuntimeError("the engine is not running")
         self.bind_event_loop()
-        sid = next(self._ids)
+        sids = [next(self._ids) for _ in range(params.n)]
+        return [self._stream(sid, prompt_ids, params.for_sample(j), sids[0] if j else None) for j, sid in enumerate(sids)]
+
+    async def _stream(self, sid: int, prompt_ids: list[int], params: SamplingParams,
+                      lead: int | None) -> AsyncIterator[RequestOutput]:
         outputs: asyncio.Queue = asyncio.Queue()
         self._queues[sid] = outputs
         text = RequestText(prompt_ids, params, self.tokenizer)
-        self._send(Submit(sid, list(prompt_ids), engine_params(params)))
+        self._send(Submit(sid, list(prompt_ids), engine_params(params), lead))
         engine_done = False
         try:
             while True:

@@ -50,6 +50,7 @@ class Submit:
     sid: int
     prompt_ids: list[int]
     params: SamplingParams
+    lead: int | None = None  # another answer of the same prompt, submitted first (n > 1): it shares its prefill
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ class EngineLoop:
         return []
 
     def _submit(self, command: Submit) -> Outputs:
-        request = self.engine.add_request(command.prompt_ids, command.params)
+        lead = self._by_sid.get(command.lead) if command.lead is not None else None
+        request = self.engine.add_request(command.prompt_ids, command.params, lead.request if lead else None)
         live = _Live(command.sid, request)
         if request.finished:  # refused up front (e.g. the pool can never hold it)
             return [self._finish(live)]

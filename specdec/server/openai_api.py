@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import time
+from typing import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -28,6 +29,7 @@ from specdec.engine.request_limits import RequestLimits
 from specdec.engine.sampling_params import SamplingParams
 from specdec.server.async_engine import AsyncEngine
 from specdec.server.body_limit import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
+from specdec.server.engine_loop import RequestOutput
 from specdec.server.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -126,7 +128,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
             params = body.sampling_params(max_new)
         except ValueError as err:
             raise APIError(400, str(err)) from err
-        problem = limits.why_invalid(prompt_ids, params.max_new_tokens)
+        problem = limits.why_invalid(prompt_ids, params.max_new_tokens, params.logit_bias)
         if problem is not None:
             raise APIError(400, problem)
         return prompt_ids, params
@@ -134,11 +136,11 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
     async def answer(request: Request, body: GenerationFields, shape: ResponseShape, prompt_ids, params):
         if not engine.healthy:
             raise APIError(503, "the engine is not running", kind="service_unavailable")
-        outputs = engine.generate(prompt_ids, params)
+        outputs = merged(engine.generate_samples(prompt_ids, params))  # (choice index, output), n choices
         if body.stream:
-            return StreamingResponse(stream_events(outputs, shape, body.include_usage),
+            return StreamingResponse(stream_events(outputs, shape, body.include_usage, params.n),
                                      media_type="text/event-stream")
-        return await whole_answer(request, outputs, shape)
+        return await whole_answer(request, outputs, shape, params.n)
 
     return app
 
@@ -199,42 +201,86 @@ def check_lengths(limits: RequestLimits, prompt_len: int, max_tokens: int | None
     return max_tokens
 
 
-async def stream_events(outputs, shape: ResponseShape, include_usage: bool):
-    """Server-sent events: chunks as text comes, the finish reason, usage if asked, then [DONE]. Leaving
-    early (the client went away) closes `outputs`, which aborts the request."""
+async def merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of every choice's stream as (choice index, output) as they come. The streams are started in
+    order (the first submits the request the others share a prefill with); closing this closes them all,
+    which aborts what is still running."""
+    if len(streams) == 1:  # the usual case: no tasks
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for out in stream:
+                arrived.put_nowait((index, out))
+        finally:
+            arrived.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
     try:
-        first = shape.first_chunk()
-        if first is not None:
-            yield sse(first)
-        final = None
-        async for out in outputs:
+        ended = 0
+        while ended < len(streams):
+            index, out = await arrived.get()
+            if out is None:
+                ended += 1
+            else:
+                yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+def total_usage(finals: list[RequestOutput]) -> dict:
+    """One prompt for all choices; their completions added up; the cache as the first choice found it."""
+    return usage(finals[0].prompt_tokens, sum(f.completion_tokens for f in finals), finals[0].cached_tokens)
+
+
+async def stream_events(outputs, shape: ResponseShape, include_usage: bool, choices: int = 1):
+    """Server-sent events: chunks as text comes (each with its choice's index), each choice's finish reason,
+    usage if asked, then [DONE]. Leaving early (the client went away) closes `outputs`, which aborts the
+    requests."""
+    try:
+        for index in range(choices):
+            first = shape.first_chunk(index)
+            if first is not None:
+                yield sse(first)
+        finals: dict[int, RequestOutput] = {}
+        async for index, out in outputs:
             if out.finished and out.finish_reason in ("error", "abort"):
                 yield sse(error_body(out.error or "the request was aborted", "internal_server_error"))
                 break
             if out.text or out.finished or out.logprobs:
-                yield sse(shape.chunk(out.text, out.finish_reason if out.finished else None, out.logprobs))
+                yield sse(shape.chunk(out.text, out.finish_reason if out.finished else None, out.logprobs, index))
             if out.finished:
-                final = out
-        if final is not None and include_usage:
-            yield sse(shape.usage_chunk(usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens)))
+                finals[index] = out
+        if len(finals) == choices and include_usage:
+            yield sse(shape.usage_chunk(total_usage([finals[i] for i in range(choices)])))
         yield "data: [DONE]\n\n"
     finally:
         await outputs.aclose()
 
 
-async def whole_answer(request: Request, outputs, shape: ResponseShape):
-    """Collect the whole text, unless the client disconnects first (then the request is aborted)."""
+async def whole_answer(request: Request, outputs, shape: ResponseShape, choices: int = 1):
+    """Collect every choice's whole text, unless the client disconnects first (then the requests are aborted)."""
 
     async def collect():
-        text, logprobs, final = [], [], None
+        texts, logprobs, finals = [[] for _ in range(choices)], [[] for _ in range(choices)], [None] * choices
         try:
-            async for out in outputs:
-                text.append(out.text)
-                logprobs += out.logprobs or []
-                final = out
+            async for index, out in outputs:
+                texts[index].append(out.text)
+                logprobs[index] += out.logprobs or []
+                finals[index] = out
         finally:
             await outputs.aclose()
-        return "".join(text), logprobs, final
+        return ["".join(t) for t in texts], logprobs, finals
 
     collecting = asyncio.ensure_future(collect())
     watching = asyncio.ensure_future(wait_for_disconnect(request))
@@ -247,12 +293,15 @@ async def whole_answer(request: Request, outputs, shape: ResponseShape):
             await asyncio.gather(collecting, return_exceptions=True)  # ... once that has run
     if collecting.cancelled():
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    text, logprobs, final = collecting.result()
-    if final.finish_reason in ("error", "abort"):
-        return JSONResponse(error_body(final.error or "the request was aborted", "internal_server_error"),
-                            status_code=500 if final.finish_reason == "error" else 503)
-    return shape.whole(text, final.finish_reason, usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens),
-                       logprobs)
+    texts, logprobs, finals = collecting.result()
+    failed = next((f for f in finals if f is None or f.finish_reason in ("error", "abort")), False)
+    if failed is not False:
+        reason = failed.finish_reason if failed is not None else "abort"
+        return JSONResponse(error_body((failed.error if failed is not None else None) or "the request was aborted",
+                                       "internal_server_error"), status_code=500 if reason == "error" else 503)
+    asked = shape.token_text is not None
+    return shape.whole([(text, final.finish_reason, lp if asked else None)
+                        for text, final, lp in zip(texts, finals, logprobs)], total_usage(finals))
 
 
 async def wait_for_disconnect(request: Request) -> None:

@@ -1,6 +1,6 @@
 """The OpenAI API's request bodies (pydantic), their checks, and the JSON the server answers with.
 
-Fields the engine cannot honour (n > 1, penalties, echo, tools) are refused with a 400 that names the
+Fields the engine cannot honour (echo, suffix, tools, structured output) are refused with a 400 that names the
 field, rather than silently ignored; unknown extra fields are ignored, as OpenAI does. `logprobs` are
 answered in each endpoint's own format (`ResponseShape`).
 """
@@ -57,6 +57,8 @@ class GenerationFields(BaseModel):
     ignore_eos: StrictBool = False  # an extension (vLLM's)
     presence_penalty: StrictFloat = 0.0
     frequency_penalty: StrictFloat = 0.0
+    repetition_penalty: StrictFloat = 1.0  # an extension (vLLM's)
+    logit_bias: dict[str, StrictFloat] | None = None  # {token id as a string: bias}, as OpenAI's
     user: str | None = None
 
     @property
@@ -65,12 +67,15 @@ class GenerationFields(BaseModel):
 
     def unsupported(self) -> list[str]:
         """Fields set to something the engine cannot do."""
-        found = []
-        if self.n != 1:
-            found.append("n (only n=1 is supported)")
-        if self.presence_penalty or self.frequency_penalty:
-            found.append("presence_penalty/frequency_penalty (penalties are not supported)")
-        return found
+        return []
+
+    def token_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
 
     def logprobs_wanted(self) -> int | None:
         """Alternatives per token the answer carries logprobs with (None: no logprobs)."""
@@ -79,7 +84,9 @@ class GenerationFields(BaseModel):
     def sampling_params(self, max_new_tokens: int) -> SamplingParams:
         """Raises ValueError naming every bad value (SamplingParams checks them all)."""
         top_k = self.top_k if self.top_k is not None else 0
-        return SamplingParams(max_new_tokens=max_new_tokens, logprobs=self.logprobs_wanted(),
+        return SamplingParams(max_new_tokens=max_new_tokens, logprobs=self.logprobs_wanted(), n=self.n,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, logit_bias=self.token_bias(),
                               temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if top_k == -1 else top_k,
                               seed=self.seed, stop=None if self.stop in (None, []) else self.stop,
@@ -155,9 +162,9 @@ class ResponseShape:
         self.chat, self.model, self.token_text = chat, model, token_text
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.text_offset = 0  # completions: where the next token's text starts in the answer
+        self.text_offsets: dict[int, int] = {}  # completions: where choice i's next token's text starts
 
-    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+    def logprobs(self, entries: list[TokenLogprob] | None, index: int = 0) -> dict | None:
         """OpenAI's logprobs object for these tokens: chat's {"content": [...]}, or completions' parallel lists."""
         if self.token_text is None or entries is None:
             return None
@@ -170,8 +177,8 @@ class ResponseShape:
         texts = [self.token_text(e.token) for e in entries]
         offsets = []
         for text in texts:
-            offsets.append(self.text_offset)
-            self.text_offset += len(text)
+            offsets.append(self.text_offsets.get(index, 0))
+            self.text_offsets[index] = offsets[-1] + len(text)
         return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
                 "text_offset": offsets}
@@ -182,27 +189,30 @@ class ResponseShape:
             body["usage"] = usage
         return body
 
-    def whole(self, text: str, finish_reason: str, usage: dict, logprobs: list[TokenLogprob] | None = None) -> dict:
+    def whole(self, choices: list[tuple[str, str, list[TokenLogprob] | None]], usage: dict) -> dict:
+        """The whole answer: one choice per (text, finish reason, logprobs), in order."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(logprobs),
-                      "finish_reason": finish_reason}
-            return self._envelope("chat.completion", [choice], usage)
-        choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice], usage)
+            return self._envelope("chat.completion", [
+                {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(logprobs, i),
+                 "finish_reason": reason} for i, (text, reason, logprobs) in enumerate(choices)], usage)
+        return self._envelope("text_completion", [
+            {"index": i, "text": text, "logprobs": self.logprobs(logprobs, i), "finish_reason": reason}
+            for i, (text, reason, logprobs) in enumerate(choices)], usage)
 
-    def first_chunk(self) -> dict | None:
+    def first_chunk(self, index: int = 0) -> dict | None:
         """Chat streams open with the assistant's role (as OpenAI's do); completions have no opening chunk."""
         if not self.chat:
             return None
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return self._envelope("chat.completion.chunk", [choice])
 
-    def chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None) -> dict:
+    def chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None,
+              index: int = 0) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": self.logprobs(logprobs),
-                      "finish_reason": finish_reason}
+            choice = {"index": index, "delta": {"content": text} if text else {},
+                      "logprobs": self.logprobs(logprobs, index), "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": self.logprobs(logprobs, index), "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, usage: dict) -> dict:

@@ -11,6 +11,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from specdec import LLM, SamplingParams
 from tests.drafter_helpers import ScriptedDrafter, build_random_drafter
@@ -40,8 +41,8 @@ def drafter_dir(tmp_path_factory):
     return path
 
 
-def compare(ar_llm, spec_llm, label):
-    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+def compare(ar_llm, spec_llm, label, params=None):
+    params = params or SamplingParams(max_new_tokens=NEW_TOKENS)
     ar = ar_llm.generate(PROMPTS, params, chat=True)
     spec = spec_llm.generate(PROMPTS, params, chat=True)
     divergences = []
@@ -54,6 +55,9 @@ def compare(ar_llm, spec_llm, label):
             divergences.append({"prompt": i, "position": pos, "kind": "length"})
             continue
         logits = ar_llm.engine.next_token_logits(a.prompt_token_ids + a.token_ids[:pos])
+        if params.frequency_penalty:  # the logits the engine chose from
+            previous = torch.tensor(a.token_ids[:pos], dtype=torch.long, device=logits.device)
+            logits = logits - params.frequency_penalty * torch.bincount(previous, minlength=logits.numel()).float()
         gap = (logits[a.token_ids[pos]] - logits[s.token_ids[pos]]).item()
         divergences.append({"prompt": i, "position": pos, "ar_token": a.token_ids[pos],
                             "spec_token": s.token_ids[pos], "logit_gap": gap})
@@ -151,8 +155,6 @@ def test_logprobs_with_graphs_match_plain_decoding_and_a_direct_forward(drafter_
     target's own next-token logits, up to bf16's rounding, wherever both engines chose the same tokens: bf16
     logits near 16-32 are 0.125 apart, so two kernels may differ by that (measured: 0.125 at most); a row
     taken from the wrong position is off by whole units."""
-    import torch
-
     params = SamplingParams(max_new_tokens=24, logprobs=5)
     ar_llm = LLM(MODEL, device="cuda", num_kv_pages=2048, attention_backend="flashinfer")
     spec_llm = LLM(MODEL, drafter=drafter_dir, device="cuda", num_kv_pages=2048, attention_backend="flashinfer")
@@ -167,3 +169,15 @@ def test_logprobs_with_graphs_match_plain_decoding_and_a_direct_forward(drafter_
         direct = torch.log_softmax(ar_llm.engine.next_token_logits(a.prompt_token_ids), dim=-1)
         assert abs(direct[a.token_ids[0]].item() - a.logprobs[0].logprob) <= LOGIT_STEP
     assert checked >= len(PROMPTS) * 4
+
+
+def test_penalized_speculative_output_equals_penalized_plain_output(drafter_dir):
+    """Frequency penalties on the verify rows (counts along the draft, CUDA graphs): greedy speculative output
+    equals greedy plain output with the same penalty, near-ties aside."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, frequency_penalty=1.0)
+    ar_llm = LLM(MODEL, device="cuda", num_kv_pages=2048, attention_backend="flashinfer")
+    spec_llm = LLM(MODEL, drafter=drafter_dir, device="cuda", num_kv_pages=2048, attention_backend="flashinfer")
+    penalized = compare(ar_llm, spec_llm, "dflash-random-penalized", params)
+    plain = ar_llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS), chat=True)
+    assert [r.token_ids for r in penalized] != [r.token_ids for r in plain]  # the penalty changed the answers
+

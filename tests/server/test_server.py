@@ -219,6 +219,66 @@ def test_bad_logprobs_requests_get_a_400(server, body, message):
     assert answer.status_code == 400 and message in answer.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_choices_are_the_librarys_answers_seeded_with_seed_plus_j(server, client, reference, stream):
+    """n = 3 sampled answers: choice j is the library's single answer seeded with seed + j (whole and streamed,
+    each streamed chunk naming its choice); usage counts the prompt once and every choice's tokens."""
+    prompt = PROMPTS[2]
+    want = [library_text(reference, prompt, True, max_new_tokens=12, temperature=0.9, seed=40 + j) for j in range(3)]
+    messages = [{"role": "user", "content": prompt}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0.9, seed=40, n=3)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+        texts, reasons = ["", "", ""], [None] * 3
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+                reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+        answer_usage = chunks[-1].usage
+    else:
+        whole = client.chat.completions.create(**kwargs)
+        assert [c.index for c in whole.choices] == [0, 1, 2]
+        texts = [c.message.content for c in whole.choices]
+        reasons = [c.finish_reason for c in whole.choices]
+        answer_usage = whole.usage
+    assert texts == [w[0] for w in want] and reasons == [w[1] for w in want]
+    assert answer_usage.completion_tokens == sum(w[2] for w in want)
+    assert len(set(texts)) > 1
+    assert_pools_full(server)
+
+
+def test_a_client_leaving_an_answer_of_n_choices_aborts_them_all(server):
+    aborts = finished_count(server, "abort")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 120,
+            "temperature": 1.0, "n": 3, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=30) as answer:
+        assert answer.status_code == 200
+        seen = 0
+        for line in answer.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 6:  # the three opening chunks and some text
+                break
+    assert seen >= 6
+    assert_pools_full(server)
+    assert finished_count(server, "abort") == aborts + 3  # none ran on to its 120 tokens
+
+
+def test_penalties_and_bias_are_the_librarys(server, client, reference):
+    """presence/frequency (OpenAI's), repetition (vLLM's) and logit_bias reach the engine as the library's."""
+    penalties = dict(presence_penalty=0.8, frequency_penalty=1.2, repetition_penalty=1.4)
+    want, _, _ = library_text(reference, PROMPTS[0], False, max_new_tokens=12, temperature=0.0, **penalties,
+                              logit_bias={30: 2.0})
+    answer = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                       presence_penalty=0.8, frequency_penalty=1.2, logit_bias={"30": 2.0},
+                                       extra_body={"repetition_penalty": 1.4})
+    assert answer.choices[0].text == want
+    assert want != library_text(reference, PROMPTS[0], False, max_new_tokens=12, temperature=0.0)[0]
+    bad = httpx.post(f"{server.base_url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                                 "logit_bias": {"ten": 1.0}})
+    assert bad.status_code == 400 and "logit_bias" in bad.json()["error"]["message"]
+    assert_pools_full(server)
+
+
 def metric_value(server, name: str) -> float:
     for line in httpx.get(f"{server.base_url}/metrics").text.splitlines():
         if line.startswith(name + " "):
@@ -277,7 +337,8 @@ def bad_bodies() -> list[tuple[str, dict | str, int, str]]:
         ("/v1/chat/completions", {**chat, "top_p": 1.5}, 400, "top_p"),
         ("/v1/chat/completions", {**chat, "top_k": -5}, 400, "top_k"),
         ("/v1/chat/completions", {**chat, "seed": -1}, 400, "seed"),
-        ("/v1/chat/completions", {**chat, "n": 2}, 400, "n"),
+        ("/v1/chat/completions", {**chat, "n": 0}, 400, "n must be"),
+        ("/v1/chat/completions", {**chat, "n": 65}, 400, "n must be"),
         ("/v1/chat/completions", {**chat, "top_logprobs": 2}, 400, "logprobs"),
         ("/v1/completions", {**done, "logprobs": 21}, 400, "logprobs"),
         ("/v1/completions", {**done, "echo": True}, 400, "echo"),
@@ -510,9 +571,14 @@ def test_command_line_refuses_a_missing_model(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error:") and "nowhere" in r.stderr
 
 
-def test_logprobs_cross_the_engine_process(served, reference):
-    """`specdec-serve` as users run it (the engine in its own process): logprobs arrive as the library's."""
+def test_logprobs_and_n_cross_the_engine_process(served, reference):
+    """`specdec-serve` as users run it (the engine in its own process): logprobs and n answers arrive as the
+    library's."""
     client = openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="none", max_retries=0, timeout=60)
     [lib] = reference.generate([PROMPTS[3]], SamplingParams(max_new_tokens=8, logprobs=1), chat=False)
     answer = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=8, temperature=0, logprobs=1)
     assert answer.choices[0].logprobs.token_logprobs == pytest.approx([t.logprob for t in lib.logprobs], abs=1e-4)
+    want = [library_text(reference, PROMPTS[5], False, max_new_tokens=8, temperature=1.0, seed=9 + j)[0]
+            for j in range(2)]
+    two = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=8, temperature=1.0, seed=9, n=2)
+    assert [c.text for c in two.choices] == want
