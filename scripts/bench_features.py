@@ -5,8 +5,8 @@ under load, speculation on.
     python scripts/bench_features.py --quick --out /tmp/features.json        # CPU smoke run
 
 Each concurrency C runs the same --requests chat prompts (math500 and coding requests alternating,
-scripts/bench/chat_prompts.py) greedily with `max_num_seqs` = C, once per feature: `plain` (no extra)
-and `logprobs` (SamplingParams.logprobs = 5). A warm-up call comes first; every feature runs --repeats
+scripts/bench/chat_prompts.py) greedily with `max_num_seqs` = C, once per feature: `plain` (no extra),
+`logprobs` (SamplingParams.logprobs = 5) and `penalties` (frequency and presence penalties of 0.5). A warm-up call comes first; every feature runs --repeats
 times and the median is reported.
 """
 
@@ -30,7 +30,7 @@ from scripts.bench.random_models import TINY_SHAPE, random_target  # noqa: E402
 from scripts.bench.runner import environment, release_memory  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 
-FEATURES = {"plain": {}, "logprobs": {"logprobs": 5}}
+FEATURES = {"plain": {}, "logprobs": {"logprobs": 5}, "penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.5}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

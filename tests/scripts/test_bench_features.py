@@ -9,7 +9,7 @@ def test_quick_run_reports_each_feature_at_each_concurrency(tmp_path, capsys):
     out = tmp_path / "features.json"
     assert bench_features.main(["--quick", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["concurrency"], r["feature"]) for r in rows] == [(1, "plain"), (1, "logprobs"), (4, "plain"),
-                                                                 (4, "logprobs")]
+    assert [(r["concurrency"], r["feature"]) for r in rows] == [
+        (c, f) for c in (1, 4) for f in ("plain", "logprobs", "penalties")]
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert "| 4 | logprobs |" in capsys.readouterr().out
