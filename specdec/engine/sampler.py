@@ -100,9 +100,10 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor | None, requests: lis
         index = upload((np.asarray(chosen)[:, None] * rows_per_request + np.arange(rows_per_request)).reshape(-1),
                        logits.device)
         picked = [requests[i] for i in chosen]
-        source = logits[index] if rows_of is None else torch.cat([
-            rows_of(logits[i * rows_per_request:(i + 1) * rows_per_request], requests[i],
-                    drafts[i] if drafts is not None else None) for i in chosen])
+        source = logits[index]
+        if rows_of is not None:
+            source = rows_of(source, picked, drafts[upload(np.asarray(chosen), logits.device)]
+                             if drafts is not None else None)
         tokens[index] = sample_batch(source, [rows_per_request] * len(chosen), [r.params for r in picked],
                                      [r.generator for r in picked])
     return tokens

@@ -106,3 +106,26 @@ def test_a_bias_outside_the_vocabulary_fails_the_request_alone(target_dir):
     engine = tiny_engine(target_dir, eos=())
     request = engine.add_request(MANY_PROMPTS[0], SamplingParams(logit_bias={10**6: 1.0}))
     assert request.finish_reason == "error" and "outside the vocabulary" in request.error
+
+
+def test_requests_penalized_together_or_in_chunks_get_the_same_rows(monkeypatch):
+    """The batched penalties equal one request at a time, chunks of requests, and leave the logits given alone."""
+    from types import SimpleNamespace
+
+    import specdec.engine.penalties as penalties
+
+    torch.manual_seed(0)
+    vocab, rows, count = 50, 4, 5
+    requests = [SimpleNamespace(params=SamplingParams(frequency_penalty=0.3 * i, presence_penalty=0.1,
+                                                      repetition_penalty=1.0 + 0.1 * i,
+                                                      logit_bias={3: float(i)} if i % 2 else None),
+                                output_ids=[1, 2, 2, 5 + i][:i], prompt_ids=[7, 8, i]) for i in range(count)]
+    logits, drafts = torch.randn(count * rows, vocab), torch.randint(0, vocab, (count, rows - 1))
+    given = logits.clone()
+    together = penalties.penalized_rows(logits, requests, drafts)
+    assert torch.equal(logits, given)
+    alone = torch.cat([penalties.penalized_rows(logits[i * rows:(i + 1) * rows], [r], drafts[i:i + 1])
+                       for i, r in enumerate(requests)])
+    monkeypatch.setattr(penalties, "CHUNK_BYTES", rows * vocab * 4 * 2)
+    chunked = penalties.penalized_rows(logits, requests, drafts)
+    assert torch.allclose(together, alone) and torch.allclose(together, chunked)
