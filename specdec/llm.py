@@ -36,6 +36,8 @@ class GenerationResult:
     error: str | None = None
     # with SamplingParams.logprobs: the target's log-probability of each generated token and its alternatives
     logprobs: list[TokenLogprob] | None = None
+    # with SamplingParams.prompt_logprobs: each prompt token's (None for the first)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -163,4 +165,4 @@ class LLM:
     def _result(self, prompt: Prompt, request: Request) -> GenerationResult:
         return GenerationResult(prompt, request.prompt_ids, list(request.output_ids),
                                 final_text(self.tokenizer, request), request.finish_reason, request.stats, request.error,
-                                request.output_logprobs)
+                                request.output_logprobs, request.prompt_logprobs)

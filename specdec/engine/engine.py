@@ -37,7 +37,7 @@ from specdec.engine.config import EngineConfig, full_precision_layer_list
 from specdec.engine.decoding import DecodePhase, PlainDecoding
 from specdec.engine.drafter import DraftContext
 from specdec.engine.flight import Flight
-from specdec.engine.logprobs import LogprobRows, TokenLogprob, wants_logprobs
+from specdec.engine.logprobs import LogprobRows, TokenLogprob, unpack, wants_logprobs
 from specdec.engine.request import Request
 from specdec.engine.request_limits import RequestLimits
 from specdec.engine.penalties import penalized
@@ -49,6 +49,7 @@ from specdec.engine.tree_speculator import CANDIDATES_PER_POSITION, TreeDecoding
 from specdec.engine.verify_policy import TREE, StepCosts, VerifyPolicy, verify_lengths
 from specdec.models.kv_precision import calibrated_fp8_errors, full_precision_layers
 from specdec.models.loader import LoadedTarget
+from specdec.models.logprobs import packed_logprobs
 from specdec.runtime.cuda_graphs import collector_paused, ladder_sizes
 from specdec.runtime.model_runner import GraphMemory
 from specdec.runtime.target_runner import TREE_GRAPH_MAX_BATCH, TREE_STEP, PrefillChunks, TargetRunner
@@ -139,6 +140,7 @@ class Engine:
                                    self.prefix_cache)
         self.limits = RequestLimits(self.max_context, mc.vocab_size, self.num_pages, config.page_size, lookahead)
         self._next_id = 0
+        self._echo: list[tuple[Request, int, int]] = []  # a step's prompt-logprob rows: (request, first row, count)
         self.graph_capture_seconds: float | None = None
         self.graph_memory_bytes = 0
         # calibrated FP8 scales are baked into the graphs: capture after the first prefill has set them
@@ -465,7 +467,36 @@ class Engine:
         prefill = PrefillChunks([r.target_pages for r, _ in chunks], ids, lens, (np.cumsum(lens) - 1)[first])
         if starting:
             prefill.sample_first = lambda logits: sample_rows(logits, None, starting, 1)
+        self._plan_prompt_logprobs(prefill, chunks)
         return prefill, starting
+
+    def _plan_prompt_logprobs(self, prefill: PrefillChunks, chunks: list[tuple[Request, int]]) -> None:
+        """The chunk rows whose logits give the prompt logprobs a request asked for: row k of a chunk starting at
+        position s predicts prompt token s + k + 1 (the row of the prompt's last token predicts the first output
+        token, whose logprob is the output's)."""
+        rows, self._echo = [], []
+        for (request, n), offset in zip(chunks, np.cumsum([0] + [n for _, n in chunks])):
+            start, wanted = request.num_cached, request.prompt_logprobs
+            if wanted is None or len(wanted) != start + 1:  # none asked, or recorded before a preemption
+                continue
+            count = min(n, len(request.prompt_ids) - 1 - start)
+            if count > 0:
+                self._echo.append((request, len(rows), count))
+                rows.extend(range(offset, offset + count))
+        prefill.echo_rows = np.asarray(rows, dtype=np.int64)
+
+    def _record_prompt_logprobs(self, prefill: PrefillChunks) -> None:
+        """After the chunks' forward: each planned request's prompt logprobs (one host transfer)."""
+        if not self._echo:
+            return
+        targets = [t for request, _, count in self._echo
+                   for t in request.prompt_ids[len(request.prompt_logprobs):len(request.prompt_logprobs) + count]]
+        k = max(request.params.prompt_logprobs for request, _, _ in self._echo)
+        host = packed_logprobs(prefill.echo_logits, self.ids_tensor(targets), k).tolist()
+        for request, first, count in self._echo:
+            request.prompt_logprobs.extend(unpack(row, k, request.params.prompt_logprobs, token) for row, token in
+                                           zip(host[first:first + count], targets[first:first + count]))
+        self._echo = []
 
     def _prefill(self, chunks: list[tuple[Request, int]], on_commit: OnCommit) -> None:
         """A step with prompt chunks only: one forward over them."""
@@ -476,8 +507,9 @@ class Engine:
 
     def _prefilled(self, chunks: list[tuple[Request, int]], prefill: PrefillChunks, starting: list[Request],
                    on_commit: OnCommit) -> None:
-        """After the chunks' forward: the drafter's context grows by their features, and each request of
-        `starting` (its prompt now complete) commits its first token."""
+        """After the chunks' forward: prompt logprobs where asked, the drafter's context grows by their
+        features, and each request of `starting` (its prompt now complete) commits its first token."""
+        self._record_prompt_logprobs(prefill)
         requests = [r for r, _ in chunks]
         if self.drafter is not None:
             for request in requests:
@@ -505,6 +537,8 @@ class Engine:
             self._capture_graphs_if_due()
             prefill, starting = self._prefill_chunks(chunks) if chunks else (None, [])
             launched = Flight.launch(self.decoding, running, prefill, starting, self.flight, self.device)
+            if prefill is not None:
+                self._record_prompt_logprobs(prefill)  # waits for this step, only when a request asked
         previous, self.flight = self.flight, launched
         if previous is not None:
             previous.land(lambda request, token, logprob: self.commit(

@@ -22,7 +22,7 @@ from specdec.models.logprobs import packed_logprobs
 @dataclass(frozen=True)
 class TokenLogprob:
     token: int
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token (echo): nothing precedes it
     top: tuple[tuple[int, float], ...] = ()  # the most likely tokens at the position and theirs, most likely first
 
 

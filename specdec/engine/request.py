@@ -53,6 +53,8 @@ class Request:
     flight_row: int = -1  # where that token sits in its step's device tokens
     # one per output token when params.logprobs is set (None otherwise)
     output_logprobs: list[TokenLogprob] | None = None
+    # with params.prompt_logprobs: one per prompt token, None for the first (nothing precedes it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # another answer of the same prompt (n > 1): with a prefix cache, this one is admitted once the lead's
     # prefill is done, and shares its prompt pages instead of prefilling them too
     lead: Request | None = field(default=None, repr=False)
@@ -64,6 +66,8 @@ class Request:
         self.stats.arrival_time = time.perf_counter()
         if self.params.logprobs is not None and self.output_logprobs is None:
             self.output_logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def finished(self) -> bool:

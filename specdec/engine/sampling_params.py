@@ -46,6 +46,10 @@ class SamplingParams:
     # answers per prompt: n requests of one prompt, sample j seeded with seed + j (when seeded); they share
     # the prompt's prefill through the prefix cache
     n: int = 1
+    # the target's log-probability of each prompt token after the first, and of its `prompt_logprobs` most
+    # likely alternatives (0 to 20; the API's echo + logprobs); None: none. Such a request prefills its whole
+    # prompt (no prefix cache hit), in chunks of at most 512 tokens
+    prompt_logprobs: int | None = None
     # penalties and bias on the target's logits (specdec/engine/penalties.py): presence and frequency as
     # OpenAI's ([-2, 2]), repetition as vLLM's (1 = off; > 1 discourages repeats), logit_bias {token id: bias}
     presence_penalty: float = 0.0
@@ -98,6 +102,10 @@ class SamplingParams:
                 _is_int(k) and k >= 0 and _is_real(v) and -100 <= v <= 100 for k, v in bias.items())):
             problems.append(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids (integers >= 0) to numbers in "
                             f"[-100, 100], got {_shown(bias)}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            problems.append(f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got "
+                            f"{self.prompt_logprobs!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
             problems.append(f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):

@@ -29,6 +29,8 @@ from attention.page_pool import PagePool
 from attention.prefix_cache import PrefixCache
 from specdec.engine.request import Request, Status
 
+PROMPT_LOGPROBS_CHUNK = 512  # prompt rows per step of a request that wants their logprobs (logits of each row)
+
 
 @dataclass
 class StepPlan:
@@ -85,7 +87,7 @@ class Scheduler:
             if request.finished or (request.in_flight and not request.can_take_more):
                 i += 1
                 continue
-            tokens = self.lookahead if request.decoding else min(request.prefill_len - request.num_cached, budget)
+            tokens = self.lookahead if request.decoding else self._chunk(request, budget)
             if tokens == 0:  # a prefill that finds the step's budget spent waits for the next step
                 i += 1
                 continue
@@ -131,10 +133,17 @@ class Scheduler:
             request.lead = None  # waited for it once; a later recompute shares what is cached by then
             if self.prefix_cache is not None:
                 self._adopt(request, hit)
-            tokens = min(request.prefill_len - request.num_cached, budget)
+            tokens = self._chunk(request, budget)
             plan.prefill.append((request, tokens))
             planned += whole  # held back from later admissions in this step, though only a chunk runs now
             budget -= tokens
+
+    @staticmethod
+    def _chunk(request: Request, budget: int) -> int:
+        """The prefill tokens a request runs this step: the rest of its prefill within the budget; a request
+        that wants its prompt's logprobs takes at most PROMPT_LOGPROBS_CHUNK (each of its rows' logits)."""
+        tokens = min(request.prefill_len - request.num_cached, budget)
+        return min(tokens, PROMPT_LOGPROBS_CHUNK) if request.params.prompt_logprobs is not None else tokens
 
     def _lead_prefilling(self, request: Request) -> bool:
         """Whether the request's lead (another answer of its prompt) is still prefilling what it would share."""
@@ -144,7 +153,7 @@ class Scheduler:
 
     def _cached_prefix(self, request: Request) -> list:
         """The cached full pages the request's prefill starts with, short of its last token."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or request.params.prompt_logprobs is not None:  # every prompt row must run
             return []
         return self.prefix_cache.match(request.token_slice(0, request.prefill_len - 1))
 

@@ -18,7 +18,7 @@ until the next forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -84,6 +84,9 @@ class PrefillChunks:
     # that they reach the host in the step's one transfer
     sample_first: Callable[[torch.Tensor], torch.Tensor] | None = None
     out: ForwardOutput | None = None  # set by the step: features of every chunk row, logits of logits_rows
+    # rows whose logits give prompt logprobs (counted within the chunks), and those logits, set by the step
+    echo_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    echo_logits: torch.Tensor | None = None
     first_tokens: list[int] | None = None  # set by the step's transfer
 
     def read_first_tokens(self) -> None:
@@ -272,8 +275,11 @@ class TargetRunner(ModelRunner):
             torch.argmax(self.logits_out[:n], dim=-1, out=self.greedy_out[:n])
         if prefill is None:
             return self._block_output(n)
-        rows = prefill.logits_rows
-        logits = self.model.logits(hidden[n + upload(rows.astype(np.int64), self.device)]) if len(rows) else None
+        rows = np.concatenate([prefill.logits_rows, prefill.echo_rows]).astype(np.int64)
+        logits = self.model.logits(hidden[n + upload(rows, self.device)]) if len(rows) else None
+        if len(prefill.echo_rows):
+            first = len(prefill.logits_rows)
+            logits, prefill.echo_logits = (logits[:first] if first else None), logits[first:]
         features = self.features_out[n:total] if self.features_out is not None else None
         prefill.out = ForwardOutput(logits, features)
         return self._block_output(n)

@@ -144,7 +144,8 @@ def merge(items: list[RequestOutput]) -> RequestOutput:
     last = items[-1]
     return RequestOutput("".join(o.text for o in items), [t for o in items for t in o.token_ids], last.finished,
                          last.finish_reason, last.error, last.prompt_tokens, last.completion_tokens, last.cached_tokens,
-                         None if all(o.logprobs is None for o in items) else [e for o in items for e in o.logprobs or []])
+                         None if all(o.logprobs is None for o in items) else [e for o in items for e in o.logprobs or []],
+                         next((o.prompt_logprobs for o in items if o.prompt_logprobs is not None), None))
 
 
 class ThreadedEngine(AsyncEngine):

@@ -43,6 +43,7 @@ class RequestOutput:
     completion_tokens: int = 0  # tokens so far
     cached_tokens: int = 0  # prompt tokens the prefix cache held (not prefilled)
     logprobs: list[TokenLogprob] | None = None  # the new tokens', when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a request's first output, when it asked (echo)
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,8 @@ class EngineLoop:
                                                 request.error))
 
     def _output(self, live: _Live, out: RequestOutput) -> tuple[int, RequestOutput]:
+        if live.tokens_sent == 0:
+            out.prompt_logprobs = live.request.prompt_logprobs
         asked = live.request.output_logprobs
         if asked is not None:
             out.logprobs = asked[live.tokens_sent:live.tokens_sent + len(out.token_ids)]

@@ -100,7 +100,10 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
     async def completions(body: CompletionRequest, request: Request):
         prompt_ids = await asyncio.to_thread(completion_prompt_ids, engine.tokenizer, body.prompt)
         prepared = prepare(body, prompt_ids, body.max_tokens)
-        return await answer(request, body, ResponseShape(False, model_name, token_text(prepared[1])), *prepared)
+        shape = ResponseShape(False, model_name, token_text(prepared[1]))
+        if body.echo:  # the answer starts with the prompt (and its logprobs, when asked)
+            shape.echo = (await asyncio.to_thread(engine.tokenizer.decode, prompt_ids), prompt_ids)
+        return await answer(request, body, shape, *prepared)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -253,12 +256,15 @@ async def stream_events(outputs, shape: ResponseShape, include_usage: bool, choi
             if first is not None:
                 yield sse(first)
         finals: dict[int, RequestOutput] = {}
+        started: set[int] = set()
         async for index, out in outputs:
             if out.finished and out.finish_reason in ("error", "abort"):
                 yield sse(error_body(out.error or "the request was aborted", "internal_server_error"))
                 break
-            if out.text or out.finished or out.logprobs:
-                yield sse(shape.chunk(out.text, out.finish_reason if out.finished else None, out.logprobs, index))
+            text, logprobs = shape.echoed(out, index not in started)
+            started.add(index)
+            if text or out.finished or logprobs:
+                yield sse(shape.chunk(text, out.finish_reason if out.finished else None, logprobs, index))
             if out.finished:
                 finals[index] = out
         if len(finals) == choices and include_usage:
@@ -275,8 +281,9 @@ async def whole_answer(request: Request, outputs, shape: ResponseShape, choices:
         texts, logprobs, finals = [[] for _ in range(choices)], [[] for _ in range(choices)], [None] * choices
         try:
             async for index, out in outputs:
-                texts[index].append(out.text)
-                logprobs[index] += out.logprobs or []
+                text, entries = shape.echoed(out, finals[index] is None)
+                texts[index].append(text)
+                logprobs[index] += entries or []
                 finals[index] = out
         finally:
             await outputs.aclose()

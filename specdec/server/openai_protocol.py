@@ -1,6 +1,6 @@
 """The OpenAI API's request bodies (pydantic), their checks, and the JSON the server answers with.
 
-Fields the engine cannot honour (echo, suffix, tools, structured output) are refused with a 400 that names the
+Fields the engine cannot honour (suffix, tools, structured output) are refused with a 400 that names the
 field, rather than silently ignored; unknown extra fields are ignored, as OpenAI does. `logprobs` are
 answered in each endpoint's own format (`ResponseShape`).
 """
@@ -81,10 +81,15 @@ class GenerationFields(BaseModel):
         """Alternatives per token the answer carries logprobs with (None: no logprobs)."""
         return None
 
+    def prompt_logprobs_wanted(self) -> int | None:
+        """Alternatives per prompt token (completions' echo with logprobs; None: none)."""
+        return None
+
     def sampling_params(self, max_new_tokens: int) -> SamplingParams:
         """Raises ValueError naming every bad value (SamplingParams checks them all)."""
         top_k = self.top_k if self.top_k is not None else 0
         return SamplingParams(max_new_tokens=max_new_tokens, logprobs=self.logprobs_wanted(), n=self.n,
+                              prompt_logprobs=self.prompt_logprobs_wanted(),
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logit_bias=self.token_bias(),
                               temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
@@ -102,10 +107,11 @@ class CompletionRequest(GenerationFields):
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
 
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     def unsupported(self) -> list[str]:
         found = super().unsupported()
-        if self.echo:
-            found.append("echo")
         if self.suffix:
             found.append("suffix")
         return found
@@ -163,6 +169,7 @@ class ResponseShape:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.text_offsets: dict[int, int] = {}  # completions: where choice i's next token's text starts
+        self.echo: tuple[str, list[int]] | None = None  # completions' echo: the prompt's text and token ids
 
     def logprobs(self, entries: list[TokenLogprob] | None, index: int = 0) -> dict | None:
         """OpenAI's logprobs object for these tokens: chat's {"content": [...]}, or completions' parallel lists."""
@@ -180,8 +187,20 @@ class ResponseShape:
             offsets.append(self.text_offsets.get(index, 0))
             self.text_offsets[index] = offsets[-1] + len(text)
         return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
+                "top_logprobs": [None if e.logprob is None else {self.token_text(t): lp for t, lp in e.top}
+                                 for e in entries],
                 "text_offset": offsets}
+
+    def echoed(self, out, first: bool) -> tuple[str, list[TokenLogprob] | None]:
+        """An output's text and logprobs, the prompt's before them on a choice's first output when echoing
+        (completions' echo: the prompt's first token has no logprob)."""
+        if self.echo is None or not first:
+            return out.text, out.logprobs
+        prompt_text, prompt_ids = self.echo
+        if out.prompt_logprobs is None:
+            return prompt_text + out.text, out.logprobs
+        head = [TokenLogprob(prompt_ids[0], None), *out.prompt_logprobs[1:]]
+        return prompt_text + out.text, head + (out.logprobs or [])
 
     def _envelope(self, obj: str, choices: list, usage: dict | None = None) -> dict:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}

@@ -54,6 +54,7 @@ class RequestText:
         if not mirror.finished:
             return RequestOutput(self.stream.take(), tokens, prompt_tokens=out.prompt_tokens,
                                  completion_tokens=len(mirror.output_ids), cached_tokens=out.cached_tokens,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, prompt_logprobs=out.prompt_logprobs)
         return RequestOutput(self.stream.take(final_text(self.tokenizer, mirror)), tokens, True, mirror.finish_reason,
-                             mirror.error, out.prompt_tokens, len(mirror.output_ids), out.cached_tokens, logprobs)
+                             mirror.error, out.prompt_tokens, len(mirror.output_ids), out.cached_tokens, logprobs,
+                             out.prompt_logprobs)

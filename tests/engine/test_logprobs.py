@@ -94,3 +94,34 @@ def test_only_requests_that_ask_get_logprobs(target_dir, tmp_path):
 def test_bad_logprobs_are_refused(value):
     with pytest.raises(ValueError, match="logprobs must be None or an integer in"):
         SamplingParams(logprobs=value)
+
+
+ECHO_PROMPT = MANY_PROMPTS[2] + MANY_PROMPTS[0]
+
+
+@pytest.fixture(scope="module")
+def echo_reference(target_dir):
+    """log_softmax of the target's logits after each prefix of ECHO_PROMPT (one throwaway prefill each)."""
+    engine = tiny_engine(target_dir, eos=())
+    return [None] + [torch.log_softmax(engine.next_token_logits(ECHO_PROMPT[:n]), dim=-1)
+                     for n in range(1, len(ECHO_PROMPT))]
+
+
+@pytest.mark.parametrize("config", [dict(), dict(max_prefill_tokens=5), dict(overlap_steps=False)],
+                         ids=["whole-prompt", "chunked", "in-order"])
+def test_prompt_logprobs_equal_a_direct_forward_and_skip_the_cache(target_dir, tmp_path, echo_reference, config):
+    """Prompt logprobs (echo): each prompt token after the first under the target given the ones before it,
+    chunked or not, with a drafter or not; the cache is not used for such a request, so every row runs."""
+    for engine in (tiny_engine(target_dir, eos=(), **config),
+                   spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), **config)):
+        engine.generate_ids([ECHO_PROMPT], SamplingParams(max_new_tokens=3))  # caches the prompt's pages
+        [request] = engine.generate_ids([ECHO_PROMPT], SamplingParams(max_new_tokens=3, prompt_logprobs=2,
+                                                                      logprobs=1))
+        assert request.stats.cached_tokens == 0 and len(request.prompt_logprobs) == len(ECHO_PROMPT)
+        assert request.prompt_logprobs[0] is None
+        for position in range(1, len(ECHO_PROMPT)):
+            row, entry = echo_reference[position], request.prompt_logprobs[position]
+            assert entry.token == ECHO_PROMPT[position]
+            assert entry.logprob == pytest.approx(row[ECHO_PROMPT[position]].item(), abs=1e-4)
+            assert [lp for _, lp in entry.top] == pytest.approx(row.topk(2).values.tolist(), abs=1e-4)
+        assert_no_leak(engine)

@@ -279,6 +279,31 @@ def test_penalties_and_bias_are_the_librarys(server, client, reference):
     assert_pools_full(server)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_returns_the_prompt_and_its_logprobs(server, client, reference, stream):
+    """Completions' echo (what lm-evaluation-harness's loglikelihood asks): the text starts with the prompt,
+    the logprobs with the prompt's tokens (the first without one), each the library's prompt logprob."""
+    prompt = PROMPTS[4]
+    ids = reference.tokenizer.encode(prompt)
+    [lib] = reference.generate([ids], SamplingParams(max_new_tokens=2, prompt_logprobs=1, logprobs=1))
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1)
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        token_logprobs = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                          for lp in c.choices[0].logprobs.token_logprobs]
+    else:
+        answer = client.completions.create(**kwargs)
+        text, token_logprobs = answer.choices[0].text, answer.choices[0].logprobs.token_logprobs
+        assert answer.choices[0].logprobs.top_logprobs[0] is None
+    assert text == reference.tokenizer.decode(ids) + lib.text
+    assert token_logprobs[0] is None and len(token_logprobs) == len(ids) + 2
+    assert token_logprobs[1:len(ids)] == pytest.approx([e.logprob for e in lib.prompt_logprobs[1:]], abs=1e-4)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True)
+    assert plain.choices[0].text == text and plain.choices[0].logprobs is None
+    assert_pools_full(server)
+
+
 def metric_value(server, name: str) -> float:
     for line in httpx.get(f"{server.base_url}/metrics").text.splitlines():
         if line.startswith(name + " "):
@@ -341,7 +366,6 @@ def bad_bodies() -> list[tuple[str, dict | str, int, str]]:
         ("/v1/chat/completions", {**chat, "n": 65}, 400, "n must be"),
         ("/v1/chat/completions", {**chat, "top_logprobs": 2}, 400, "logprobs"),
         ("/v1/completions", {**done, "logprobs": 21}, 400, "logprobs"),
-        ("/v1/completions", {**done, "echo": True}, 400, "echo"),
         ("/v1/chat/completions", {**chat, "stop": [""]}, 400, "stop"),
         ("/v1/chat/completions", {k: v for k, v in chat.items() if k != "messages"}, 400, "messages"),
         ("/v1/chat/completions", {**chat, "messages": []}, 400, "messages"),
@@ -353,7 +377,6 @@ def bad_bodies() -> list[tuple[str, dict | str, int, str]]:
         ("/v1/completions", {**done, "prompt": ""}, 400, "empty"),
         ("/v1/completions", {**done, "prompt": [5, 10**6]}, 400, "vocabulary"),
         ("/v1/completions", {**done, "prompt": ["a", "b"]}, 400, "one prompt"),
-        ("/v1/completions", {**done, "echo": True}, 400, "echo"),
     ]
 
 
