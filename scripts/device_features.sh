@@ -8,18 +8,14 @@ set -uo pipefail
 out=${FEATURES_OUT:-/tmp/features}
 default_stages="tests ttft features"
 source scripts/device_job.sh
-if wanted tests; then
-  stage "the whole GPU suite"
-  SPECDEC_GPU_MODEL=smollm2-135m-instruct python3 -m pytest -q tests/gpu -rA > "$out/gpu-all.log" 2>&1
-  tail -3 "$out/gpu-all.log"
-fi
+wanted tests && gpu_suite
 if wanted ttft; then
   stage "time to first token, prefix cache on and off"
   python3 scripts/bench_prefix_ttft.py --model "$target" --system-repeat 1 4 12 --out "$out/ttft.json" 2>&1 \
     | grep -v "Loading weights" | tail -12
 fi
 if wanted features; then
-  stage "what logprobs cost, batch 1 and concurrency 32"
+  stage "what logprobs and penalties cost, batch 1 and concurrency 32"
   python3 scripts/bench_features.py --model "$target" --concurrency 1 32 --out "$out/features.json" 2>&1 \
     | grep -v "Loading weights" | tail -8
 fi

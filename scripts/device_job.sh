@@ -1,6 +1,7 @@
-# Sourced by the device job scripts (device_trees.sh, device_prefix_cache.sh) after they set `out` and the
-# default STAGES: the cache and report directories, the carried GGUFs unpacked once (one tar in pieces in
-# /tmp/xfer, ggufs.tar.part.*), the device recorded, the demo target converted; `stage` and `wanted`.
+# Sourced by the device job scripts (device_trees.sh, device_prefix_cache.sh, device_features.sh) after they
+# set `out` and `default_stages`: the cache and report directories, the carried GGUFs unpacked once (one tar
+# in pieces in /tmp/xfer, ggufs.tar.part.*), the device recorded, the demo target converted; `stage`,
+# `wanted` and `gpu_suite`.
 mkdir -p "$out"
 export SPECDEC_CACHE=${SPECDEC_CACHE:-/tmp/specdec-cache} PYTHONUNBUFFERED=1 SPECDEC_REPORT_DIR=$out
 target=qwen2.5-coder-1.5b-instruct
@@ -12,3 +13,8 @@ if ls /tmp/xfer/ggufs.tar.part.* > /dev/null 2>&1 && [ ! -e "$SPECDEC_CACHE/gguf
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 python3 -c "from specdec.weights.demo_models import resolve_model; print(resolve_model('$target'))" || exit 1
+gpu_suite() {  # the whole GPU test suite on the small demo model, log in $out/gpu-all.log
+  stage "the whole GPU suite"
+  SPECDEC_GPU_MODEL=smollm2-135m-instruct python3 -m pytest -q tests/gpu -rA > "$out/gpu-all.log" 2>&1
+  tail -3 "$out/gpu-all.log"
+}

@@ -11,11 +11,7 @@ set -uo pipefail
 out=${PREFIX_OUT:-/tmp/prefix}
 default_stages="tests serve"
 source scripts/device_job.sh
-if wanted tests; then
-  stage "the whole GPU suite"
-  SPECDEC_GPU_MODEL=smollm2-135m-instruct python3 -m pytest -q tests/gpu -rA > "$out/gpu-all.log" 2>&1
-  tail -3 "$out/gpu-all.log"
-fi
+wanted tests && gpu_suite
 if wanted serve; then
   # levels: "1 8,32" runs concurrency 1 with 6 conversations, then 8 and 32 with 64 conversations each
   for levels in ${LEVELS:-1 8,32}; do
