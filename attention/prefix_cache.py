@@ -48,8 +48,7 @@ class PrefixCache:
             if pool.keeper is not None:
                 raise ValueError("a pool can belong to one prefix cache only")
             pool.keeper = self
-        self.queried_tokens = 0  # prompt tokens looked up, and those found (hit rate = found / queried)
-        self.hit_tokens = 0
+        self.hit_tokens = 0  # prompt tokens found at first admissions, over the cache's life
 
     @property
     def num_cached(self) -> int:
@@ -81,10 +80,6 @@ class PrefixCache:
     def evictable_among(self, chain: list[CachedPage]) -> int:
         """Entries of `chain` nobody holds: adopting them takes them out of the free count."""
         return sum(1 for entry in chain if entry.holders == 0)
-
-    def record_lookup(self, queried: int, found: int) -> None:
-        self.queried_tokens += queried
-        self.hit_tokens += found
 
     # ---- insertion -----------------------------------------------------------------------------------
     def insert(self, parent: CachedPage | None, tokens: tuple[int, ...], pages: tuple[int, ...]) -> CachedPage:
@@ -138,7 +133,3 @@ class PrefixCache:
                 pool.put_free(page)
             evicted += 1
         return evicted
-
-    def clear(self) -> int:
-        """Evict everything nobody holds (the cache's pages back to the free lists); returns how many."""
-        return self.evict(len(self._evictable))

@@ -6,11 +6,11 @@ name, with the `help` (and `choices`) of the field's metadata, so a new field ge
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import Field, dataclass, field, fields
 
 import torch
+
+from specdec.engine.sampling_params import is_int, is_real
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -44,8 +44,7 @@ def _type_problem(setting: Field, value) -> str | None:
     kind = setting.type.replace(" | None", "")
     if value is None and setting.type.endswith("| None"):
         return None
-    ok = {"int": lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
-          "float": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v),
+    ok = {"int": is_int, "float": is_real,
           "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str)}[kind](value)
     if ok:
         return None

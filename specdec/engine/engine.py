@@ -140,7 +140,6 @@ class Engine:
                                    self.prefix_cache)
         self.limits = RequestLimits(self.max_context, mc.vocab_size, self.num_pages, config.page_size, lookahead)
         self._next_id = 0
-        self._echo: list[tuple[Request, int, int]] = []  # a step's prompt-logprob rows: (request, first row, count)
         self.graph_capture_seconds: float | None = None
         self.graph_memory_bytes = 0
         # calibrated FP8 scales are baked into the graphs: capture after the first prefill has set them
@@ -474,29 +473,29 @@ class Engine:
         """The chunk rows whose logits give the prompt logprobs a request asked for: row k of a chunk starting at
         position s predicts prompt token s + k + 1 (the row of the prompt's last token predicts the first output
         token, whose logprob is the output's)."""
-        rows, self._echo = [], []
+        rows = []
         for (request, n), offset in zip(chunks, np.cumsum([0] + [n for _, n in chunks])):
             start, wanted = request.num_cached, request.prompt_logprobs
             if wanted is None or len(wanted) != start + 1:  # none asked, or recorded before a preemption
                 continue
             count = min(n, len(request.prompt_ids) - 1 - start)
             if count > 0:
-                self._echo.append((request, len(rows), count))
+                prefill.echo_plan.append((request, len(rows), count))  # (request, its first echo row, rows)
                 rows.extend(range(offset, offset + count))
         prefill.echo_rows = np.asarray(rows, dtype=np.int64)
 
     def _record_prompt_logprobs(self, prefill: PrefillChunks) -> None:
         """After the chunks' forward: each planned request's prompt logprobs (one host transfer)."""
-        if not self._echo:
+        plan = prefill.echo_plan
+        if not plan:
             return
-        targets = [t for request, _, count in self._echo
+        targets = [t for request, _, count in plan
                    for t in request.prompt_ids[len(request.prompt_logprobs):len(request.prompt_logprobs) + count]]
-        k = max(request.params.prompt_logprobs for request, _, _ in self._echo)
+        k = max(request.params.prompt_logprobs for request, _, _ in plan)
         host = packed_logprobs(prefill.echo_logits, self.ids_tensor(targets), k).tolist()
-        for request, first, count in self._echo:
+        for request, first, count in plan:
             request.prompt_logprobs.extend(unpack(row, k, request.params.prompt_logprobs, token) for row, token in
                                            zip(host[first:first + count], targets[first:first + count]))
-        self._echo = []
 
     def _prefill(self, chunks: list[tuple[Request, int]], on_commit: OnCommit) -> None:
         """A step with prompt chunks only: one forward over them."""

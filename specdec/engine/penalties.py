@@ -51,15 +51,16 @@ def penalized_rows(logits: torch.Tensor, requests: list, drafts: torch.Tensor | 
     if drafts is not None and rows > 1:  # row j also counts drafts[:j]
         counts[:, 1:].scatter_add_(2, drafts[:, :rows - 1, None].long(), torch.ones(batch, rows - 1, 1, device=device))
     counts = counts.cumsum(dim=1)
-    repetition = _per_request([p.repetition_penalty for p in params], device)
     if any(p.repetition_penalty != 1.0 for p in params):
+        repetition = _per_request([p.repetition_penalty for p in params], device)
         seen = counts > 0
         req, tok = _token_pairs([r.prompt_ids for r in requests], device)
         seen |= _scatter(batch, vocab, req, tok, torch.ones_like(tok, dtype=torch.float32), device)[:, None, :] > 0
         out = torch.where(seen, torch.where(out > 0, out / repetition, out * repetition), out)
-    frequency = _per_request([p.frequency_penalty for p in params], device)
-    presence = _per_request([p.presence_penalty for p in params], device)
-    out = out - frequency * counts - presence * (counts > 0).float()
+    if any(p.frequency_penalty for p in params):
+        out = out - _per_request([p.frequency_penalty for p in params], device) * counts
+    if any(p.presence_penalty for p in params):
+        out = out - _per_request([p.presence_penalty for p in params], device) * (counts > 0).float()
     return out.view(batch * rows, vocab)
 
 

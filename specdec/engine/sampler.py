@@ -93,7 +93,7 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor | None, requests: lis
         return sample_batch(logits, [rows_per_request] * len(requests), [r.params for r in requests],
                             [r.generator for r in requests])
     tokens = (greedy if greedy is not None else logits.argmax(dim=-1))[:len(requests) * rows_per_request].clone()
-    others = [i for i in range(len(requests)) if i not in set(penalties) and not requests[i].params.greedy]
+    others = [i for i, r in enumerate(requests) if not r.params.greedy and not penalized(r.params)]
     for chosen, rows_of in ((others, None), (penalties, penalized_rows)):
         if not chosen:
             continue

@@ -21,11 +21,12 @@ MAX_LOGIT_BIAS = 300  # token ids one logit_bias may name (OpenAI's limit)
 MAX_REPETITION_PENALTY = 10.0
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An integer (not a bool, which Python counts as one). Shared by every check of user-given settings."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _is_real(value) -> bool:
+def is_real(value) -> bool:
     """A finite real number (not a bool, not inf or nan)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -69,15 +70,15 @@ class SamplingParams:
                 problems.append(f"stop must be a string or a list of strings, got {stop!r}")
                 stop = None
         object.__setattr__(self, "stop", stop)
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             problems.append(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not _is_real(self.temperature) or not (
+        if not is_real(self.temperature) or not (
                 self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
             problems.append(f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, "
                             f"{MAX_TEMPERATURE:g}], got {self.temperature!r}")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             problems.append(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             problems.append(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if stop is not None and any(not isinstance(s, str) or not s for s in stop):
             problems.append(f"stop must be non-empty strings, got {_shown(stop)}")
@@ -87,28 +88,28 @@ class SamplingParams:
         for name in ("ignore_eos", "chat"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             problems.append(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives per "
                             f"token), got {self.logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_real(value) or not -2 <= value <= 2:
+            if not is_real(value) or not -2 <= value <= 2:
                 problems.append(f"{name} must be a number in [-2, 2], got {value!r}")
-        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+        if not is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             problems.append(f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got "
                             f"{self.repetition_penalty!r}")
         bias = self.logit_bias
         if bias is not None and (not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS or not all(
-                _is_int(k) and k >= 0 and _is_real(v) and -100 <= v <= 100 for k, v in bias.items())):
+                is_int(k) and k >= 0 and is_real(v) and -100 <= v <= 100 for k, v in bias.items())):
             problems.append(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids (integers >= 0) to numbers in "
                             f"[-100, 100], got {_shown(bias)}")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
             problems.append(f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got "
                             f"{self.prompt_logprobs!r}")
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
+        if not is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
             problems.append(f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             problems.append(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if problems:
             raise ValueError("invalid sampling parameters: " + "; ".join(problems))

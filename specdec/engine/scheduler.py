@@ -163,7 +163,7 @@ class Scheduler:
         request.target_pages.adopt(cache.pool_pages(hit, 0), len(hit) * cache.page_size)
         if request.stats.cached_tokens is None:  # counted at a request's first admission, not after preemptions
             request.stats.cached_tokens = request.num_cached
-            cache.record_lookup(request.prefill_len, request.num_cached)
+            cache.hit_tokens += request.num_cached
 
     def _growth(self, request: Request, tokens: int) -> int:
         """New pages `request` needs to hold `tokens` more slots."""

@@ -84,9 +84,11 @@ class PrefillChunks:
     # that they reach the host in the step's one transfer
     sample_first: Callable[[torch.Tensor], torch.Tensor] | None = None
     out: ForwardOutput | None = None  # set by the step: features of every chunk row, logits of logits_rows
-    # rows whose logits give prompt logprobs (counted within the chunks), and those logits, set by the step
+    # rows whose logits give prompt logprobs (counted within the chunks), and those logits, set by the step;
+    # `echo_plan` is the caller's: which rows are whose
     echo_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     echo_logits: torch.Tensor | None = None
+    echo_plan: list = field(default_factory=list)
     first_tokens: list[int] | None = None  # set by the step's transfer
 
     def read_first_tokens(self) -> None:

@@ -208,13 +208,6 @@ async def merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The outputs of every choice's stream as (choice index, output) as they come. The streams are started in
     order (the first submits the request the others share a prefill with); closing this closes them all,
     which aborts what is still running."""
-    if len(streams) == 1:  # the usual case: no tasks
-        try:
-            async for out in streams[0]:
-                yield 0, out
-        finally:
-            await streams[0].aclose()
-        return
     arrived: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream) -> None:
