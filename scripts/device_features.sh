@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU suite, then what the API features cost and the prefix cache's time to first token, on one GPU
-# machine as a background job that outlives single device calls.
+# The GPU suite, then what the API features cost, the prefix cache's time to first token and (stage serve) the
+# multi-turn serving benchmark with the prefix cache on and off (`specdec.serve`, DFlash, the demo target), on
+# one GPU machine as a background job that outlives single device calls.
 #   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_features.sh > /tmp/features/run.log 2>&1 &
 #   watch:  tail /tmp/features/run.log; results in /tmp/features
-# The GGUFs as for scripts/device_job.sh. Env: STAGES (default "tests ttft features").
+# The GGUFs as for scripts/device_job.sh; the server's packages in .gpu/wheels. Env: STAGES (default "tests
+# ttft features"; "serve" adds the serving benchmark), LEVELS (serve: default "1 8,32"), MAX_TOKENS (256).
 set -uo pipefail
 out=${FEATURES_OUT:-/tmp/features}
 default_stages="tests ttft features"
@@ -18,5 +20,16 @@ if wanted features; then
   stage "what logprobs and penalties cost, batch 1 and concurrency 32"
   python3 scripts/bench_features.py --model "$target" --concurrency 1 32 --out "$out/features.json" 2>&1 \
     | grep -v "Loading weights" | tail -8
+fi
+if wanted serve; then
+  # levels: "1 8,32" runs concurrency 1 with 6 conversations, then 8 and 32 with 64 conversations each
+  for levels in ${LEVELS:-1 8,32}; do
+    n=$([ "$levels" = 1 ] && echo 6 || echo 64)
+    stage "multiturn, concurrency $levels, $n conversations, prefix cache on and off"
+    python3 scripts/bench_serve.py --serve cache="--target $target" \
+      --serve no-cache="--target $target --no-prefix-caching" --dataset multiturn --concurrency "$levels" \
+      --num-prompts "$n" --max-tokens "${MAX_TOKENS:-256}" --time-limit-s 900 \
+      --output "$out/multiturn-c${levels//,/-}.json" 2>&1 | grep -v "Loading weights" | tail -40
+  done
 fi
 stage done

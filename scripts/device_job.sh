@@ -1,4 +1,4 @@
-# Sourced by the device job scripts (device_trees.sh, device_prefix_cache.sh, device_features.sh) after they
+# Sourced by the device job scripts (device_trees.sh, device_features.sh) after they
 # set `out` and `default_stages`: the cache and report directories, the carried GGUFs unpacked once (one tar
 # in pieces in /tmp/xfer, ggufs.tar.part.*), the device recorded, the demo target converted; `stage`,
 # `wanted` and `gpu_suite`.
