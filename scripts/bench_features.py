@@ -6,8 +6,10 @@ under load, speculation on.
 
 Each concurrency C runs the same --requests chat prompts (math500 and coding requests alternating,
 scripts/bench/chat_prompts.py) greedily with `max_num_seqs` = C, once per feature: `plain` (no extra),
-`logprobs` (SamplingParams.logprobs = 5) and `penalties` (frequency and presence penalties of 0.5). A warm-up call comes first; every feature runs --repeats
-times and the median is reported.
+`logprobs` (SamplingParams.logprobs = 5), `penalties` (frequency and presence penalties of 0.5) and
+`json_schema` (the answer as {"reasoning": ..., "answer": ...}, structured output; its answers end where the
+object does, so their lengths differ from the others'). A warm-up call comes first; every feature runs
+--repeats times and the median is reported.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ import torch  # noqa: E402
 from scripts.bench.chat_prompts import load_prompts, take  # noqa: E402
 from scripts.bench.random_models import TINY_SHAPE, random_target  # noqa: E402
 from scripts.bench.runner import environment, release_memory  # noqa: E402
-from specdec import LLM, SamplingParams  # noqa: E402
+from specdec import LLM, SamplingParams, StructuredOutput  # noqa: E402
 
-FEATURES = {"plain": {}, "logprobs": {"logprobs": 5}, "penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.5}}
+ANSWER_SCHEMA = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "string"}},
+                 "required": ["reasoning", "answer"], "additionalProperties": False}
+FEATURES = {"plain": {}, "logprobs": {"logprobs": 5}, "penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.5},
+            "json_schema": {"structured_output": StructuredOutput(json=ANSWER_SCHEMA)}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=None, help="per run (default: 4 at C=1, else 2 x C)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="CPU smoke run: a tiny random model, small sizes")
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: a tiny random model, small sizes (no json_schema)")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -50,8 +55,12 @@ def run(llm: LLM, prompts, params: SamplingParams) -> dict:
     results = llm.generate(prompts, params, chat=llm.tokenizer.chat_template is not None)
     summary = llm.last_summary
     assert all(r.logprobs is not None for r in results) == (params.logprobs is not None)
+    if params.structured_output is not None:  # finished answers are the schema's objects
+        for result in results:
+            if result.finish_reason == "stop":
+                assert set(json.loads(result.text)) == {"reasoning", "answer"}, result.text
     return {"tokens_per_s": summary.tokens_per_s, "tpot_ms": (summary.tpot_s or 0) * 1e3,
-            "tau": summary.tau_mean_of_requests}
+            "tau": summary.tau_mean_of_requests, "tokens": sum(len(r.token_ids) for r in results)}
 
 
 def main(argv=None) -> int:
@@ -70,7 +79,9 @@ def main(argv=None) -> int:
             if args.quick:
                 prompts = [llm.tokenizer.encode(p)[:24] or [5] for p in prompts]
             run(llm, prompts[:concurrency], SamplingParams(max_new_tokens=8))  # warm-up
-            for name, extra in FEATURES.items():
+            # the quick run's word-level tokenizer ("t0", "t1", ...) cannot spell JSON
+            features = {k: v for k, v in FEATURES.items() if not (args.quick and k == "json_schema")}
+            for name, extra in features.items():
                 params = SamplingParams(max_new_tokens=args.max_new_tokens, **extra)
                 runs = [run(llm, prompts, params) for _ in range(args.repeats)]
                 row = {"concurrency": concurrency, "feature": name, "requests": count,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite, then what the API features cost, the prefix cache's time to first token and (stage serve) the
+# The GPU suite, then what the API features cost (logprobs, penalties, a JSON schema), the prefix cache's time to first token and (stage serve) the
 # multi-turn serving benchmark with the prefix cache on and off (`specdec.serve`, DFlash, the demo target), on
 # one GPU machine as a background job that outlives single device calls.
 #   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_features.sh > /tmp/features/run.log 2>&1 &
@@ -17,7 +17,7 @@ if wanted ttft; then
     | grep -v "Loading weights" | tail -12
 fi
 if wanted features; then
-  stage "what logprobs and penalties cost, batch 1 and concurrency 32"
+  stage "what logprobs, penalties and a JSON schema cost, batch 1 and concurrency 32"
   python3 scripts/bench_features.py --model "$target" --concurrency 1 32 --out "$out/features.json" 2>&1 \
     | grep -v "Loading weights" | tail -8
 fi

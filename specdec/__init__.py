@@ -1,6 +1,6 @@
 """specdec: speculative decoding with DFlash block drafting.
 
-The library API is `LLM`, `SamplingParams` and `GenerationResult`. They are imported on first use, so
+The library API is `LLM`, `SamplingParams` (with `StructuredOutput`) and `GenerationResult`. They are imported on first use, so
 that importing a lower layer (`specdec.models`, `specdec.engine`, ...) does not load the whole engine.
 """
 
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"LLM": "specdec.llm", "GenerationResult": "specdec.llm", "SamplingParams": "specdec.engine.sampling_params"}
+_EXPORTS = {"LLM": "specdec.llm", "GenerationResult": "specdec.llm", "SamplingParams": "specdec.engine.sampling_params",
+            "StructuredOutput": "specdec.engine.structured_output"}
 
 __all__ = list(_EXPORTS)
 

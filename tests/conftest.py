@@ -44,13 +44,13 @@ def build_tiny_model(model_type: str, path, seed: int = 0, **overrides):
     return model
 
 
-def build_tiny_model_with_tokenizer(path, chat_template: str | None = None):
+def build_tiny_model_with_tokenizer(path, chat_template: str | None = None, **overrides):
     """A random tiny qwen2 model with a real byte-level tokenizer (no chat template unless given) saved
     beside it, so `LLM(path)` loads it as any HF model directory."""
     tokenizer = as_transformers(bytelevel_tokenizer(), eos_token="<|endoftext|>")
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    build_tiny_model("qwen2", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    build_tiny_model("qwen2", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **overrides)
     tokenizer.save_pretrained(path)
     return path
 

@@ -11,6 +11,15 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 # ChatML, as Qwen's templates write it
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# ChatML with tools, as Qwen2.5's template writes them: the tools in a system turn, an assistant's calls as
+# <tool_call> blocks, tool results as "tool" turns
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n"
+    "Call a function as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CORPUS = ["Hello world, this is a tiny corpus for a tiny tokenizer.", "The quick brown fox jumps over the lazy dog.",
           "Streaming text arrives token by token; stop strings must be found.", "naïve café résumé, Zürich straße"] * 20
 LONG_TOKEN = "\n" + " " * 80  # SmolLM2 has this 81-character string as a single token

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from attention.transfer import HostCopy
 from specdec.engine.logprobs import LogprobRows, TokenLogprob
 from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
@@ -73,23 +74,16 @@ class PlainDecoding:
 
 class Launched:
     """A step's sampled tokens on the device (a tensor of their own: the next step overwrites the static
-    buffers) and their copy on its way to pinned host memory, started as soon as the step's work is queued."""
+    buffers) and their copy on its way to the host, started as soon as the step's work is queued."""
 
     def __init__(self, on_device: torch.Tensor, logprobs: tuple[LogprobRows | None, LogprobRows | None] = (None, None)):
         self.on_device = on_device
         self.logprobs = logprobs  # of the running requests' rows, and of the first tokens' (None: nobody asked)
-        cuda = on_device.device.type == "cuda"
-        self._host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=cuda)
-        self._host.copy_(on_device, non_blocking=cuda)
-        self._ready = torch.cuda.Event() if cuda else None
-        if self._ready is not None:
-            self._ready.record()
+        self._copy = HostCopy(on_device)
 
     def tokens(self) -> list[int]:
         """The step's one wait for the GPU: its tokens on the host."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        return self._host.tolist()
+        return self._copy.tolist()
 
 
 def to_host(rows: torch.Tensor, prefill: PrefillChunks | None) -> list[list[int]]:

@@ -19,6 +19,7 @@ commits the previous step's tokens, so each token is committed one step later (s
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -37,11 +38,11 @@ from specdec.engine.config import EngineConfig, full_precision_layer_list
 from specdec.engine.decoding import DecodePhase, PlainDecoding
 from specdec.engine.drafter import DraftContext
 from specdec.engine.flight import Flight
+from specdec.engine.grammar import Grammars
 from specdec.engine.logprobs import LogprobRows, TokenLogprob, unpack, wants_logprobs
 from specdec.engine.request import Request
 from specdec.engine.request_limits import RequestLimits
-from specdec.engine.penalties import penalized
-from specdec.engine.sampler import make_generator, sample_rows
+from specdec.engine.sampler import adjusts_logits, make_generator, sample_rows
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.speculator import SpeculativeDecoding
@@ -248,11 +249,21 @@ class Engine:
                           max_total_tokens=self.max_context)
         self._next_id += 1
         problem = self.why_invalid(request.prompt_ids, params)
+        if problem is None and params.structured_output is not None:
+            try:
+                request.matcher = self.grammars.matcher(params.structured_output)
+            except ValueError as err:
+                problem = str(err)
         if problem is not None:
             problem = f"request {request.request_id}: {problem}"
             log.error(problem)
             request.finish("error", problem)
         return request
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The tokenizer as the grammars of structured output see it: built on the first such request."""
+        return Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
 
     def why_invalid(self, prompt_ids: list[int], params: SamplingParams) -> str | None:
         """Why a request can never be served (None if it can)."""
@@ -317,9 +328,9 @@ class Engine:
             on_commit(request, tokens)
 
         decode = plan.decode
-        # penalties count every output token on the host: a step with such a request runs in order, after the
-        # step in flight has landed
-        in_order = self.overlap and any(penalized(r.params) for r in decode)
+        # penalties and grammars follow every output token on the host: a step with such a request runs in order,
+        # after the step in flight has landed
+        in_order = self.overlap and any(adjusts_logits(r.params) for r in decode)
         if in_order and self.flight is not None:
             self._overlapped([], [], commit)
             decode = [r for r in decode if not r.finished]

@@ -33,9 +33,10 @@ def token_ids(prompt) -> list[int]:
     return [int(t) for t in ids]
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """A conversation through the tokenizer's chat template, with the assistant's generation prompt."""
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """A conversation through the tokenizer's chat template, with the assistant's generation prompt (and the
+    `tools` the model may call, OpenAI's function definitions, which the template renders)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat=True but this model's tokenizer has no chat template")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)

@@ -60,6 +60,9 @@ class Request:
     lead: Request | None = field(default=None, repr=False)
     # the prefix cache's entries for the request's first full pages (adopted or cached by it), in order
     prefix_chain: list = field(default_factory=list, repr=False)
+    # with params.structured_output: its grammar's llguidance matcher, advanced by every committed token
+    # (specdec/engine/grammar.py)
+    matcher: object | None = field(default=None, repr=False)
 
     def __post_init__(self):
         self.stats.prompt_tokens = len(self.prompt_ids)
@@ -116,7 +119,10 @@ class Request:
 
     def commit(self, token: int, logprob: TokenLogprob | None = None) -> bool:
         """Append one generated token (and its log-probability, when the request asked for them); returns True
-        when the request has just finished."""
+        when the request has just finished. With structured output, the grammar must take the token, and a
+        grammar that is complete ends the request."""
+        if self.matcher is not None and not self.matcher.consume_token(token):
+            raise ValueError(f"token {token} does not follow the request's structured output: {self.matcher.get_error()}")
         self.output_ids.append(token)
         if self.output_logprobs is not None:
             if logprob is None or logprob.token != token:
@@ -130,6 +136,8 @@ class Request:
         if token in self.eos_token_ids and not self.params.ignore_eos:
             self.finish("stop")
         elif self.params.stop and self._matches_stop(new_text):
+            self.finish("stop")
+        elif self.matcher is not None and self.matcher.is_stopped():  # nothing but the end can follow
             self.finish("stop")
         elif len(self.output_ids) >= self.params.max_new_tokens or (
                 self.max_total_tokens is not None and len(self.prompt_ids) + len(self.output_ids) >= self.max_total_tokens):

@@ -15,7 +15,8 @@ import random
 import numpy as np
 import torch
 
-from attention.transfer import upload
+from attention.transfer import HostCopy, upload
+from specdec.engine.grammar import bitmask, masked
 from specdec.engine.penalties import penalized, penalized_rows
 from specdec.engine.sampling_params import SamplingParams
 
@@ -74,36 +75,60 @@ def make_generator(seed: int | None) -> random.Random:
     return random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
 
 
-def sample_block(out, requests: list, rows_per_request: int, drafts: torch.Tensor | None = None) -> torch.Tensor:
+def adjusts_logits(params: SamplingParams) -> bool:
+    """Whether a request's rows are reshaped before sampling (penalties, logit bias, structured output): they
+    depend on its output so far, which the host holds, so its steps run in order and verify chains."""
+    return penalized(params) or params.structured_output is not None
+
+
+def sample_block(out, requests: list, rows_per_request: int, drafts: torch.Tensor | None = None,
+                 drafts_host: HostCopy | None = None) -> torch.Tensor:
     """Tokens for every row of a block step (`out` has the rows' `logits` and their argmax `greedy`):
     the in-step argmax when every request is greedy, else sampled (`sample_rows`)."""
-    return sample_rows(out.logits, out.greedy, requests, rows_per_request, drafts)
+    return sample_rows(out.logits, out.greedy, requests, rows_per_request, drafts, drafts_host)
 
 
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor | None, requests: list, rows_per_request: int,
-                drafts: torch.Tensor | None = None) -> torch.Tensor:
+                drafts: torch.Tensor | None = None, drafts_host: HostCopy | None = None) -> torch.Tensor:
     """Tokens for `rows_per_request` rows of logits per request ([B * rows, vocab]; `greedy`: their argmax if
-    known). Requests with penalties or a logit bias are sampled from their rows with those applied
-    (specdec/engine/penalties.py; `drafts` [B, rows - 1]: what each row follows); each request's random
-    stream is drawn from once per row either way."""
-    penalties = [i for i, r in enumerate(requests) if penalized(r.params)]
-    if not penalties:
+    known). Requests with penalties, a logit bias or structured output are sampled from their rows with those
+    applied: penalties (specdec/engine/penalties.py), then the grammar's mask (specdec/engine/grammar.py).
+    `drafts` [B, rows - 1]: what each row follows (`drafts_host`: their copy on its way to the host, started
+    before the forward). Each request's random stream is drawn from once per row either way."""
+    adjusted = [i for i, r in enumerate(requests) if adjusts_logits(r.params)]
+    if not adjusted:
         if all(r.params.greedy for r in requests):
             return greedy if greedy is not None else logits.argmax(dim=-1)
         return sample_batch(logits, [rows_per_request] * len(requests), [r.params for r in requests],
                             [r.generator for r in requests])
     tokens = (greedy if greedy is not None else logits.argmax(dim=-1))[:len(requests) * rows_per_request].clone()
-    others = [i for i, r in enumerate(requests) if not r.params.greedy and not penalized(r.params)]
-    for chosen, rows_of in ((others, None), (penalties, penalized_rows)):
+    others = [i for i, r in enumerate(requests) if not r.params.greedy and not adjusts_logits(r.params)]
+    for chosen, adjust in ((others, False), (adjusted, True)):
         if not chosen:
             continue
         index = upload((np.asarray(chosen)[:, None] * rows_per_request + np.arange(rows_per_request)).reshape(-1),
                        logits.device)
         picked = [requests[i] for i in chosen]
         source = logits[index]
-        if rows_of is not None:
-            source = rows_of(source, picked, drafts[upload(np.asarray(chosen), logits.device)]
-                             if drafts is not None else None)
+        if adjust:
+            source = _adjusted(source, picked, chosen, rows_per_request, drafts, drafts_host)
         tokens[index] = sample_batch(source, [rows_per_request] * len(chosen), [r.params for r in picked],
                                      [r.generator for r in picked])
     return tokens
+
+
+def _adjusted(rows: torch.Tensor, requests: list, chosen: list[int], rows_per_request: int,
+              drafts: torch.Tensor | None, drafts_host: HostCopy | None) -> torch.Tensor:
+    """The rows of `requests` (requests[j] is the step's request chosen[j]) with their penalties and grammar
+    masks applied."""
+    if any(penalized(r.params) for r in requests):
+        rows = penalized_rows(rows, requests, drafts[upload(np.asarray(chosen), rows.device)]
+                              if drafts is not None else None)
+    if any(r.matcher is not None for r in requests):
+        walked = None
+        if drafts is not None and rows_per_request > 1:
+            every = drafts_host.tolist() if drafts_host is not None else drafts.tolist()
+            walked = [every[i] for i in chosen]
+        bits = bitmask(requests, rows_per_request, walked, rows.shape[1])
+        rows = masked(rows, upload(bits, rows.device))
+    return rows

@@ -6,6 +6,8 @@ import math
 import numbers
 from dataclasses import dataclass, replace
 
+from specdec.engine.structured_output import StructuredOutput
+
 
 # below this, logits / temperature overflows float32 for ordinary logits: use 0 for greedy instead
 MIN_TEMPERATURE = 1e-5
@@ -57,6 +59,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # what the output must match: a JSON schema, any JSON object, a regex, a choice or a grammar
+    # (specdec/engine/structured_output.py); the target's logits are masked at every verified position
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
         problems = []
@@ -111,6 +116,8 @@ class SamplingParams:
             problems.append(f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             problems.append(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            problems.append(f"structured_output must be a StructuredOutput, got {type(self.structured_output).__name__}")
         if problems:
             raise ValueError("invalid sampling parameters: " + "; ".join(problems))
 

@@ -8,7 +8,8 @@
     tokens  = drafts[:a] + [bonus]; target cache -> start + a + 1 (whole tail pages back to the pool);
     the drafter's context grows by the features of positions start .. start + a.
 
-One device-to-host transfer per step (drafts, a and bonus together). The engine commits the tokens;
+One device-to-host transfer per step (drafts, a and bonus together); a step with a grammar (structured
+output) adds one, of the drafts, which its masks walk on the host while the verify runs. The engine commits the tokens;
 one it cuts short (EOS, a stop, max_new_tokens) finishes the request, which then gives back its
 target pages and drafter state, so the rollback and the drafter's context need not wait for it.
 """
@@ -17,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from attention.transfer import HostCopy
 from specdec.engine.acceptance import accept
 from specdec.engine.decoding import to_host
 from specdec.engine.drafter import Drafter
 from specdec.engine.logprobs import LogprobRows, TokenLogprob, wants_logprobs
-from specdec.engine.penalties import penalized
 from specdec.engine.request import Request
-from specdec.engine.sampler import sample_block
+from specdec.engine.sampler import adjusts_logits, sample_block
 from specdec.engine.tree_speculator import TreeDecoding
 from specdec.engine.verify_policy import TREE, VerifyPolicy
 from specdec.runtime.target_runner import PrefillChunks, TargetRunner
@@ -51,9 +52,9 @@ class SpeculativeDecoding:
         batch = len(running)
         self.logprobs = None
         nodes = self.tree.nodes_for(batch) if self.tree is not None else 0
-        # logprobs and penalties work on the rows of a chain's verify: a step with a request that asks for either
-        # verifies the whole chain
-        chain_only = wants_logprobs(running) or any(penalized(r.params) for r in running)
+        # logprobs, penalties and grammars work on the rows of a chain's verify: a step with a request that asks for
+        # one verifies the whole chain
+        chain_only = wants_logprobs(running) or any(adjusts_logits(r.params) for r in running)
         q = self.policy.block_size if chain_only else self.policy.choose(batch, nodes)
         if q == TREE:
             tokens = self.tree.step(running, prefill)
@@ -65,9 +66,12 @@ class SpeculativeDecoding:
         self.verify_length = q
         starts = [r.num_cached for r in running]
         drafts = self.drafter.propose(running)[:, :q - 1]  # [B, q-1] on the device
+        # grammars walk the drafts on the host: their copy is queued before the verify, which runs while the
+        # masks are computed
+        drafts_host = HostCopy(drafts) if any(r.matcher is not None for r in running) else None
         out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], drafts, q,
                                      prefill)
-        targets = sample_block(out, running, q, drafts)
+        targets = sample_block(out, running, q, drafts, drafts_host)
         accepted, bonus = accept(drafts, targets.view(batch, q))
         rows = LogprobRows.start(out.logits, targets, running, q)  # committed token j is the target's at row j
         host = to_host(torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1), prefill)

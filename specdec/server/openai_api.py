@@ -110,7 +110,10 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
         prompt_ids = await asyncio.to_thread(chat_prompt_ids, engine.tokenizer, body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prepared = prepare(body, prompt_ids, max_tokens)
-        return await answer(request, body, ResponseShape(True, model_name, token_text(prepared[1])), *prepared)
+        shape = ResponseShape(True, model_name, token_text(prepared[1]))
+        if body.tool_dicts:  # the answer's tool calls are parsed out of its text
+            shape.tool_texts = {}
+        return await answer(request, body, shape, *prepared)
 
     def token_text(params: SamplingParams):
         """A token id's text for answers with logprobs (None when the request asked for none)."""
@@ -169,7 +172,7 @@ def chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
     for message in conversation:
         check_text(message["content"], "messages")
     try:
-        return encode_chat(tokenizer, conversation)
+        return encode_chat(tokenizer, conversation, body.tool_dicts)
     except APIError:
         raise
     except Exception as err:  # noqa: BLE001 - a template that cannot render these messages: their fault

@@ -1,20 +1,25 @@
 """The OpenAI API's request bodies (pydantic), their checks, and the JSON the server answers with.
 
-Fields the engine cannot honour (suffix, tools, structured output) are refused with a 400 that names the
-field, rather than silently ignored; unknown extra fields are ignored, as OpenAI does. `logprobs` are
-answered in each endpoint's own format (`ResponseShape`).
+Fields the engine cannot honour (suffix) are refused with a 400 that names the field, rather than silently
+ignored; unknown extra fields are ignored, as OpenAI does. `logprobs` are answered in each endpoint's own
+format (`ResponseShape`). Structured output comes as OpenAI's `response_format` or as vLLM's
+`structured_outputs` (json, json_object, regex, choice, grammar); tools as OpenAI's `tools` + `tool_choice`
+(specdec/server/tool_calls.py).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Callable, Literal
 
-from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from specdec.engine.logprobs import TokenLogprob
 from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.structured_output import StructuredOutput
+from specdec.server.tool_calls import ToolCallText, forced_calls, split_calls
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none
 
@@ -40,6 +45,20 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object or json_schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class GenerationFields(BaseModel):
     """What /v1/completions and /v1/chat/completions share. Numbers and booleans are strict: a value of
     another JSON type ("8", true for a number) is refused, as the library refuses it, never converted."""
@@ -60,6 +79,8 @@ class GenerationFields(BaseModel):
     repetition_penalty: StrictFloat = 1.0  # an extension (vLLM's)
     logit_bias: dict[str, StrictFloat] | None = None  # {token id as a string: bias}, as OpenAI's
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None  # an extension (vLLM's): json, json_object, regex, choice or grammar
 
     @property
     def include_usage(self) -> bool:
@@ -85,10 +106,31 @@ class GenerationFields(BaseModel):
         """Alternatives per prompt token (completions' echo with logprobs; None: none)."""
         return None
 
+    def structured_output(self) -> StructuredOutput | None:
+        """What the answer must match (None: anything), from response_format or structured_outputs."""
+        given = [name for name in ("response_format", "structured_outputs") if getattr(self, name) is not None
+                 and not (name == "response_format" and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+        if not given:
+            return None
+        try:
+            if given[0] == "structured_outputs":
+                return StructuredOutput(**self.structured_outputs)
+            if self.response_format.type == "json_object":
+                return StructuredOutput(json_object=True)
+            schema = self.response_format.json_schema
+            if schema is None or schema.json_schema is None:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            return StructuredOutput(json=schema.json_schema)
+        except (TypeError, ValueError) as err:  # TypeError: a key StructuredOutput does not take
+            raise APIError(400, str(err), param=given[0]) from err
+
     def sampling_params(self, max_new_tokens: int) -> SamplingParams:
         """Raises ValueError naming every bad value (SamplingParams checks them all)."""
         top_k = self.top_k if self.top_k is not None else 0
         return SamplingParams(max_new_tokens=max_new_tokens, logprobs=self.logprobs_wanted(), n=self.n,
+                              structured_output=self.structured_output(),
                               prompt_logprobs=self.prompt_logprobs_wanted(),
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logit_bias=self.token_bias(),
@@ -122,9 +164,23 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -134,30 +190,92 @@ class ChatMessage(BaseModel):
                            param="messages")
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict:
+        """The message as chat templates read it: tool calls' arguments as objects (templates write them with
+        tojson; a JSON string would be quoted twice)."""
+        message = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        for name in ("tool_call_id", "name"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        return message
+
+
+def _arguments(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise APIError(400, f"a tool call's arguments must be a JSON object, got {text[:80]!r}", param="messages")
+    return value
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
 
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    tools: list | None = None
-    response_format: dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
 
     def logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def unsupported(self) -> list[str]:
-        found = super().unsupported()
-        if self.tools:
-            found.append("tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            found.append("response_format (only text)")
-        return found
+    @property
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools the model is shown (None: none; tool_choice "none" shows none)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def structured_output(self) -> StructuredOutput | None:
+        """With tool_choice "required" or a named function, the answer is nothing but calls (`forced_calls`)."""
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if choice in (None, "none", "auto"):
+            return super().structured_output()
+        name = None if choice == "required" else choice.function.name
+        if name is not None and name not in {t.function.name for t in self.tools}:
+            raise APIError(400, f"tool_choice names the function {name!r}, which is not among the tools",
+                           param="tool_choice")
+        if super().structured_output() is not None:
+            raise APIError(400, "tool_choice \"required\" or a named function cannot be combined with "
+                                "response_format or structured_outputs", param="tool_choice")
+        try:
+            return forced_calls(self.tool_dicts, name, self.parallel_tool_calls and name is None)
+        except ValueError as err:
+            raise APIError(400, f"the tools' parameters are not a usable JSON schema: {err}", param="tools") from err
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.for_template() for m in self.messages]
 
 
 class ResponseShape:
@@ -170,6 +288,8 @@ class ResponseShape:
         self.created = int(time.time())
         self.text_offsets: dict[int, int] = {}  # completions: where choice i's next token's text starts
         self.echo: tuple[str, list[int]] | None = None  # completions' echo: the prompt's text and token ids
+        # chat with tools: each choice's tool calls, parsed out of its text as it comes (None: no tools)
+        self.tool_texts: dict[int, ToolCallText] | None = None
 
     def logprobs(self, entries: list[TokenLogprob] | None, index: int = 0) -> dict | None:
         """OpenAI's logprobs object for these tokens: chat's {"content": [...]}, or completions' parallel lists."""
@@ -212,8 +332,8 @@ class ResponseShape:
         """The whole answer: one choice per (text, finish reason, logprobs), in order."""
         if self.chat:
             return self._envelope("chat.completion", [
-                {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(logprobs, i),
-                 "finish_reason": reason} for i, (text, reason, logprobs) in enumerate(choices)], usage)
+                {"index": i, **self._message(text, reason), "logprobs": self.logprobs(logprobs, i)}
+                for i, (text, reason, logprobs) in enumerate(choices)], usage)
         return self._envelope("text_completion", [
             {"index": i, "text": text, "logprobs": self.logprobs(logprobs, i), "finish_reason": reason}
             for i, (text, reason, logprobs) in enumerate(choices)], usage)
@@ -228,11 +348,37 @@ class ResponseShape:
     def chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None,
               index: int = 0) -> dict:
         if self.chat:
-            choice = {"index": index, "delta": {"content": text} if text else {},
-                      "logprobs": self.logprobs(logprobs, index), "finish_reason": finish_reason}
+            delta, finish_reason = self._delta(text, finish_reason, index)
+            choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs, index),
+                      "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
         choice = {"index": index, "text": text, "logprobs": self.logprobs(logprobs, index), "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
+
+    def _message(self, text: str, reason: str) -> dict:
+        """A whole chat choice's message and finish reason: with tools, its calls apart from its content."""
+        if self.tool_texts is None:
+            return {"message": {"role": "assistant", "content": text}, "finish_reason": reason}
+        content, calls = split_calls(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.as_openai() for call in calls]
+        return {"message": message, "finish_reason": "tool_calls" if calls and reason == "stop" else reason}
+
+    def _delta(self, text: str, finish_reason: str | None, index: int) -> tuple[dict, str | None]:
+        """A chat chunk's delta and finish reason: with tools, each call as one delta once it is complete, and
+        text that may begin a call held back until it is known."""
+        if self.tool_texts is None:
+            return ({"content": text} if text else {}), finish_reason
+        parser = self.tool_texts.setdefault(index, ToolCallText())
+        before = len(parser.calls)
+        content, found = parser.feed(text)
+        if finish_reason is not None:
+            content += parser.finish()
+        delta = {"content": content} if content else {}
+        if found:
+            delta["tool_calls"] = [call.as_openai(before + k) for k, call in enumerate(found)]
+        return delta, "tool_calls" if finish_reason == "stop" and parser.calls else finish_reason
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import signal
 import threading
 import time
@@ -21,6 +22,7 @@ from transformers import AutoConfig
 from specdec import LLM, SamplingParams
 from specdec.engine.prompts import encode_chat
 from specdec.engine.request import Request
+from specdec.engine.structured_output import StructuredOutput
 from specdec.server.async_engine import ThreadedEngine
 from specdec.server.openai_api import build_app
 from tests.conftest import build_tiny_model_with_tokenizer
@@ -605,3 +607,13 @@ def test_logprobs_and_n_cross_the_engine_process(served, reference):
             for j in range(2)]
     two = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=8, temperature=1.0, seed=9, n=2)
     assert [c.text for c in two.choices] == want
+
+
+def test_structured_output_crosses_the_engine_process(served, reference):
+    """A grammar travels to the engine's process with the sampling settings and constrains the answer there."""
+    client = openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    spec = {"regex": "[a-z]{2,6}-[0-9]{2}"}
+    [lib] = reference.generate([PROMPTS[1]], SamplingParams(max_new_tokens=16, structured_output=StructuredOutput(**spec)))
+    answer = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                       extra_body={"structured_outputs": spec})
+    assert answer.choices[0].text == lib.text and re.fullmatch(spec["regex"], lib.text)
