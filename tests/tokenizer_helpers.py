@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import string
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -35,6 +36,19 @@ def bytelevel_tokenizer() -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     tok.add_tokens([LONG_TOKEN])  # a long token, as in SmolLM2
     return tok
+
+
+def gguf_style(tok: Tokenizer, pre_tokenizer: dict | None = None) -> Tokenizer:
+    """`tok` (byte-level) as transformers' GGUF conversion writes it: its ByteLevel decoder wrapped in
+    sentencepiece-style steps and byte fallback on (it decodes the same; `pre_tokenizer` replaces its own)."""
+    spec = json.loads(tok.to_str())
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]}
+    spec["model"]["byte_fallback"] = True
+    if pre_tokenizer is not None:
+        spec["pre_tokenizer"] = pre_tokenizer
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def as_transformers(tok: Tokenizer, **kwargs) -> PreTrainedTokenizerFast:

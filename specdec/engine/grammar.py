@@ -18,9 +18,9 @@ Masks are computed on the host (llguidance's thread pool) while the GPU runs the
 from __future__ import annotations
 
 import functools
+import json
 
 import llguidance
-import llguidance.hf
 import numpy as np
 import torch
 
@@ -33,11 +33,7 @@ class Grammars:
     (allowed where the grammar may end)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
-        try:
-            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                          eos_token=sorted(eos_token_ids) or None)
-        except ValueError as err:  # a slow (Python) tokenizer: llguidance reads fast tokenizers only
-            raise ValueError(f"structured output needs a fast tokenizer: {err}") from err
+        self.tokenizer = llguidance_tokenizer(tokenizer, vocab_size, sorted(eos_token_ids))
         self.vocab_size = vocab_size
 
     def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
@@ -45,6 +41,47 @@ class Grammars:
         if matcher.is_error():
             raise ValueError(f"invalid structured output: {matcher.get_error()}")
         return matcher
+
+
+def llguidance_tokenizer(tokenizer, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of a fast (Rust) tokenizer, checked token by token against the tokenizer's own
+    decoding: a grammar can only be enforced over the bytes each token really stands for."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("structured output needs the model's fast (tokenizers) tokenizer; this model has "
+                         f"{type(tokenizer).__name__ if tokenizer is not None else 'none'}")
+    spec = json.loads(backend.to_str())
+    spec["padding"] = spec["truncation"] = None
+    if _byte_level(spec.get("pre_tokenizer")) and spec.get("decoder", {}).get("type") != "ByteLevel":
+        # byte-level vocabularies whose decoder is wrapped in sentencepiece-style steps (transformers' GGUF
+        # conversion writes ByteFallback, Fuse, Replace, then ByteLevel): llguidance would read such tokens as
+        # text ("Ċ" the letter, not a newline) and let a raw newline into a JSON string
+        spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+        spec["model"]["byte_fallback"] = False
+    llg = llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size, eos_token=eos_token_ids or None)
+    wrong = _misread_tokens(tokenizer, llg)
+    if wrong:
+        shown = ", ".join(f"{i} ({tokenizer.decode([i])!r} read as {llg.decode_str([i])!r})" for i in wrong[:3])
+        raise ValueError(f"structured output cannot be enforced for this model: llguidance reads {len(wrong)} of its "
+                         f"tokens as other text than its tokenizer decodes them to, e.g. {shown}")
+    return llg
+
+
+def _byte_level(pre_tokenizer: dict | None) -> bool:
+    if not pre_tokenizer:
+        return False
+    return pre_tokenizer.get("type") == "ByteLevel" or any(_byte_level(p) for p in pre_tokenizer.get("pretokenizers", []))
+
+
+def _misread_tokens(tokenizer, llg: llguidance.LLTokenizer) -> list[int]:
+    """Ordinary tokens whose text differs between the tokenizer and llguidance (added and special tokens, and
+    pieces of a multi-byte character, which decode alone to a replacement character, are not compared; a leading
+    space is, since sentencepiece decoders drop it from a first token)."""
+    added = set(getattr(tokenizer, "added_tokens_decoder", {}))
+    ids = [i for i in range(len(tokenizer)) if i not in added]
+    texts = tokenizer.batch_decode([[i] for i in ids], clean_up_tokenization_spaces=False)
+    return [i for i, text in zip(ids, texts) if "\ufffd" not in text
+            and llg.decode_bytes([i]).decode("utf-8", "replace").lstrip(" ") != text.lstrip(" ")]
 
 
 @functools.lru_cache(maxsize=1)

@@ -53,9 +53,9 @@ class SpeculativeDecoding:
         self.logprobs = None
         nodes = self.tree.nodes_for(batch) if self.tree is not None else 0
         # logprobs, penalties and grammars work on the rows of a chain's verify: a step with a request that asks for
-        # one verifies the whole chain
-        chain_only = wants_logprobs(running) or any(adjusts_logits(r.params) for r in running)
-        q = self.policy.block_size if chain_only else self.policy.choose(batch, nodes)
+        # one verifies a chain (of the length the policy picks)
+        chains_only = wants_logprobs(running) or any(adjusts_logits(r.params) for r in running)
+        q = self.policy.choose(batch, nodes, trees=not chains_only)
         if q == TREE:
             tokens = self.tree.step(running, prefill)
             self.verify_length = self.tree.verify_length

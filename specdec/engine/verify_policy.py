@@ -94,13 +94,13 @@ class VerifyPolicy:
     def options(self) -> tuple[int, ...]:
         return self.lengths + ((TREE,) if self.tree else ())
 
-    def choose(self, batch: int, tree_nodes: int = 0) -> int:
+    def choose(self, batch: int, tree_nodes: int = 0, trees: bool = True) -> int:
         """The chain length (tokens per request, anchor included), or TREE, for a step of `batch` requests;
-        a tree step would verify `tree_nodes` draft nodes per request."""
-        options = self.options
+        a tree step would verify `tree_nodes` draft nodes per request (`trees` False: chains only)."""
+        options = [o for o in self.options if trees or o != TREE]
         costs = self.costs.at(batch) if self.costs is not None and len(options) > 1 else None
         if costs is None:
-            return self.block_size if self.lengths else TREE
+            return self.block_size if self.lengths or not trees else TREE
         draft, verify = costs
         expected = self.expected_tokens()
 

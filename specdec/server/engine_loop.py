@@ -76,6 +76,12 @@ class EngineLoop:
         self.metrics = metrics or ServerMetrics(block_size=engine.drafter.block_size if engine.drafter else 0)
         self._live: dict[int, _Live] = {}  # request id -> submission
         self._by_sid: dict[int, _Live] = {}
+        # structured output's view of the tokenizer takes a second or two to build: before serving, not while the
+        # first such request holds up everyone's steps (a model it cannot serve fails those requests alone)
+        try:
+            engine.grammars
+        except ValueError as err:
+            log.warning("structured output is not available for this model: %s", err)
 
     @property
     def busy(self) -> bool:

@@ -14,12 +14,15 @@ from transformers import AutoTokenizer
 
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import Engine
+from specdec.engine.grammar import Grammars, bitmask
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.structured_output import StructuredOutput
+from specdec.engine.verify_policy import TREE, StepCosts
 from specdec.models.loader import LoadedTarget, load_causal_lm
 from tests.conftest import build_tiny_model_with_tokenizer
 from tests.drafter_helpers import ScriptedDrafter
 from tests.engine_helpers import assert_no_leak, dflash_drafter
+from tests.tokenizer_helpers import as_transformers, bytelevel_tokenizer, gguf_style
 
 # bounded (strings, numbers, arrays, no extra keys), so that a random model's output ends within max_new_tokens
 SCHEMAS = {
@@ -97,6 +100,28 @@ def test_speculative_greedy_equals_plain_greedy_with_a_grammar(model_dir, tokeni
     requests = [engine.make_request(p, params[i % 4]) for i, p in enumerate(prompts)]  # mixed batches
     engine.run(requests)
     assert [r.output_ids for r in requests] == expected
+    assert_no_leak(engine)
+
+
+def test_short_chains_are_exact_with_grammars_penalties_and_logprobs(model_dir, tokenizer, prompts, tmp_path):
+    """Steps with such requests verify chains only, of the length the policy picks: here the shortest (2)."""
+    params = [constrained(json=SCHEMAS["person"]), SamplingParams(max_new_tokens=30, frequency_penalty=1.0),
+              SamplingParams(max_new_tokens=30, logprobs=2), constrained(regex=r"[a-z]{1,4}( [0-9]{1,3}){1,3}")]
+    plain = engine_for(model_dir, tokenizer)
+    expected = [plain.generate_ids([p], params[i % 4])[0] for i, p in enumerate(prompts)]
+    engine = engine_for(model_dir, tokenizer, dflash_drafter(model_dir, tmp_path, 8), verify="auto", tree_nodes=7)
+    policy = engine.decoding.policy
+    rungs = range(1, 65)
+    policy.costs = StepCosts(draft={}, verify={2: {r: 1.0 for r in rungs}, 4: {r: 100.0 for r in rungs},
+                                               8: {r: 100.0 for r in rungs}, TREE: {r: 1e-3 for r in rungs}})
+    requests = [engine.make_request(p, params[i % 4]) for i, p in enumerate(prompts)]
+    engine.run(requests)
+    assert [r.output_ids for r in requests] == [e.output_ids for e in expected]
+    assert {q for r in requests for q in r.stats.verify_lengths} == {2}  # never a tree, never the whole block
+    for got, want in zip(requests, expected):
+        if want.output_logprobs is not None:
+            assert [t.logprob for t in got.output_logprobs] == pytest.approx([t.logprob for t in want.output_logprobs],
+                                                                            abs=1e-4)
     assert_no_leak(engine)
 
 
@@ -199,8 +224,37 @@ def test_an_engine_without_a_tokenizer_fails_the_request_alone(model_dir, prompt
     engine = Engine(target, EngineConfig(device="cpu", num_kv_pages=64, page_size=4))
     bad = engine.add_request(prompts[0], constrained(regex="[a-z]+"))
     good = engine.add_request(prompts[1], SamplingParams(max_new_tokens=4))
-    assert bad.finish_reason == "error" and "structured output needs a fast tokenizer" in bad.error
+    assert bad.finish_reason == "error" and "structured output needs the model's fast (tokenizers) tokenizer" in bad.error
     while engine.has_unfinished_requests:
         engine.step()
     assert len(good.output_ids) == 4
     assert_no_leak(engine)
+
+
+def allowed_after(grammars: Grammars, spec: StructuredOutput, tokenizer, text: str) -> set[int]:
+    """The tokens a grammar allows after `text`."""
+    from types import SimpleNamespace
+
+    matcher = grammars.matcher(spec)
+    assert matcher.consume_tokens(tokenizer.encode(text))
+    bits = bitmask([SimpleNamespace(matcher=matcher)], 1, None, grammars.vocab_size)[0]
+    return {t for t in range(grammars.vocab_size) if bits[t // 32] >> (t % 32) & 1}
+
+
+def test_a_gguf_converted_byte_level_tokenizer_is_read_as_bytes():
+    """transformers' GGUF conversion wraps the byte-level decoder in sentencepiece-style steps; read as text,
+    the newline token would be the letter "Ċ" and a raw newline could enter a JSON string."""
+    tokenizer = as_transformers(gguf_style(bytelevel_tokenizer()), eos_token="<|endoftext|>")
+    newline = tokenizer.encode("\n")[0]
+    grammars = Grammars(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    spec = StructuredOutput(json={"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
+    inside_string = allowed_after(grammars, spec, tokenizer, '{"a":"x')
+    assert newline not in inside_string and tokenizer.encode("y")[0] in inside_string
+    assert grammars.tokenizer.decode_bytes([newline]) == b"\n"
+
+
+def test_a_tokenizer_llguidance_would_misread_is_refused():
+    metaspace = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True}
+    tokenizer = as_transformers(gguf_style(bytelevel_tokenizer(), pre_tokenizer=metaspace), eos_token="<|endoftext|>")
+    with pytest.raises(ValueError, match="structured output cannot be enforced for this model: llguidance reads"):
+        Grammars(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
