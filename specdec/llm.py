@@ -93,8 +93,11 @@ class LLM:
             return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return encode_chat(self.tokenizer, messages)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """A conversation (and the `tools` the model may call: OpenAI's function definitions) through the chat
+        template, as token ids for `generate`; `specdec.engine.tool_calls.split_calls(result.text)` reads the
+        answer's calls, and `forced_calls(tools, name, parallel)` is the structured output that forces them."""
+        return encode_chat(self.tokenizer, messages, tools)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None, *,
                  chat: bool | None = None,

@@ -29,6 +29,9 @@ MANY_PROMPTS = PROMPTS + [[11, 12, 13, 14, 15], [20] * 17, [30, 31, 32, 33, 34, 
 def spec_engine(path, drafter, eos=(), **config):
     config.setdefault("num_kv_pages", 512)
     config.setdefault("page_size", 4)
+    # the pools of scheduling tests are sized for a chain's lookahead (a tree reserves tree_nodes + 1 slots);
+    # tests of trees and auto ask for them
+    config.setdefault("verify", "chain")
     return Engine(tiny_target(path, eos), EngineConfig(device="cpu", **config), drafter)
 
 

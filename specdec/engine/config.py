@@ -97,9 +97,9 @@ class EngineConfig:
     # auto = per step the chain length (the block, half, a quarter) with the most committed tokens per
     # second, from running acceptance and step times measured after graph capture (without CUDA graphs:
     # the whole chain); tree = a token tree of block_size - 1 nodes from each position's top drafts
-    # (specdec/engine/tree_speculator.py; the torch attention backend for now). chain stays the default
-    # until the others are measured on a GPU
-    verify: str = _setting("chain", "speculative steps: chain = verify every draft; auto = per step a token "
+    # (specdec/engine/tree_speculator.py). auto is the default: on an H200 it matched the chain at batch 1 and
+    # concurrency 8 and gave 1.2x at 64 and 1.4x at 128 (BENCHMARKS.md, bench-peers-h200-run5)
+    verify: str = _setting("auto", "speculative steps: chain = verify every draft; auto = per step a token "
                                     "tree or a chain of as many drafts as pay for themselves at the step's "
                                     "batch size (measured step times); tree = always a token tree",
                            choices=VERIFY_POLICIES)

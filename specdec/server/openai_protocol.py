@@ -4,7 +4,7 @@ Fields the engine cannot honour (suffix) are refused with a 400 that names the f
 ignored; unknown extra fields are ignored, as OpenAI does. `logprobs` are answered in each endpoint's own
 format (`ResponseShape`). Structured output comes as OpenAI's `response_format` or as vLLM's
 `structured_outputs` (json, json_object, regex, choice, grammar); tools as OpenAI's `tools` + `tool_choice`
-(specdec/server/tool_calls.py).
+(specdec/engine/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from specdec.engine.logprobs import TokenLogprob
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.structured_output import StructuredOutput
-from specdec.server.tool_calls import ToolCallText, forced_calls, split_calls
+from specdec.engine.tool_calls import ToolCallText, forced_calls, split_calls
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none
 

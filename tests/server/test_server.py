@@ -50,7 +50,8 @@ def reference(model_dirs):
     return LLM(*model_dirs, device="cpu", num_kv_pages=512, page_size=4)
 
 
-SMALL_POOL = dict(num_kv_pages=PAGES, page_size=4, max_num_seqs=16, max_prefill_tokens=64)
+# a chain's lookahead (4 slots): a tree's (64) would take most of the small pool
+SMALL_POOL = dict(num_kv_pages=PAGES, page_size=4, max_num_seqs=16, max_prefill_tokens=64, verify="chain")
 
 
 @pytest.fixture(scope="module")

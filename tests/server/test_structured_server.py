@@ -17,6 +17,7 @@ from transformers import AutoConfig
 from specdec import LLM, SamplingParams
 from specdec.engine.prompts import encode_chat
 from specdec.engine.structured_output import StructuredOutput
+from specdec.engine.tool_calls import forced_calls, split_calls
 from specdec.server.async_engine import ThreadedEngine
 from specdec.server.openai_api import build_app
 from tests.conftest import build_tiny_model_with_tokenizer
@@ -131,6 +132,16 @@ def test_forced_tool_choice_always_gives_valid_calls(client, choice, parallel):
         assert [(d.function.name, d.function.arguments) for d in deltas] == [
             (c.function.name, c.function.arguments) for c in message.tool_calls]
         assert streamed[-1].choices[0].finish_reason == answer.choices[0].finish_reason
+
+
+def test_the_library_forces_and_reads_tool_calls(plain):
+    ids = plain.encode_chat(chat("Weather?"), TOOLS)
+    assert '"name": "get_time"' in plain.tokenizer.decode(ids)
+    [result] = plain.generate([ids], SamplingParams(max_new_tokens=150, structured_output=forced_calls(
+        TOOLS, "get_weather", parallel=False)))
+    content, calls = split_calls(result.text)
+    assert content is None and [c.name for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMA)
 
 
 def test_tool_results_go_back_through_the_chat_template(server, client):

@@ -8,7 +8,7 @@ import llguidance.hf
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from specdec.server.tool_calls import OPEN, ToolCallText, forced_calls, split_calls
+from specdec.engine.tool_calls import OPEN, ToolCallText, forced_calls, split_calls
 from tests.tokenizer_helpers import bytelevel_tokenizer
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
