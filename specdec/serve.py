@@ -20,6 +20,7 @@ import sys
 from specdec.arguments import (DefaultsHelpFormatter, add_engine_arguments, add_model_arguments, chosen_drafter,
                                engine_options)
 from specdec.server.body_limit import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from specdec.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S, header_timeout_protocol
 
 PROG = "python -m specdec.serve"
 
@@ -40,6 +41,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="the largest request body accepted (a larger one gets 413 before it is read)")
     p.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
                    help="seconds a client may take to send a request's body (then 408)")
+    p.add_argument("--request-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a client may take to send a request's headers (then 408 and the connection closes)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -65,7 +68,8 @@ def main(argv=None, prog: str = PROG) -> int:
     app = build_app(engine, args.served_model_name or args.target, max_body_bytes=args.max_request_bytes,
                     body_timeout_s=args.request_body_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+                            timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+                            http=header_timeout_protocol(args.request_header_timeout))
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handler it
     # found: with these no-op handlers that re-raise ends nothing, so a stop by signal exits 0
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -40,11 +40,12 @@ def wait_until_healthy(base_url: str, timeout_s: float, alive=lambda: True) -> N
 class ThreadServer:
     """`app` served by uvicorn on a thread of this process (the test can look inside the engine)."""
 
-    def __init__(self, app, timeout_graceful_shutdown: float = 5.0):
+    def __init__(self, app, timeout_graceful_shutdown: float = 5.0, **config):
+        """config: more uvicorn.Config settings (e.g. http, the protocol class)."""
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.base_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=timeout_graceful_shutdown)
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=timeout_graceful_shutdown, **config)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -15,9 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from specdec import LLM, SamplingParams
 from specdec.server.async_engine import ThreadedEngine
+from specdec.server.header_timeout import header_timeout_protocol
 from specdec.server.openai_api import build_app
 from tests.conftest import build_tiny_model_with_tokenizer
 from tests.server_helpers import ProcessServer, ThreadServer
@@ -92,6 +95,41 @@ def test_a_half_sent_body_gets_408_in_time(server):
         reply = sock.recv(4096).decode()
     assert reply.startswith("HTTP/1.1 408") and "did not arrive" in reply
     assert time.monotonic() - start < 5
+
+
+def read_reply(sock) -> bytes:
+    reply = b""
+    while chunk := sock.recv(4096):
+        reply += chunk
+    return reply
+
+
+@pytest.mark.parametrize("base", [H11Protocol, HttpToolsProtocol], ids=["h11", "httptools"])
+def test_headers_that_never_finish_get_408_and_the_connection_closes(target, base):
+    """A client sending its headers a byte at a time (or stopping halfway) is cut off once the header time
+    runs out, counted from its first byte, while other clients are served; a kept-alive connection's next
+    request gets a header time of its own, so a pause between requests is not cut."""
+    llm = LLM(target, device="cpu", num_kv_pages=64, page_size=4)
+    with ThreadServer(build_app(ThreadedEngine(llm), MODEL), http=header_timeout_protocol(1.0, base)) as limited:
+        host, port = limited.base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            start = time.monotonic()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            reply = read_reply(sock)
+        assert reply.startswith(b"HTTP/1.1 408") and b"headers took too long" in reply
+        assert 0.9 < time.monotonic() - start < 5
+        with socket.create_connection((host, int(port)), timeout=10) as sock:  # a byte every 0.2 s
+            start = time.monotonic()
+            with pytest.raises((BrokenPipeError, ConnectionResetError)):
+                for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"y" * 100:
+                    sock.sendall(bytes([byte]))
+                    time.sleep(0.2)
+            assert time.monotonic() - start < 5
+        with httpx.Client(base_url=limited.base_url, timeout=10) as http:  # one kept-alive connection
+            assert http.get("/health").status_code == 200
+            time.sleep(1.5)  # longer than the header time, shorter than uvicorn's keep-alive (5 s)
+            answer = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 3})
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
 
 
 def test_a_long_prompt_is_tokenized_off_the_event_loop(target):
