@@ -3,16 +3,17 @@
 Each program runs in its own subprocess and fresh temporary directory (its working directory, HOME
 and TMPDIR), with an environment of a few fixed variables, `python -I` (no user site, no PYTHON*
 variables), stdin closed, and a wall-clock timeout after which its whole process group is killed.
-`eval/sandbox_entry.py` runs first inside the child: resource limits, an audit hook, and, where the
-kernel allows it, a read-only filesystem.
+`eval/sandbox_entry.py` runs first inside the child: resource limits, a seccomp filter (no sockets, new
+processes or programs, signals to others, whatever the program does), an audit hook, and, where the kernel
+allows it, a read-only filesystem.
 
 Isolation by the kernel is used when `unshare` (util-linux) can create user, mount, network, IPC and
 pid namespaces for this process (checked once, by running a trivial program): the program then has
 no network at all (a network namespace with only a down loopback), sees every mount but its work
 directory read-only, and every process it starts dies with it. Where namespaces are not available
-(some containers forbid them), the audit hook alone refuses sockets and name lookups, starting
-processes and writing outside the work directory; that holds for model-written code, not for code
-written to defeat it. `isolation()` says which applies; results.json records it.
+(some containers forbid them), the seccomp filter still refuses sockets, processes and signals to others;
+writing outside the work directory is then refused by the audit hook alone, which holds for model-written
+code, not for code written to defeat it. `isolation()` says which applies; results.json records it.
 
 `run_tests` grades a function: the module runs in the sandbox and answers calls of it; the tests run
 here, so the verdict is this process's own observation. `run_program` runs a whole program (passed

@@ -9,7 +9,10 @@ directory, so it uses the standard library only. In order:
    mounts are then locked by entering one more user namespace, so the program cannot make them
    writable again.
 2. Resource limits, soft and hard: CPU time, address space, file size, open files, processes (the
-   kernel does not apply this one to root; the hook below covers that case), no core files.
+   kernel does not apply this one to root; the filter and the hook below cover that case), no core files.
+   Then a seccomp filter (`forbid_dangerous_syscalls`): the kernel refuses new sockets, new programs and
+   processes (threads stay), signals to other processes, ptrace, mounts and namespaces, modules, keys, BPF,
+   perf and io_uring from here on, whatever the program does to the hook below.
 3. An audit hook (PEP 578) refuses starting processes, sockets and name lookups, loading native code
    through ctypes, changing resource limits, and writing or removing files outside the work
    directory. Where the kernel could not isolate the program this hook is what stands between it and
@@ -95,6 +98,80 @@ def make_filesystem_read_only(work_dir: str) -> None:
     # mounts copied into a mount namespace that a new user namespace owns are locked there
     _checked(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "lock the mounts")
     os.chdir(work_dir)  # the working directory still pointed into the (now read-only) mount below the bind
+
+
+# seccomp (<linux/seccomp.h>, <linux/filter.h>, <linux/audit.h>): syscalls the program never needs, per
+# architecture (the numbers differ): new sockets of any kind (the host's UNIX sockets included), new programs
+# and processes (threads stay), debugging or reading other processes, mounts and namespaces, kernel modules
+# and keys, BPF, perf and io_uring (whose operations seccomp would not see). They fail with EPERM; clone3,
+# whose flags a filter cannot read, fails with ENOSYS, so that glibc creates threads with clone instead.
+SECCOMP_DENIED = {
+    "x86_64": (0xC000003E, dict(
+        socket=41, execve=59, execveat=322, fork=57, vfork=58, ptrace=101, process_vm_readv=310,
+        process_vm_writev=311, mount=165, umount2=166, pivot_root=155, chroot=161, unshare=272, setns=308,
+        open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
+        init_module=175, finit_module=313, delete_module=176, kexec_load=246, kexec_file_load=320, add_key=248,
+        request_key=249, keyctl=250, bpf=321, perf_event_open=298, userfaultfd=323, io_uring_setup=425,
+        io_uring_enter=426, io_uring_register=427, pidfd_send_signal=424),
+        dict(clone=56, clone3=435, kill=62, tkill=200, tgkill=234)),
+    "aarch64": (0xC00000B7, dict(
+        socket=198, execve=221, execveat=281, ptrace=117, process_vm_readv=270, process_vm_writev=271, mount=40,
+        umount2=39, pivot_root=41, chroot=51, unshare=97, setns=268, open_tree=428, move_mount=429, fsopen=430,
+        fsconfig=431, fsmount=432, fspick=433, mount_setattr=442, init_module=105, finit_module=273,
+        delete_module=106, kexec_load=104, kexec_file_load=294, add_key=217, request_key=218, keyctl=219, bpf=280,
+        perf_event_open=241, userfaultfd=282, io_uring_setup=425, io_uring_enter=426, io_uring_register=427,
+        pidfd_send_signal=424),
+        dict(clone=220, clone3=435, kill=129, tkill=130, tgkill=131)),
+}
+X32_SYSCALL_BIT = 0x40000000
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+RET_ALLOW, RET_KILL_PROCESS, RET_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
+EPERM, ENOSYS = 1, 38
+CLONE_THREAD = 0x00010000
+LD_ABS_W, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE, JSET, BPF_RET|K
+NR, ARCH, ARG0 = 0, 4, 16  # offsets in struct seccomp_data (the low half of args[0] on little-endian machines)
+
+
+class SockFilter(ctypes.Structure):  # struct sock_filter
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class SockFprog(ctypes.Structure):  # struct sock_fprog
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+
+def seccomp_program(arch: str, pid: int) -> list[tuple[int, int, int, int]]:
+    """The filter as (code, jt, jf, k) instructions: another architecture's syscalls kill the process; a denied
+    syscall fails; clone only makes threads; signals go only to this process (`pid`)."""
+    audit_arch, denied, special = SECCOMP_DENIED[arch]
+    program = [(LD_ABS_W, 0, 0, ARCH), (JEQ, 1, 0, audit_arch), (RET, 0, 0, RET_KILL_PROCESS), (LD_ABS_W, 0, 0, NR)]
+    if arch == "x86_64":  # the x32 ABI's numbers would bypass the table
+        program += [(JGE, 0, 1, X32_SYSCALL_BIT), (RET, 0, 0, RET_KILL_PROCESS)]
+    for number in denied.values():
+        program += [(JEQ, 0, 1, number), (RET, 0, 0, RET_ERRNO | EPERM)]
+    program += [(JEQ, 0, 1, special["clone3"]), (RET, 0, 0, RET_ERRNO | ENOSYS)]
+    # clone: allowed with CLONE_THREAD in its flags; kill, tkill, tgkill: allowed at this process only
+    program += [(JEQ, 0, 4, special["clone"]), (LD_ABS_W, 0, 0, ARG0), (JSET, 0, 1, CLONE_THREAD),
+                (RET, 0, 0, RET_ALLOW), (RET, 0, 0, RET_ERRNO | EPERM)]
+    for name in ("kill", "tkill", "tgkill"):
+        program += [(LD_ABS_W, 0, 0, NR), (JEQ, 0, 4, special[name]), (LD_ABS_W, 0, 0, ARG0), (JEQ, 0, 1, pid),
+                    (RET, 0, 0, RET_ALLOW), (RET, 0, 0, RET_ERRNO | EPERM)]
+    return program + [(RET, 0, 0, RET_ALLOW)]
+
+
+def forbid_dangerous_syscalls() -> bool:
+    """Install the seccomp filter (kept by every thread, irreversible); False on an architecture without a table
+    (then the audit hook and, where available, the namespaces are what is left)."""
+    arch = os.uname().machine
+    if arch not in SECCOMP_DENIED:
+        return False
+    program = seccomp_program(arch, os.getpid())
+    filters = (SockFilter * len(program))(*(SockFilter(*instruction) for instruction in program))
+    libc = ctypes.CDLL(None, use_errno=True)
+    _checked(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "forbid new privileges")
+    _checked(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(SockFprog(len(program), filters)), 0, 0),
+             "install the seccomp filter")
+    return True
 
 
 def limit_resources(args) -> None:
@@ -216,6 +293,7 @@ def main() -> int:
     if args.read_only:
         make_filesystem_read_only(args.work_dir)
     limit_resources(args)
+    forbid_dangerous_syscalls()
     install_guard(args.work_dir)
     return serve(args.program, args.serve) if args.serve else run(args.program)
 
