@@ -3,17 +3,18 @@
 Each program runs in its own subprocess and fresh temporary directory (its working directory, HOME
 and TMPDIR), with an environment of a few fixed variables, `python -I` (no user site, no PYTHON*
 variables), stdin closed, and a wall-clock timeout after which its whole process group is killed.
-`eval/sandbox_entry.py` runs first inside the child: resource limits, a seccomp filter (no sockets, new
-processes or programs, signals to others, whatever the program does), an audit hook, and, where the kernel
-allows it, a read-only filesystem.
+`eval/sandbox_entry.py` runs first inside the child: resource limits, Landlock where the kernel has it (no
+change to the filesystem outside the work directory), a seccomp filter (no sockets, new processes or
+programs, signals to others), both whatever the program does, an audit hook, and, where the kernel allows
+it, a read-only filesystem.
 
 Isolation by the kernel is used when `unshare` (util-linux) can create user, mount, network, IPC and
 pid namespaces for this process (checked once, by running a trivial program): the program then has
 no network at all (a network namespace with only a down loopback), sees every mount but its work
 directory read-only, and every process it starts dies with it. Where namespaces are not available
-(some containers forbid them), the seccomp filter still refuses sockets, processes and signals to others;
-writing outside the work directory is then refused by the audit hook alone, which holds for model-written
-code, not for code written to defeat it. `isolation()` says which applies; results.json records it.
+(some containers forbid them), the seccomp filter still refuses sockets, processes and signals to others,
+and Landlock writes outside the work directory; on a kernel without Landlock the audit hook alone refuses
+those writes, which holds for model-written code, not for code written to defeat it. `isolation()` says which applies; results.json records it.
 
 `run_tests` grades a function: the module runs in the sandbox and answers calls of it; the tests run
 here, so the verdict is this process's own observation. `run_program` runs a whole program (passed
@@ -37,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eval import value_codec
+from eval.sandbox_entry import SECCOMP_DENIED, landlock_abi
 
 log = logging.getLogger(__name__)
 
@@ -265,5 +267,12 @@ def isolation(limits: Limits = Limits()) -> dict:
     failure = _namespace_check()
     kernel = ("user, mount (read-only but the work directory), network (none), IPC and pid namespaces"
               if failure is None else f"none (namespaces unavailable: {failure.detail})")
-    return {"kernel_isolation": kernel, "audit_hook": "refuses processes, sockets, ctypes, rlimit changes and "
-            "writes outside the work directory", "limits": asdict(limits)}
+    landlock = landlock_abi()
+    return {"kernel_isolation": kernel,
+            "seccomp": "refuses sockets, new processes and programs, signals to other processes, ptrace, mounts, "
+                       "namespaces, modules, keys, BPF, perf and io_uring" if os.uname().machine in SECCOMP_DENIED
+                       else f"none (no syscall table for {os.uname().machine})",
+            "landlock": f"ABI {landlock}: no filesystem change outside the work directory" if landlock
+                        else "unavailable on this kernel",
+            "audit_hook": "refuses processes, sockets, ctypes, rlimit changes and writes outside the work directory",
+            "limits": asdict(limits)}

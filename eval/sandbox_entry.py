@@ -10,7 +10,8 @@ directory, so it uses the standard library only. In order:
    writable again.
 2. Resource limits, soft and hard: CPU time, address space, file size, open files, processes (the
    kernel does not apply this one to root; the filter and the hook below cover that case), no core files.
-   Then a seccomp filter (`forbid_dangerous_syscalls`): the kernel refuses new sockets, new programs and
+   Then Landlock where the kernel has it (`confine_writes`): no change to the filesystem outside the work
+   directory and the null device. Then a seccomp filter (`forbid_dangerous_syscalls`): the kernel refuses new sockets, new programs and
    processes (threads stay), signals to other processes, ptrace, mounts and namespaces, modules, keys, BPF,
    perf and io_uring from here on, whatever the program does to the hook below.
 3. An audit hook (PEP 578) refuses starting processes, sockets and name lookups, loading native code
@@ -174,6 +175,55 @@ def forbid_dangerous_syscalls() -> bool:
     return True
 
 
+# Landlock (<linux/landlock.h>; one syscall number on every architecture): the filesystem rights that change
+# something, each handled by the kernel versions that know it (ABI 1, 2: refer, 3: truncate, 5: device ioctl)
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
+FS_WRITE_FILE, FS_TRUNCATE = 1 << 1, 1 << 14
+FS_CHANGES = {1: sum(1 << bit for bit in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12)), 2: 1 << 13, 3: FS_TRUNCATE, 5: 1 << 15}
+
+
+class PathBeneath(ctypes.Structure):  # struct landlock_path_beneath_attr (packed)
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock version (0: none)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return max(0, libc.syscall(ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0),
+                               ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION)))
+
+
+def confine_writes(work_dir: str) -> bool:
+    """Landlock: from here on the kernel refuses every change to the filesystem (writing, creating, removing,
+    renaming, truncating) but inside the work directory and writing the null device; False where the kernel
+    has no Landlock (the audit hook, and in the namespace mode the read-only mounts, remain)."""
+    abi = landlock_abi()
+    if abi < 1:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    handled = sum(rights for version, rights in FS_CHANGES.items() if abi >= version)
+    ruleset = libc.syscall(ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET), ctypes.byref(ctypes.c_uint64(handled)),
+                           ctypes.c_size_t(8), ctypes.c_uint32(0))  # the attribute's first field: fs rights
+    _checked(0 if ruleset >= 0 else -1, "create a Landlock ruleset")
+    try:
+        for path, allowed in ((work_dir, handled), (os.devnull, handled & (FS_WRITE_FILE | FS_TRUNCATE))):
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            try:
+                _checked(libc.syscall(ctypes.c_long(SYS_LANDLOCK_ADD_RULE), ruleset, LANDLOCK_RULE_PATH_BENEATH,
+                                      ctypes.byref(PathBeneath(allowed, fd)), ctypes.c_uint32(0)),
+                         f"allow changes under {path}")
+            finally:
+                os.close(fd)
+        _checked(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "forbid new privileges")
+        _checked(libc.syscall(ctypes.c_long(SYS_LANDLOCK_RESTRICT_SELF), ruleset, ctypes.c_uint32(0)),
+                 "restrict the filesystem")
+    finally:
+        os.close(ruleset)
+    return True
+
+
 def limit_resources(args) -> None:
     limits = [(resource.RLIMIT_CPU, args.cpu_seconds), (resource.RLIMIT_AS, args.memory_bytes),
               (resource.RLIMIT_FSIZE, args.file_bytes), (resource.RLIMIT_NOFILE, 64),
@@ -293,6 +343,7 @@ def main() -> int:
     if args.read_only:
         make_filesystem_read_only(args.work_dir)
     limit_resources(args)
+    confine_writes(args.work_dir)
     forbid_dangerous_syscalls()
     install_guard(args.work_dir)
     return serve(args.program, args.serve) if args.serve else run(args.program)

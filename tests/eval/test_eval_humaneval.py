@@ -15,6 +15,7 @@ from eval.chat_prompt import chat_prompt_ids
 from eval.code_execution import Limits, namespaces_available, run_program, run_tests
 from eval.code_extraction import completed_module, defines, extract_code, keep_definitions
 from eval.problem_set import select
+from eval.sandbox_entry import landlock_abi
 from tests.conftest import build_tiny_model
 from tests.drafter_helpers import build_random_drafter
 from tests.eval_helpers import importable, refuse_model_loading
@@ -214,8 +215,8 @@ HOOK_OFF = textwrap.dedent("""\
     import gc, os
     guard = next(f for f in gc.get_objects() if type(f).__name__ == "function" and f.__name__ == "guard")
     for cell in guard.__closure__:
-        if isinstance(cell.cell_contents, frozenset):
-            cell.cell_contents = frozenset()
+        if isinstance(cell.cell_contents, (frozenset, dict, int)):  # refused events, path events, write flags
+            cell.cell_contents = type(cell.cell_contents)()
     os.kill(os.getpid(), 0)
     """)
 
@@ -236,6 +237,22 @@ def test_with_the_hook_switched_off_the_kernel_still_refuses(tmp_path, namespace
     assert run_program(HOOK_OFF, SHORT, namespaces).passed  # the hook really is off
     result = run_program(HOOK_OFF + action, SHORT, namespaces)
     assert not result.passed and ("Errno 1]" in result.detail or "refused" in result.detail), result
+
+
+@pytest.mark.skipif(not landlock_abi(), reason="this kernel has no Landlock")
+@pytest.mark.parametrize("namespaces", ISOLATIONS)
+def test_with_the_hook_switched_off_nothing_outside_the_directory_changes(tmp_path, namespaces):
+    """Landlock (and in the namespace mode the read-only mounts) keep every change inside the work directory."""
+    victim = tmp_path / "keep.txt"
+    victim.write_text("original")
+    for action in (f"open({str(tmp_path / 'escaped.txt')!r}, 'w').write('x')\n", f"os.remove({str(victim)!r})\n",
+                   f"os.mkdir({str(tmp_path / 'made')!r})\n", f"os.truncate({str(victim)!r}, 0)\n",
+                   f"os.rename({str(victim)!r}, {str(tmp_path / 'moved.txt')!r})\n"):
+        result = run_program(HOOK_OFF + action, SHORT, namespaces)
+        assert not result.passed and ("Errno 13]" in result.detail or "Errno 30]" in result.detail), (action, result)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"] and victim.read_text() == "original"
+    inside = "open('a.txt', 'w').write('x')\nos.rename('a.txt', 'b.txt')\nos.mkdir('d')\nos.remove('b.txt')\n"
+    assert run_program(HOOK_OFF + inside, SHORT, namespaces).passed
 
 
 @pytest.mark.parametrize("namespaces", ISOLATIONS)
