@@ -14,10 +14,11 @@ decoding token for token; fa2 picks its tiles by query count, and the two drift 
 A cache whose layers mix dtypes (FP8 with a few layers kept in the model dtype) has one wrapper per
 dtype, planned together for the same layout; each layer runs the wrapper of its own dtype.
 fa2 is the faster kernel once a request's KV passes ~1,000 tokens or the batch is large (measured on
-an H200: 9-15 us a layer against fa3's 20-50 us), so a decode step of several requests (plain
-decoding under load) runs fa2: there the token-for-token promise is already bounded by the batch
-(GEMMs tile by row count, so a batch's outputs depend on its make-up), while a lone request's decode
-keeps fa3 and equals its verify. Eager and graphed steps of the same layout use the same kernels.
+an H200: 9-15 us a layer against fa3's 20-50 us for decodes; a whole DFlash step of 16 and 64 requests
+9-12% faster with fa2 verifies), so a step of several requests with one query count each (plain decoding,
+or verifying a chain, under load) runs fa2: there the token-for-token promise is already bounded by the
+batch (GEMMs tile by row count, so a batch's outputs depend on its make-up), while a lone request's
+decode and verify keep fa3 and agree. Eager and graphed steps of the same layout use the same kernels.
 fa2 graph slots are planned with `uniform_q_len` (every request has the same query count), so the
 query tile is sized for that count as in an eager plan: without it a CUDA-graph plan sizes the tile
 for the ragged worst case, the verify graph then rounds differently from the decode graph, and
@@ -65,7 +66,7 @@ class GraphSlot:
     never change), and pinned host buffers to plan from (a slot is planned at most once per step, so they
     are free again once the step's one synchronization has passed)."""
 
-    def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int, several_decodes: bool,
+    def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int, several_uniform: bool,
                  tree: bool = False):
         dev = backend.device
         self.batch_size = batch_size
@@ -77,8 +78,8 @@ class GraphSlot:
             ("qo_indptr", batch_size + 1), ("kv_indptr", batch_size + 1), ("kv_indices", max_pages),
             ("last_page_len", batch_size), ("kv_lens", batch_size))}
         # one wrapper per cache dtype over the same index buffers (each plan writes the same values), made
-        # here so that the graph memory estimate counts them; the kernel is the rung's (several_decodes)
-        self.several_decodes = several_decodes
+        # here so that the graph memory estimate counts them; the kernel is the rung's (several_uniform)
+        self.several_uniform = several_uniform
         # token trees: the custom mask (fa2), in the backend's one mask buffer (slots are planned one at a time)
         self.tree = tree
         masks = dict(custom_mask_buf=backend.tree_mask_buffer(),
@@ -87,7 +88,7 @@ class GraphSlot:
             backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr,
             paged_kv_indptr_buf=self.kv_indptr, paged_kv_indices_buf=self.kv_indices,
             paged_kv_last_page_len_buf=self.last_page_len,
-            backend="fa2" if tree else kernel_backend(dtype, several_decodes), **masks)
+            backend="fa2" if tree else kernel_backend(dtype, several_uniform), **masks)
             for dtype in backend.kv_dtypes}
 
     def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
@@ -139,7 +140,7 @@ class FlashInferBackend(AttentionBackend):
             self.set_write_slots(*slots_on_device(self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu,
                                                   layout.page_size))
         tree = layout.query_masks is not None
-        self.wrappers = self.eager_wrappers[TREE if tree else several_decodes(layout)]
+        self.wrappers = self.eager_wrappers[TREE if tree else several_uniform(layout)]
         self._plan_wrappers(layout, pinned(layout.qo_indptr()), pinned(kv_indptr), self.kv_indices,
                             pinned(layout.last_page_lens()), pinned(layout.kv_lens),
                             packed_mask=layout.packed_query_masks() if tree else None)
@@ -147,7 +148,7 @@ class FlashInferBackend(AttentionBackend):
     def graph_slot(self, batch_size: int, max_pages: int, example: BatchLayout | None = None) -> GraphSlot:
         """The buffers and wrappers of one rung; `example` (a layout of the steps it will replay, padded to
         its size) picks the kernel its graph is captured with."""
-        return GraphSlot(self, batch_size, max_pages, example is not None and several_decodes(example),
+        return GraphSlot(self, batch_size, max_pages, example is not None and several_uniform(example),
                          tree=example is not None and example.query_masks is not None)
 
     def plan_graph(self, slot: GraphSlot, layout: BatchLayout, scratch_page: int) -> None:
@@ -158,8 +159,9 @@ class FlashInferBackend(AttentionBackend):
         n = len(layout.kv_indices)
         slot.kv_indices[:n].copy_(slot.stage("kv_indices", layout.kv_indices), non_blocking=True)
         tree = layout.query_masks is not None
-        if several_decodes(layout) != slot.several_decodes or tree != slot.tree:
-            kind = "token trees" if slot.tree else "several decodes" if slot.several_decodes else "other steps"
+        if several_uniform(layout) != slot.several_uniform or tree != slot.tree:
+            kind = ("token trees" if slot.tree else "several requests of one query count" if slot.several_uniform
+                    else "other steps")
             raise ValueError(f"a rung captured for {kind} cannot replay this layout "
                              f"(q_lens {layout.q_lens.tolist()}, masks: {tree})")
         packed = layout.packed_query_masks() if tree else None
@@ -198,13 +200,14 @@ class FlashInferBackend(AttentionBackend):
         return wrapper.run(q, layer.data, out=out)
 
 
-def kernel_backend(kv_dtype: torch.dtype, several_decodes: bool = False) -> str:
-    """fa2 for FP8 caches (fa3 needs FP8 queries) and decode steps of several requests, "auto" (fa3 on
-    Hopper) otherwise."""
-    return "fa2" if kv_dtype == FP8_DTYPE or several_decodes else "auto"
+def kernel_backend(kv_dtype: torch.dtype, several_uniform: bool = False) -> str:
+    """fa2 for FP8 caches (fa3 needs FP8 queries) and causal steps of several requests of one query count
+    (decodes, chain verifies), "auto" (fa3 on Hopper) otherwise."""
+    return "fa2" if kv_dtype == FP8_DTYPE or several_uniform else "auto"
 
 
-def several_decodes(layout: BatchLayout) -> bool:
-    """A causal step of more than one request, each with one query (a padded graph rung counts its
-    dummy requests: the rung's size, not the real batch, picks the kernel it was captured with)."""
-    return layout.causal and layout.batch_size > 1 and bool((layout.q_lens == 1).all())
+def several_uniform(layout: BatchLayout) -> bool:
+    """A causal step of more than one request, all with the same query count: decodes, or the verify of a
+    chain (a padded graph rung counts its dummy requests, which take the largest query count: the rung's
+    size, not the real batch, picks the kernel it was captured with)."""
+    return layout.causal and layout.batch_size > 1 and bool((layout.q_lens == layout.q_lens[0]).all())

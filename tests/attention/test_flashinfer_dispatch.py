@@ -48,7 +48,7 @@ def test_each_layer_runs_the_wrapper_of_its_dtype(backend_class):
     RecordingWrapper.instances = []
     backend = FlashInferBackend(4, 2, 8, 8 ** -0.5, device=torch.device("cpu"),
                                 kv_dtypes=(torch.bfloat16, FP8_DTYPE, FP8_DTYPE), q_dtype=torch.bfloat16)
-    bf16, fp8 = RecordingWrapper.instances[:2]  # those of steps other than several decodes
+    bf16, fp8 = RecordingWrapper.instances[:2]  # those of steps other than several uniform ones
     assert (bf16.backend, fp8.backend) == ("auto", "fa2")
     cache = KVCache(3, 8, 4, 2, 8, (torch.bfloat16, FP8_DTYPE, FP8_DTYPE), "cpu")
     backend.plan(BatchLayout.for_tokens([3], [3], [[0]], 4, causal=True))
@@ -74,12 +74,13 @@ def test_plans_get_the_layouts_lengths(backend_class):
 
 @pytest.mark.parametrize("q_lens, causal, kernel", [
     ([1], True, "auto"),  # a lone request's decode: fa3, computed as its verify rows are
-    ([16], True, "auto"),  # a verify
+    ([16], True, "auto"),  # a lone request's verify
     ([1, 1, 1], True, "fa2"),  # plain decoding of several requests: fa2, the faster kernel there
+    ([16, 16, 16], True, "fa2"),  # the chain verify of several requests: fa2 too
     ([1, 16, 1], True, "auto"),  # a step mixing decodes with verifies or prompt chunks
-    ([1, 1], False, "auto"),  # not a decode step (DFlash drafting is non-causal)
+    ([1, 1], False, "auto"),  # not a causal step (DFlash drafting is non-causal)
 ])
-def test_several_decodes_run_fa2_and_every_other_bf16_step_fa3(backend_class, q_lens, causal, kernel):
+def test_steps_of_several_uniform_requests_run_fa2_and_every_other_bf16_step_fa3(backend_class, q_lens, causal, kernel):
     FlashInferBackend = backend_class  # noqa: N806
 
     RecordingWrapper.instances = []
@@ -106,9 +107,9 @@ def test_a_graph_rung_picks_its_kernel_by_its_size(backend_class):
         (wrapper,) = RecordingWrapper.instances
         backend.plan_graph(slot, decode, scratch_page=15)
         assert wrapper.backend == kernel and wrapper.plans
-    verify = BatchLayout.for_tokens([4], [8], [[0, 1]], 4, causal=True)
+    mixed = BatchLayout.for_tokens([1, 4], [5, 8], [[0, 1], [2, 3]], 4, causal=True)  # decodes and a verify
     with pytest.raises(ValueError, match="cannot replay"):
-        backend.plan_graph(slot, verify, scratch_page=15)
+        backend.plan_graph(slot, mixed, scratch_page=15)
 
 
 def test_token_trees_plan_the_fa2_wrappers_with_their_packed_masks(backend_class):
