@@ -19,7 +19,6 @@ commits the previous step's tokens, so each token is committed one step later (s
 
 from __future__ import annotations
 
-import functools
 import logging
 import statistics
 import time
@@ -141,6 +140,7 @@ class Engine:
                                    self.prefix_cache)
         self.limits = RequestLimits(self.max_context, mc.vocab_size, self.num_pages, config.page_size, lookahead)
         self._next_id = 0
+        self._grammars: Grammars | ValueError | None = None  # `grammars`, or why this model has none
         self.graph_capture_seconds: float | None = None
         self.graph_memory_bytes = 0
         # calibrated FP8 scales are baked into the graphs: capture after the first prefill has set them
@@ -260,10 +260,19 @@ class Engine:
             request.finish("error", problem)
         return request
 
-    @functools.cached_property
+    @property
     def grammars(self) -> Grammars:
-        """The tokenizer as the grammars of structured output see it: built on the first such request."""
-        return Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+        """The tokenizer as the grammars of structured output see it: built on the first such request. A model
+        it cannot serve is found out once: its error is kept and raised again, not rebuilt (a second or two
+        of the engine's thread) for every later request."""
+        if self._grammars is None:
+            try:
+                self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+            except ValueError as err:
+                self._grammars = err
+        if isinstance(self._grammars, ValueError):
+            raise self._grammars
+        return self._grammars
 
     def why_invalid(self, prompt_ids: list[int], params: SamplingParams) -> str | None:
         """Why a request can never be served (None if it can)."""
@@ -278,9 +287,7 @@ class Engine:
             raise ValueError(f"add_request queues one answer, got n={params.n}; add_samples queues n")
         request = self.make_request(prompt_ids, params)
         request.lead = lead
-        if not request.finished:
-            self._prepare(request)
-            self.scheduler.add(request)
+        self._queue(request)
         return request
 
     def make_samples(self, prompt_ids: list[int], params: SamplingParams) -> list[Request]:
@@ -295,9 +302,7 @@ class Engine:
         """Queue the params.n answers of one prompt (`make_samples`)."""
         samples = self.make_samples(prompt_ids, params)
         for sample in samples:
-            if not sample.finished:
-                self._prepare(sample)
-                self.scheduler.add(sample)
+            self._queue(sample)
         return samples
 
     @property
@@ -353,9 +358,7 @@ class Engine:
         before the call, and each request keeps what it had committed."""
         try:
             for request in requests:
-                if not request.finished:
-                    self._prepare(request)
-                    self.scheduler.add(request)
+                self._queue(request)
             while self.has_unfinished_requests:
                 self.step(on_commit)
         except BaseException:
@@ -393,6 +396,12 @@ class Engine:
             for request in ended:
                 self.drafter.release(request)
         return ended
+
+    def _queue(self, request: Request) -> None:
+        """Hand a request to the scheduler, prepared (one refused up front stays out)."""
+        if not request.finished:
+            self._prepare(request)
+            self.scheduler.add(request)
 
     def _prepare(self, request: Request) -> None:
         request.target_pages = PageTable(self.pool)

@@ -225,6 +225,7 @@ def test_an_engine_without_a_tokenizer_fails_the_request_alone(model_dir, prompt
     bad = engine.add_request(prompts[0], constrained(regex="[a-z]+"))
     good = engine.add_request(prompts[1], SamplingParams(max_new_tokens=4))
     assert bad.finish_reason == "error" and "structured output needs the model's fast (tokenizers) tokenizer" in bad.error
+
     while engine.has_unfinished_requests:
         engine.step()
     assert len(good.output_ids) == 4
@@ -258,3 +259,16 @@ def test_a_tokenizer_llguidance_would_misread_is_refused():
     tokenizer = as_transformers(gguf_style(bytelevel_tokenizer(), pre_tokenizer=metaspace), eos_token="<|endoftext|>")
     with pytest.raises(ValueError, match="structured output cannot be enforced for this model: llguidance reads"):
         Grammars(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+
+
+def test_a_model_without_grammars_is_found_out_once(model_dir, prompts, monkeypatch):
+    """The grammar tokenizer's failure is kept: later constrained requests fail with it, with no second build."""
+    import specdec.engine.engine as engine_module
+
+    builds = []
+    monkeypatch.setattr(engine_module, "Grammars", lambda *args: builds.append(args) or Grammars(*args))
+    target = LoadedTarget(load_causal_lm(model_dir, torch.device("cpu"), torch.float32), None, frozenset(), model_dir)
+    engine = Engine(target, EngineConfig(device="cpu", num_kv_pages=64, page_size=4))
+    failed = [engine.add_request(p, constrained(regex="[a-z]+")) for p in prompts[:3]]
+    assert len(builds) == 1
+    assert all(r.finish_reason == "error" and "fast (tokenizers) tokenizer" in r.error for r in failed)
