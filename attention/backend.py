@@ -46,6 +46,13 @@ class AttentionBackend(ABC):
         """(page, offset) of every K/V row the step's layers write, in the order they pass them."""
         self.write_pages, self.write_offsets = pages, offsets
 
+    plans_upper_bounds = False  # whether a graph step may be planned for upper bounds of its KV lengths
+
+    def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
+        """The planned step's real KV lengths [batch] on the device (called by the step itself, inside its CUDA
+        graph), for a step planned with upper bounds of them: its attention and write slots then read each
+        request's first pages up to its real length. A no-op where plans are exact (the default)."""
+
     @abstractmethod
     def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [layout.num_new_kv, num_kv_heads, head_dim] -> their cache slots."""

@@ -168,3 +168,24 @@ def slots_on_device(kv_indices: torch.Tensor, kv_indptr: torch.Tensor, requests:
     on the GPU (no host work per token); page-table entries past a request's pages are never read."""
     pages = kv_indices[kv_indptr[requests].long() + torch.div(positions, page_size, rounding_mode="floor")]
     return pages.long(), (positions % page_size).long()
+
+
+def real_page_metadata(kv_indptr: torch.Tensor, last_page_len: torch.Tensor, kv_indices: torch.Tensor,
+                       kv_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Page metadata planned for upper bounds of the KV lengths -> the metadata of the real lengths `kv_lens`
+    [B] (each request keeps its first pages up to min(real, planned) tokens; page indices past the last request's
+    are 0), as (kv_indptr, last_page_len, kv_indices) of the same sizes and dtypes. Tensor operations only, of
+    fixed shapes: no host sync, so a CUDA graph can capture them."""
+    indptr = kv_indptr.long()
+    batch = len(last_page_len)
+    planned = (indptr[1:] - indptr[:-1] - 1) * page_size + last_page_len.long()
+    lengths = torch.minimum(kv_lens[:batch].long(), planned).clamp(min=1)
+    pages = torch.div(lengths + page_size - 1, page_size, rounding_mode="floor")
+    real_indptr = torch.cat([indptr[:1], pages.cumsum(0)])
+    entry = torch.arange(len(kv_indices), device=kv_indices.device)  # every entry of the page-index buffer
+    request = (torch.searchsorted(real_indptr, entry, right=True) - 1).clamp(0, batch - 1)
+    source = (indptr[request] + entry - real_indptr[request]).clamp(max=len(kv_indices) - 1)
+    indices = torch.where(entry < real_indptr[-1], kv_indices[source], 0)
+    return (real_indptr.to(kv_indptr.dtype), ((lengths - 1) % page_size + 1).to(last_page_len.dtype),
+            indices.to(kv_indices.dtype))
+

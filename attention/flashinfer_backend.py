@@ -23,6 +23,12 @@ fa2 graph slots are planned with `uniform_q_len` (every request has the same que
 query tile is sized for that count as in an eager plan: without it a CUDA-graph plan sizes the tile
 for the ragged worst case, the verify graph then rounds differently from the decode graph, and
 greedy speculation with FP8 KV matched greedy decoding on only 11 of 24 SmolLM2 prompts (eager: 24).
+
+A backend made with `device_lengths` (the DFlash drafter's) runs fa2 for every step, whose kernels read each
+request's KV length from the page metadata on the device when they run: a graph rung may then be planned for
+upper bounds of the lengths (the next draft step, queued before the verify's acceptance reaches the host), and
+the step itself writes the real page metadata into the rung's buffers first (`use_device_lengths`). The plan's
+work split stays the upper bounds'; KV chunks past a request's real end are empty and merge with weight 0.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import numpy as np
 import torch
 
 from attention.backend import AttentionBackend
-from attention.batch_layout import BatchLayout, slots_on_device
+from attention.batch_layout import BatchLayout, real_page_metadata, slots_on_device
 from attention.kv_cache import FP8_DTYPE, LayerKV
 from attention.transfer import pinned, upload
 
@@ -102,16 +108,19 @@ class FlashInferBackend(AttentionBackend):
     supports_graphs = True
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float, *,
-                 device: torch.device, kv_dtypes: tuple[torch.dtype, ...], q_dtype: torch.dtype = torch.bfloat16):
+                 device: torch.device, kv_dtypes: tuple[torch.dtype, ...], q_dtype: torch.dtype = torch.bfloat16,
+                 device_lengths: bool = False):
         super().__init__(num_qo_heads, num_kv_heads, head_dim, sm_scale)
         self.device = device
+        self.plans_upper_bounds = device_lengths
+        self.slot: GraphSlot | None = None  # the planned step's graph rung (None: an eager plan)
         self.kv_dtypes = tuple(dict.fromkeys(kv_dtypes))  # a cache whose layers mix dtypes plans once per dtype
         self.q_dtype = q_dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # by kind of step: other steps (False), decodes of several requests (True), token trees (TREE: a
         # custom mask, which only the fa2 kernels take)
         self.eager_wrappers = {kind: {dtype: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend="fa2" if kind == TREE else kernel_backend(dtype, kind))
+            self.workspace, "NHD", backend="fa2" if kind == TREE or device_lengths else kernel_backend(dtype, kind))
             for dtype in self.kv_dtypes} for kind in (False, True, TREE)}
         self.wrappers = self.eager_wrappers[False]  # those of the planned step
         self.tree_mask_bytes = 0  # the graph rungs' shared custom-mask buffer (token trees), 0: none
@@ -129,7 +138,7 @@ class FlashInferBackend(AttentionBackend):
 
     def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
         """An eager step of any layout; write_slots=False leaves the write slots to the caller."""
-        self.layout = layout
+        self.layout, self.slot = layout, None
         requests, positions = layout.new_kv_rows() if write_slots else (np.zeros(0, np.int32),) * 2
         kv_indptr = layout.kv_indptr()
         n_idx, b, n_new = len(layout.kv_indices), layout.batch_size, len(requests)
@@ -148,8 +157,8 @@ class FlashInferBackend(AttentionBackend):
     def graph_slot(self, batch_size: int, max_pages: int, example: BatchLayout | None = None) -> GraphSlot:
         """The buffers and wrappers of one rung; `example` (a layout of the steps it will replay, padded to
         its size) picks the kernel its graph is captured with."""
-        return GraphSlot(self, batch_size, max_pages, example is not None and several_uniform(example),
-                         tree=example is not None and example.query_masks is not None)
+        return GraphSlot(self, batch_size, max_pages, self.plans_upper_bounds or (
+            example is not None and several_uniform(example)), tree=example is not None and example.query_masks is not None)
 
     def plan_graph(self, slot: GraphSlot, layout: BatchLayout, scratch_page: int) -> None:
         """A graph replay: `layout` padded to the slot's batch size goes into the slot's buffers. The
@@ -159,7 +168,8 @@ class FlashInferBackend(AttentionBackend):
         n = len(layout.kv_indices)
         slot.kv_indices[:n].copy_(slot.stage("kv_indices", layout.kv_indices), non_blocking=True)
         tree = layout.query_masks is not None
-        if several_uniform(layout) != slot.several_uniform or tree != slot.tree:
+        # (a backend of `device_lengths` runs fa2 for every layout)
+        if (several_uniform(layout) != slot.several_uniform and not self.plans_upper_bounds) or tree != slot.tree:
             kind = ("token trees" if slot.tree else "several requests of one query count" if slot.several_uniform
                     else "other steps")
             raise ValueError(f"a rung captured for {kind} cannot replay this layout "
@@ -168,12 +178,23 @@ class FlashInferBackend(AttentionBackend):
         if packed is not None and len(packed) > self.tree_mask_bytes:
             raise ValueError(f"a token-tree step's mask of {len(packed)} bytes exceeds the {self.tree_mask_bytes} "
                              "its graphs were made for")
-        self.wrappers = slot.wrappers
+        self.wrappers, self.slot = slot.wrappers, slot
         self.kv_indices, self.kv_indptr = slot.kv_indices, slot.kv_indptr
         self._plan_wrappers(layout, slot.stage("qo_indptr", layout.qo_indptr()),
                             slot.stage("kv_indptr", layout.kv_indptr()), slot.kv_indices[:n],
                             slot.stage("last_page_len", layout.last_page_lens()), slot.stage("kv_lens", layout.kv_lens),
                             uniform_q_len=int(layout.q_lens[0]), packed_mask=packed)
+
+    def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
+        """A graph rung planned for upper bounds (`device_lengths`): its page metadata becomes the real lengths'
+        (each request keeps its first pages up to min(real, planned) length), on the device, with no host work.
+        Captured in the step's graph; with exact lengths it rewrites what is already there."""
+        slot = self.slot
+        if slot is None or not self.plans_upper_bounds:
+            return
+        real = real_page_metadata(slot.kv_indptr, slot.last_page_len, slot.kv_indices, kv_lens, self.layout.page_size)
+        for buffer, values in zip((slot.kv_indptr, slot.last_page_len, slot.kv_indices), real):
+            buffer.copy_(values)
 
     def _plan_wrappers(self, layout: BatchLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                        kv_indices_gpu: torch.Tensor, last_page_len: torch.Tensor, kv_lens: torch.Tensor,

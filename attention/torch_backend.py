@@ -15,8 +15,10 @@ from attention.kv_cache import LayerKV
 
 class TorchBackend(AttentionBackend):
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float, device="cpu",
-                 kv_dtypes: tuple[torch.dtype, ...] = (), q_dtype: torch.dtype | None = None):
-        # computes in the dtypes it is given: kv_dtypes and q_dtype are accepted for the common signature
+                 kv_dtypes: tuple[torch.dtype, ...] = (), q_dtype: torch.dtype | None = None,
+                 device_lengths: bool = False):
+        # computes in the dtypes it is given, and plans every step exactly: kv_dtypes, q_dtype and
+        # device_lengths are accepted for the common signature
         super().__init__(num_qo_heads, num_kv_heads, head_dim, sm_scale)
         self.device = torch.device(device)
 

@@ -17,6 +17,12 @@ A draft step has a fixed shape, so it is captured as CUDA graphs over the batch 
 then the block's scratch slots are released, so the cache ends at start_i (the anchor's position),
 holding exactly the context positions 0 .. start_i - 1. Padding the context to block_size (a verify
 commits at most block_size positions) is what makes the shape fixed.
+
+Drafting ahead (`propose_next`): the step after a verify is queued before the verify's acceptance reaches
+the host. Its starts, counts and anchors come from the acceptance on the device, and its attention is
+planned for the upper bound (all q verified positions accepted): the draft step itself writes the real
+lengths' page metadata into its graph rung (`use_device_lengths`; this drafter's backend runs fa2, whose
+kernels read the lengths on the device). `settle` then trims each context to its committed positions.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 
 from attention.batch_layout import BatchLayout, slots_on_device
 from attention.page_pool import PagePool, PageTable
+from attention.transfer import upload
 from drafters.dflash_model import DFlashDraftModel
 from specdec.engine.drafter import DraftContext, Drafter, DraftRequest
 from specdec.models.logprobs import log_normalizer
@@ -48,6 +55,8 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.mask_token_id = model.spec.mask_token_id
         self.tables: dict[int, PageTable] = {}
         self.pending: dict[int, tuple[int, int]] = {}  # request id -> (row in the verify features, count)
+        self.queued: dict[int, int] = {}  # request id -> its row of `drafts_out` drafted ahead (`propose_next`)
+        self.unsettled: dict[int, int] = {}  # request id -> its verified anchor's position, until `settle`
 
     # ---- setup -------------------------------------------------------------------------------
     def attach(self, context: DraftContext) -> None:
@@ -56,7 +65,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         # the runner is set up here, not at load time: device, page size and KV dtype are the engine's
         ModelRunner.__init__(self, self.model, backend_name=context.backend_name, kv_dtype=context.kv_dtype,
                              q_dtype=context.dtype, page_size=context.page_size, max_batch=context.max_batch,
-                             device=context.device)
+                             device=context.device, device_lengths=True)
         # block positions run up to the target's context plus one block
         self.model.rotary.max_positions = context.max_context + bs
         batch = context.max_batch
@@ -158,23 +167,84 @@ class DFlashDrafter(ModelRunner, Drafter):
         table = self.tables.pop(request.request_id, None)
         if table is not None:
             table.free()
-        self.pending.pop(request.request_id, None)
+        for state in (self.pending, self.queued, self.unsettled):
+            state.pop(request.request_id, None)
 
     # ---- drafting ----------------------------------------------------------------------------
     def propose(self, requests: list[DraftRequest]) -> torch.Tensor:
-        """One draft step for the batch: draft tokens [B, bs-1] (a static buffer: valid until the next step)."""
-        self._step(requests, eager=False)
-        return self.drafts_out[:len(requests)]
+        """One draft step for the batch: draft tokens [B, bs-1] (valid until the next step). Requests drafted
+        ahead (`propose_next`) take those drafts; the others are drafted now."""
+        queued, self.queued = self.queued, {}
+        rows = [queued.get(r.request_id) for r in requests]
+        batch = len(requests)
+        if rows == list(range(batch)):  # the batch drafted ahead, in order
+            return self.drafts_out[:batch]
+        ahead = [i for i, row in enumerate(rows) if row is not None]
+        if not ahead:
+            self._step(requests, eager=False)
+            return self.drafts_out[:batch]
+        fresh = [i for i, row in enumerate(rows) if row is None]
+        index = upload(np.array(ahead + [rows[i] for i in ahead] + fresh, dtype=np.int64), self.device)
+        drafts = torch.empty(batch, self.block_size - 1, dtype=torch.long, device=self.device)
+        drafts[index[:len(ahead)]] = self.drafts_out[index[len(ahead):2 * len(ahead)]]  # before a draft rewrites them
+        if fresh:
+            self._step([requests[i] for i in fresh], eager=False)
+            drafts[index[2 * len(ahead):]] = self.drafts_out[:len(fresh)]
+        return drafts
 
     def propose_candidates(self, requests: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.candidates_out is None:
             raise ValueError("this drafter was attached without candidates (DraftContext.candidates = 0)")
+        self.queued = {}  # drafts queued ahead have no candidates: drafted again (their context is written)
         self._step(requests, eager=False, candidates=True)
         return tuple(t[:len(requests)] for t in self.candidates_out)
 
     def draft_logits(self, requests: list[DraftRequest]) -> torch.Tensor:
         """The same step, always eager, returning the block's logits [B, bs-1, vocab] (for checks)."""
+        self.queued = {}
         return self._step(requests, eager=True)
+
+    @torch.no_grad()
+    def propose_next(self, requests: list[DraftRequest], accepted: torch.Tensor, bonus: torch.Tensor, q: int) -> bool:
+        bs, batch = self.block_size, len(requests)
+        if any(r.request_id in self.pending or r.request_id not in self.tables for r in requests):
+            return False  # a context not yet written up to the verified anchor (a step not drafted by `propose`)
+        tables = [self.tables[r.request_id] for r in requests]
+        starts = np.array([t.length for t in tables], dtype=np.int64)  # the verified anchors' positions
+        # positions each request commits: planned for all q when the step replays a graph that reads its real
+        # lengths on the device; read back when it runs eagerly on the CPU (where reading back costs nothing)
+        upper = self.attn.plans_upper_bounds and self.replays(DRAFT_STEP, batch)
+        if not upper and self.device.type == "cuda":
+            return False  # reading the acceptance back would be a second wait for the GPU in the step
+        counts = np.full(batch, q, dtype=np.int64) if upper else (accepted[:batch] + 1).cpu().numpy()
+        kv_lens = starts + counts + bs
+        if sum(self.pool.pages_for(int(n)) - t.num_pages for t, n in zip(tables, kv_lens)) > self.pool.num_free:
+            return False
+        for table, n in zip(tables, kv_lens.tolist()):
+            table.grow(n - table.length)
+        layout = BatchLayout.build([bs] * batch, kv_lens, counts + bs, [t.array for t in tables], self.page_size,
+                                   causal=False)
+        self.inputs.fill("anchors", [])
+        self.inputs.fill("starts", starts)
+        self.inputs.fill("counts", [])
+        self.inputs.fill("rows", np.arange(batch) * q)  # request i's verified rows start at i * q
+
+        def acceptance_into_inputs() -> None:
+            committed = accepted[:batch].long() + 1
+            self.inputs["counts"][:batch].copy_(committed)
+            self.inputs["starts"][:batch].add_(committed)
+            self.inputs["anchors"][:batch].copy_(bonus[:batch])
+
+        self.dispatch(DRAFT_STEP, batch, layout, self.inputs, self._draft_body, after_upload=acceptance_into_inputs)
+        self.queued = {r.request_id: i for i, r in enumerate(requests)}
+        self.unsettled = {r.request_id: int(start) for r, start in zip(requests, starts)}
+        return True
+
+    def settle(self, requests: list[DraftRequest], counts: list[int]) -> None:
+        for request, count in zip(requests, counts):
+            start = self.unsettled.pop(request.request_id, None)
+            if start is not None:  # the context holds the committed positions; the block's slots go back
+                self.tables[request.request_id].truncate(start + count)
 
     @torch.no_grad()
     def _step(self, requests: list[DraftRequest], eager: bool, candidates: bool = False) -> torch.Tensor | None:
@@ -203,6 +273,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         with `candidates`, each position's top k -> `candidates_out`)."""
         bs, inputs, m = self.block_size, self.inputs, self.model
         j = self.arange[:bs]
+        self.attn.use_device_lengths(inputs["starts"][:batch] + bs)  # a step planned for upper bounds (`propose_next`)
         starts, counts = inputs["starts"][:batch, None], inputs["counts"][:batch, None]
         ctx_valid = j < counts  # [B, bs]
         ctx_pos = (starts - counts + j).clamp(min=0)

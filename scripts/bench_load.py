@@ -43,6 +43,7 @@ from specdec import LLM, SamplingParams  # noqa: E402
 
 OVERLAPPED = "AR overlapped"  # plain decoding with overlapped steps (--overlap-steps)
 DFLASH = {"chain": "DFlash", "auto": "DFlash auto", "tree": "DFlash tree"}  # by verify policy (--verify)
+AHEAD = ", drafted ahead"  # a DFlash row's suffix with --overlap-steps: each step's next draft queued early
 
 
 @dataclass
@@ -77,7 +78,8 @@ def parse_args(argv):
     p.add_argument("--verify", nargs="+", choices=tuple(DFLASH), default=["chain"],
                    help="the DFlash rows' verify policies (a row each)")
     p.add_argument("--overlap-steps", action="store_true", help="also plain decoding with overlapped steps "
-                                                                "(rows 'AR overlapped')")
+                                                                "(rows 'AR overlapped') and DFlash drafting ahead "
+                                                                "(rows 'DFlash ..., drafted ahead')")
     p.add_argument("--profile", type=int, metavar="C", help="one more level at concurrency C under the profiler: "
                                                             "wall vs GPU busy time per kind of step")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
@@ -238,13 +240,15 @@ def main(argv=None) -> int:
         if args.quick and model is None:
             model = str(random_target(Path(tmp) / "target", TINY_SHAPE, torch.device("cpu"), std=0.2))
             drafter = drafter or str(tiny_drafter(Path(tmp) / "drafter", Path(model)))
-        systems = ([("AR", None)] + ([(OVERLAPPED, None)] if args.overlap_steps else [])
-                   + [(DFLASH[verify], drafter) for verify in args.verify if drafter])
+        # (name, drafter, verify policy, overlap_steps)
+        systems = [("AR", None, "chain", False)] + ([(OVERLAPPED, None, "chain", True)] if args.overlap_steps else [])
+        for verify in args.verify if drafter else ():
+            systems += [(DFLASH[verify], drafter, verify, False)] + (
+                [(DFLASH[verify] + AHEAD, drafter, verify, True)] if args.overlap_steps else [])
         rows, profiles, engines = [], [], []
-        for system, draft in systems:
+        for system, draft, verify, overlap in systems:
             llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency),
-                      kv_cache_dtype=args.kv_cache_dtype, overlap_steps=system == OVERLAPPED,
-                      verify=next((v for v, name in DFLASH.items() if name == system), "chain"))
+                      kv_cache_dtype=args.kv_cache_dtype, overlap_steps=overlap, verify=verify)
             prompts = (random_prompts(llm.engine.model.config.vocab_size, args.requests) if args.quick
                        else chat_prompts(llm, args.requests))
             run_load(llm, system, prompts[:min(4, len(prompts))], 1, 4)  # warm-up: graphs, kernels, allocator

@@ -32,7 +32,7 @@ from drafters.dflash_model import DFlashDraftModel, read_dflash_config  # noqa: 
 from scripts.bench.random_models import TARGET_SHAPE, TINY_SHAPE, random_target, tiny_drafter  # noqa: E402
 from scripts.bench.runner import environment, release_memory  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
-from specdec.engine import decoding, speculator  # noqa: E402
+from specdec.engine import decoding  # noqa: E402
 from specdec.weights.demo_models import resolve_model  # noqa: E402
 
 SHIPPED_DRAFTER = "qwen2.5-coder-1.5b-dflash-b16"
@@ -55,6 +55,10 @@ def parse_args(argv):
     p.add_argument("--device", default="cuda")
     p.add_argument("--verify", nargs="+", choices=("chain", "tree", "auto"), default=["chain"],
                    help="the DFlash rows' verify policies (a row each; 'DFlash tree' for trees)")
+    p.add_argument("--graphs-only", action="store_true", help="skip the eager rows (their kernel times are the "
+                                                               "reference that flags graph kernels the profiler missed)")
+    p.add_argument("--overlap-steps", choices=("on", "off"), default="on",
+                   help="plain decoding's overlapped steps and DFlash's drafting ahead (the engine's default: on)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
     p.add_argument("--out", help="JSON results file")
     args = p.parse_args(argv)
@@ -155,12 +159,12 @@ def host_timers(llm):
     patched = [(b, name) for b in backends for name in ("plan", "plan_graph") if hasattr(b, name)]
     for backend, name in patched:  # instance attributes shadow the class's methods until deleted
         setattr(backend, name, timed("plan", getattr(backend, name)))
-    original = decoding.to_host
-    decoding.to_host = speculator.to_host = timed("transfer", original)
+    original = decoding.StepTransfer.read
+    decoding.StepTransfer.read = timed("transfer", original)
     try:
         yield spent
     finally:
-        decoding.to_host = speculator.to_host = original
+        decoding.StepTransfer.read = original
         for backend, name in patched:
             delattr(backend, name)
 
@@ -255,12 +259,13 @@ def run_rows(info: dict, model: str, drafter: str | None, prompts, args) -> None
             # eager first: its kernel time is the reference for the graph rows, and the profiler is
             # initialised before any graph is captured (profiling graphs captured before the profiler's
             # first use is a known hazard)
-            for graphs in (False, True):
+            for graphs in (True,) if args.graphs_only else (False, True):
                 name = f"{system} {kv} {'graphs' if graphs else 'eager'}"
                 print(name, file=sys.stderr, flush=True)
                 rows, info["graph_capture_s"][name] = bench_config(
                     model, draft, batches, prompts, args, enforce_eager=not graphs,
-                    kv_cache_dtype="fp8" if kv == "fp8" else "auto", verify=verify)
+                    kv_cache_dtype="fp8" if kv == "fp8" else "auto", verify=verify,
+                    overlap_steps=args.overlap_steps == "on")
                 nbytes = info["weight_bytes"]["dflash" if draft else "target"]
                 for r in rows:
                     eager = eager_kernels.get(r["batch"]) if graphs else None
@@ -314,6 +319,7 @@ def main(argv=None) -> int:
         info = {"environment": environment(args.device), "model": name, "drafter": drafter, "skipped": skipped,
                 "tau_note": REAL_TAU_NOTE if args.model else TAU_NOTE, "prompt_tokens": args.prompt_tokens,
                 "max_new_tokens": args.max_new_tokens, "profile_tokens": args.profile_tokens, "repeats": args.repeats,
+                "overlap_steps": args.overlap_steps,
                 "copy_mib": args.copy_mib, "copy_bandwidth": copy_bandwidth(args.device, args.copy_mib),
                 "weight_bytes": weight_bytes(model_dir, drafter and resolve_drafter_path(drafter),
                                              2 if args.device.type == "cuda" else 4),  # "auto": bf16 / fp32

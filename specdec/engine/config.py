@@ -91,8 +91,11 @@ class EngineConfig:
     enforce_eager: bool = _setting(False, "run every step eagerly (no CUDA graphs; CPU is always eager)")
     # plain decoding: queue step N + 1 before reading step N's tokens back (specdec/engine/flight.py); on
     # an H100 it gives 1.21x at batch 1 and 1.36-1.41x at 64 concurrent requests (BENCHMARKS.md)
+    # speculative decoding: queue the next step's draft before reading this step's tokens back (the drafter's
+    # attention planned for the whole block accepted, the real lengths read on the device; drafters/dflash.py)
     overlap_steps: bool = _setting(True, "plain decoding: the host prepares and queues the next step before "
-                                          "waiting for this one's tokens (speculative steps stay in order)")
+                                          "waiting for this one's tokens; speculative decoding: the next step's "
+                                          "draft is queued before this step's tokens are read")
     # speculative steps (specdec/engine/verify_policy.py): chain = every draft of the block every step;
     # auto = per step the chain length (the block, half, a quarter) with the most committed tokens per
     # second, from running acceptance and step times measured after graph capture (without CUDA graphs:

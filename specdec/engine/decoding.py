@@ -86,12 +86,26 @@ class Launched:
         return self._copy.tolist()
 
 
+class StepTransfer:
+    """The step's one device-to-host transfer, queued when made: `rows` [B, k] and, when the step's chunks
+    complete prompts, their first tokens. `read` waits for this copy alone, so work queued after it (the next
+    step's draft) keeps the GPU busy while the host reads."""
+
+    def __init__(self, rows: torch.Tensor, prefill: PrefillChunks | None):
+        self.shape, self.prefill = tuple(rows.shape), prefill
+        firsts = prefill is not None and prefill.sample_first is not None
+        flat = rows.reshape(-1)
+        self._copy = HostCopy(torch.cat([flat, prefill.sample_first(prefill.out.logits)]) if firsts else flat)
+
+    def read(self) -> list[list[int]]:
+        """`rows` as lists (and the first tokens into `prefill.first_tokens`)."""
+        host = self._copy.tolist()
+        (batch, k), prefill = self.shape, self.prefill
+        if prefill is not None and prefill.sample_first is not None:
+            prefill.first_tokens = host[batch * k:]
+        return [host[i:i + k] for i in range(0, batch * k, k)]
+
+
 def to_host(rows: torch.Tensor, prefill: PrefillChunks | None) -> list[list[int]]:
-    """The step's one device-to-host transfer: `rows` [B, k] as lists and, when the step's chunks complete
-    prompts, their first tokens (into `prefill.first_tokens`)."""
-    if prefill is None or prefill.sample_first is None:
-        return rows.tolist()
-    n, k = rows.numel(), rows.shape[1]
-    host = torch.cat([rows.reshape(-1), prefill.sample_first(prefill.out.logits)]).tolist()
-    prefill.first_tokens = host[n:]
-    return [host[i:i + k] for i in range(0, n, k)]
+    """The step's one device-to-host transfer, waited for at once (`StepTransfer`)."""
+    return StepTransfer(rows, prefill).read()

@@ -9,7 +9,9 @@
     the drafter's context grows by the features of positions start .. start + a.
 
 One device-to-host transfer per step (drafts, a and bonus together); a step with a grammar (structured
-output) adds one, of the drafts, which its masks walk on the host while the verify runs. The engine commits the tokens;
+output) adds one, of the drafts, which its masks walk on the host while the verify runs. With `draft_ahead`
+the next step's draft is queued right after the transfer (from the acceptance on the device, see
+`Drafter.propose_next`), so the GPU drafts while the host reads and commits. The engine commits the tokens;
 one it cuts short (EOS, a stop, max_new_tokens) finishes the request, which then gives back its
 target pages and drafter state, so the rollback and the drafter's context need not wait for it.
 """
@@ -20,7 +22,7 @@ import torch
 
 from attention.transfer import HostCopy
 from specdec.engine.acceptance import accept
-from specdec.engine.decoding import to_host
+from specdec.engine.decoding import StepTransfer
 from specdec.engine.drafter import Drafter
 from specdec.engine.logprobs import LogprobRows, TokenLogprob, wants_logprobs
 from specdec.engine.request import Request
@@ -32,9 +34,11 @@ from specdec.runtime.target_runner import PrefillChunks, TargetRunner
 
 class SpeculativeDecoding:
     def __init__(self, runner: TargetRunner, drafter: Drafter, policy: VerifyPolicy | None = None,
-                 tree: TreeDecoding | None = None):
+                 tree: TreeDecoding | None = None, draft_ahead: bool = True):
         self.runner = runner
         self.drafter = drafter
+        # queue each chain step's next draft before reading its tokens (not with trees only: they draft candidates)
+        self.draft_ahead = draft_ahead
         self.tokens_per_step = drafter.block_size  # the most a step commits per request
         self.policy = policy or VerifyPolicy(drafter.block_size, (drafter.block_size,))
         if self.policy.tree and tree is None:
@@ -74,7 +78,10 @@ class SpeculativeDecoding:
         targets = sample_block(out, running, q, drafts, drafts_host)
         accepted, bonus = accept(drafts, targets.view(batch, q))
         rows = LogprobRows.start(out.logits, targets, running, q)  # committed token j is the target's at row j
-        host = to_host(torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1), prefill)
+        transfer = StepTransfer(torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1), prefill)
+        ahead = self.draft_ahead and bool(self.policy.lengths) and self.drafter.propose_next(running, accepted,
+                                                                                            bonus, q)
+        host = transfer.read()
         tokens = []
         for row, request, start in zip(host, running, starts):
             a = row[q - 1]
@@ -84,6 +91,8 @@ class SpeculativeDecoding:
         if rows is not None:
             self.logprobs = rows.read(tokens)
         self.policy.observe([len(t) - 1 for t in tokens], q)
-        # request i's verify features start at row i * q
-        self.drafter.extend(running, out.features, [i * q for i in range(batch)], [len(t) for t in tokens])
+        if ahead:
+            self.drafter.settle(running, [len(t) for t in tokens])
+        else:  # request i's verify features start at row i * q
+            self.drafter.extend(running, out.features, [i * q for i in range(batch)], [len(t) for t in tokens])
         return tokens

@@ -76,8 +76,10 @@ class ModelRunner:
     `fused_kernels` switch (`specdec.models.decoder.CausalLM` and the DFlash draft network do)."""
 
     def __init__(self, model, *, backend_name: str, kv_dtype: torch.dtype | tuple[torch.dtype, ...],
-                 q_dtype: torch.dtype, page_size: int, max_batch: int, device: torch.device):
-        """kv_dtype: the cache's dtype, or each layer's (`attention.kv_cache.layer_dtypes`)."""
+                 q_dtype: torch.dtype, page_size: int, max_batch: int, device: torch.device,
+                 device_lengths: bool = False):
+        """kv_dtype: the cache's dtype, or each layer's (`attention.kv_cache.layer_dtypes`); device_lengths: graph
+        steps may be planned for upper bounds of their KV lengths (`AttentionBackend.use_device_lengths`)."""
         self.model = model
         self.device = device
         self.kv_dtype = kv_dtype
@@ -86,7 +88,8 @@ class ModelRunner:
         c = model.config
         self.attn = make_backend(backend_name, num_qo_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                                  head_dim=model.head_dim, sm_scale=model.head_dim ** -0.5, device=device,
-                                 kv_dtypes=kv_dtype if isinstance(kv_dtype, tuple) else (kv_dtype,), q_dtype=q_dtype)
+                                 kv_dtypes=kv_dtype if isinstance(kv_dtype, tuple) else (kv_dtype,), q_dtype=q_dtype,
+                                 device_lengths=device_lengths)
         if backend_name == "flashinfer" and not model.fused_kernels:
             model.use_fused_kernels()  # FlashInfer's norm / rope / activation kernels on the same path
         self.kv: KVCache | None = None
@@ -196,6 +199,11 @@ class ModelRunner:
         size = torch.cuda.memory_allocated(self.device) - before
         del slot
         return size
+
+    def replays(self, key, batch: int) -> bool:
+        """Whether `dispatch` of step `key` for `batch` requests replays a graph (rather than running eagerly)."""
+        ladder = self.ladders.get(key)
+        return ladder is not None and ladder.rung_for(batch) is not None
 
     def dispatch(self, key, batch: int, layout: BatchLayout, inputs: StaticInputs, body: Callable[[int], object], *,
                  eager: bool = False, after_upload: Callable[[], None] | None = None):

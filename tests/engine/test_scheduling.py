@@ -23,21 +23,24 @@ def drafter_dir(target_dir, tmp_path_factory):
 
 
 OVERLAP = "overlap"  # plain decoding with overlapped steps (specdec/engine/flight.py)
-MODES = pytest.mark.parametrize("speculative", [False, True, OVERLAP], ids=["ar", "dflash", "ar-overlapped"])
+AHEAD = "ahead"  # DFlash, each step's next draft queued before its tokens are read (Drafter.propose_next)
+MODES = pytest.mark.parametrize("speculative", [False, True, OVERLAP, AHEAD],
+                                ids=["ar", "dflash", "ar-overlapped", "dflash-ahead"])
 
 
 def make_engine(target_dir, drafter_dir, speculative, **config):
-    """speculative: False (plain decoding), True (DFlash) or OVERLAP (plain decoding, overlapped steps)."""
+    """speculative: False (plain decoding), True (DFlash), OVERLAP (plain decoding, overlapped steps) or AHEAD
+    (DFlash drafting ahead)."""
     if speculative == OVERLAP:
         return spec_engine(target_dir, None, overlap_steps=True, **config)
     drafter = dflash_drafter(target_dir, drafter_dir, 4) if speculative else None
-    return spec_engine(target_dir, drafter, overlap_steps=False, **config)
+    return spec_engine(target_dir, drafter, overlap_steps=speculative == AHEAD, **config)
 
 
 def alone(target_dir, drafter_dir, speculative, prompts, params_list):
     """Each request run by itself on a roomy engine, one step after the other: what every schedule must
     reproduce (overlapped steps included)."""
-    engine = make_engine(target_dir, drafter_dir, speculative is True)
+    engine = make_engine(target_dir, drafter_dir, speculative in (True, AHEAD))
     return [engine.generate_ids([p], params)[0].output_ids for p, params in zip(prompts, params_list)]
 
 
@@ -182,8 +185,8 @@ def test_one_request_failing_while_committing_fails_alone(target_dir, drafter_di
 def test_random_schedules_are_exact_and_leak_nothing(target_dir, drafter_dir, speculative):
     """Random arrivals, aborts, pool sizes and prefill budgets: every finished request equals its solo run,
     every aborted one holds a prefix of it, and the pools are full again at the end."""
-    rng = random.Random({True: 7, False: 8, OVERLAP: 9}[speculative])
-    reference = make_engine(target_dir, drafter_dir, speculative is True)
+    rng = random.Random({True: 7, False: 8, OVERLAP: 9, AHEAD: 10}[speculative])
+    reference = make_engine(target_dir, drafter_dir, speculative in (True, AHEAD))
     for trial in range(4):
         engine = make_engine(target_dir, drafter_dir, speculative, num_kv_pages=rng.randint(30, 60),
                              max_num_seqs=rng.randint(2, 6), max_prefill_tokens=rng.randint(3, 40))

@@ -173,6 +173,40 @@ def test_overlapped_steps_equal_steps_in_order(model_dirs, eager):
     assert overlapped.pool.num_free == overlapped.pool.num_pages
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_drafting_ahead_equals_drafting_in_order(model_dirs, kv):
+    """DFlash with each step's next draft queued before its tokens are read back (the draft's attention planned
+    for the whole block accepted, its real lengths read on the device) commits what steps drafted in order
+    commit: batch 1 token for token, larger batches with staggered arrivals up to near-ties (a draft flipped by
+    the plan's different KV split changes the schedule, not a verified token); about the same acceptance; at
+    most one wait for the GPU per step."""
+    ordered = make_engine(model_dirs, True, kv, False, overlap_steps=False)
+    ahead = make_engine(model_dirs, True, kv, False, overlap_steps=True)
+    queued = count_calls(ahead.drafter, "settle")
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    for batch, per_step in ((1, 1), (5, 5), (24, 3)):
+        ids = prompts(batch)
+        want, got = staggered(ordered, ids, params, per_step), staggered(ahead, ids, params, per_step)
+        if batch == 1:
+            assert got[0].output_ids == want[0].output_ids
+        found = divergences(ordered, want, got)
+        assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in found), found
+        tau = [sum(len(r.stats.acceptance_lengths) for r in rs) / sum(len(r.output_ids) for r in rs)
+               for rs in (want, got)]
+        assert abs(tau[0] - tau[1]) <= 0.05 * tau[0], tau
+        for engine in (ordered, ahead):
+            assert engine.pool.num_free == engine.pool.num_pages
+            assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
+    assert len(queued) > NEW_TOKENS  # the drafts really were queued ahead
+    requests = [ahead.add_request(p, params) for p in prompts(5)]
+    ahead.step()
+    ahead.step()
+    assert len(synchronizing_calls(ahead.step)) <= 1
+    for request in requests:
+        ahead.abort(request.request_id)
+    assert ahead.pool.num_free == ahead.pool.num_pages and ahead.drafter.pool.num_free == ahead.drafter.pool.num_pages
+
+
 @pytest.mark.parametrize("drafter", [False, True], ids=["ar", "dflash"])
 def test_graph_memory_is_counted_before_the_pool_is_sized(model_dirs, drafter):
     gc.collect()  # engines of earlier tests give their memory back first

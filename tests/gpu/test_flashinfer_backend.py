@@ -112,3 +112,59 @@ def test_token_tree_masks_match_reference(kv):
     causal = PagedCase([40, 7, 130], [nodes] * 3, [nodes] * 3, True, page_size=16, kv_dtype=KV_DTYPES[kv],
                        device="cuda", dtype=torch.bfloat16, scales=(0.05, 0.03) if kv == "fp8" else (1.0, 1.0))
     assert rel_error(run(flashinfer_backend(KV_DTYPES[kv]), causal), outs[1]) > 10 * REL_BOUND
+
+
+@pytest.mark.parametrize("name", ["verify_page_boundaries", "noncausal_context_plus_block"])
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
+@pytest.mark.parametrize("rung", [0, 8], ids=["exact-rung", "padded-rung"])
+def test_a_graph_planned_for_upper_bounds_attends_over_the_real_lengths(name, kv, rung):
+    """Drafting ahead: a graph rung planned for longer KV than the requests have (the pages past their real ends
+    hold garbage) and given the real lengths on the device inside the graph attends exactly over the real KV:
+    the torch reference of the real layout, and the rung's metadata is the real layout's."""
+    from attention.flashinfer_backend import FlashInferBackend
+
+    history, new_kv, q_lens, causal = CASES[name]
+    case = PagedCase(history, new_kv, q_lens, causal, page_size=16, kv_dtype=KV_DTYPES[kv], device="cuda",
+                     dtype=torch.bfloat16, scales=(0.05, 0.03) if kv == "fp8" else (1.0, 1.0))
+    reference = TorchBackend(HQ, HKV, D, D ** -0.5, device="cuda")
+    expected = run(reference, case)  # also writes the new K/V
+    real = case.layout
+    extra = [5, 16, 23][:len(case.tables)]
+    for table, more in zip(case.tables, extra):  # the upper bounds' slots, full of garbage
+        start = table.length
+        table.grow(more)
+        slots = torch.tensor([table.slot(p) for p in range(start, table.length)], device="cuda")
+        case.layer.write(slots // 16, slots % 16, *(1e3 * torch.randn(2, more, HKV, D, device="cuda")))
+    upper = BatchLayout.build(real.q_lens, real.kv_lens + extra, real.new_kv_lens + extra,
+                              [t.pages for t in case.tables], 16, causal)
+    backend = FlashInferBackend(HQ, HKV, D, D ** -0.5, device=torch.device("cuda"), kv_dtypes=(KV_DTYPES[kv],),
+                                q_dtype=torch.bfloat16, device_lengths=True)
+    size = max(rung, upper.batch_size)
+    slot = backend.graph_slot(size, 256, upper.padded(size, case.kv.scratch_page))
+    lengths = torch.full((size,), 1 << 30, dtype=torch.int64, device="cuda")  # padding keeps its planned length
+    lengths[:real.batch_size] = torch.from_numpy(real.kv_lens).cuda()
+    q = case.q.clone()
+    rows = len(q)
+    queries = torch.zeros(size * int(upper.q_lens.max()), HQ, D, dtype=q.dtype, device="cuda")
+    queries[:rows] = q
+    padded = upper.padded(size, case.kv.scratch_page)
+
+    def step():
+        backend.use_device_lengths(lengths)
+        return backend.attend(queries[:padded.num_queries], case.layer)
+
+    backend.plan_graph(slot, upper, case.kv.scratch_page)
+    step()  # warm-up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    backend.plan_graph(slot, upper, case.kv.scratch_page)
+    with torch.cuda.graph(graph):
+        out = step()
+    backend.plan_graph(slot, upper, case.kv.scratch_page)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert slot.kv_indptr[:real.batch_size + 1].tolist() == real.kv_indptr().tolist()
+    assert slot.last_page_len[:real.batch_size].tolist() == real.last_page_lens().tolist()
+    assert slot.kv_indices[:len(real.kv_indices)].tolist() == real.kv_indices.tolist()
+    err = rel_error(out[:rows], expected)
+    print(f"{name} {kv} rung {size}: rel err {err:.2e}")
+    assert err <= REL_BOUND

@@ -14,7 +14,7 @@ from drafters.dflash_model import read_dflash_config
 from drafters.training.drafter_config import parameter_counts
 from scripts.bench.random_models import TARGET_SHAPE
 from scripts.bench_steps import derive, event_kind, host_timers, main, weight_bytes
-from specdec.engine import decoding, speculator
+from specdec.engine import decoding
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +83,10 @@ def test_host_timers_count_plans_and_transfers_and_then_leave_no_trace():
 
     backend = Backend()
     llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(attn=backend), drafter=None))
-    to_host = decoding.to_host
+    read = decoding.StepTransfer.read
     with host_timers(llm) as spent:
         backend.plan("layout")
-        assert decoding.to_host is not to_host and speculator.to_host is decoding.to_host
+        assert decoding.StepTransfer.read is not read
         assert decoding.to_host(torch.tensor([[1, 2]]), None) == [[1, 2]]
     assert calls == ["layout"] and spent["plan"] > 0 and spent["transfer"] > 0
-    assert "plan" not in vars(backend) and decoding.to_host is to_host and speculator.to_host is to_host
+    assert "plan" not in vars(backend) and decoding.StepTransfer.read is read

@@ -1,0 +1,121 @@
+"""Drafting ahead: each chain step queues the next step's draft before its own tokens are read back
+(`Drafter.propose_next`). On CPU the drafter reads the acceptance back to plan it exactly (the GPU plans
+upper bounds and reads the real lengths on the device: tests/gpu), so a draft made ahead must be exactly the
+draft a step would have made itself: the same tokens committed per step, the same outputs, no page leaked,
+whatever joins, leaves, fails or switches to a token tree."""
+
+import random
+
+import pytest
+
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.verify_policy import TREE
+from tests.conftest import VOCAB, build_tiny_model
+from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, failing_at, spec_engine
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("draft-ahead")
+    build_tiny_model("qwen3", path, seed=31)
+    return path
+
+
+def engine_for(target_dir, tmp_path, ahead: bool, **config):
+    return spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4, seed=2), eos=(2, 9),
+                       overlap_steps=ahead, **config)
+
+
+def count_ahead(engine) -> dict:
+    """Counts of drafts queued ahead, and of steps whose batch took some (`partly`) or all of its drafts from them."""
+    counts = {"queued": 0, "partly": 0, "wholly": 0, "none": 0}
+    drafter = engine.drafter
+    propose_next, propose = drafter.propose_next, drafter.propose
+
+    def queue(*args):
+        queued = propose_next(*args)
+        counts["queued"] += queued
+        return queued
+
+    def take(requests):
+        ahead = sum(r.request_id in drafter.queued for r in requests)
+        kind = "wholly" if ahead == len(requests) else "partly" if ahead else "none"
+        counts[kind] = counts.get(kind, 0) + 1
+        return propose(requests)
+
+    drafter.propose_next, drafter.propose = queue, take
+    return counts
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_steps_drafted_ahead_commit_what_steps_drafted_in_order_commit(target_dir, tmp_path, temperature):
+    """Requests join every other step and end at different steps (EOS, limits), so later steps take some of
+    their drafts from the queue and draft the newcomers; chunked prompts ride along."""
+    def run(ahead):
+        engine = engine_for(target_dir, tmp_path, ahead, max_num_seqs=4, max_prefill_tokens=9)
+        counts = count_ahead(engine) if ahead else None
+        requests = []
+        for i, prompt in enumerate(MANY_PROMPTS):
+            params = SamplingParams(max_new_tokens=8 + 5 * i, temperature=temperature, seed=i)
+            requests.append(engine.add_request(prompt, params))
+            engine.step()
+            if i % 2:
+                engine.step()
+        while engine.has_unfinished_requests:
+            engine.step()
+        assert_no_leak(engine)
+        return requests, counts
+
+    ahead, counts = run(True)
+    in_order, _ = run(False)
+    assert [r.output_ids for r in ahead] == [r.output_ids for r in in_order]
+    assert [r.finish_reason for r in ahead] == [r.finish_reason for r in in_order]
+    # the same drafts: every step commits the same tokens
+    assert [r.stats.acceptance_lengths for r in ahead] == [r.stats.acceptance_lengths for r in in_order]
+    assert counts["queued"] > 10 and counts["wholly"] > 5 and counts["partly"] > 0
+
+
+def test_a_small_pool_preempts_and_still_matches(target_dir, tmp_path):
+    prompts = [[(7 * i + j) % (VOCAB - 3) + 3 for j in range(20 + 9 * i)] for i in range(5)]
+    params = SamplingParams(max_new_tokens=30)
+    outputs = []
+    for ahead in (True, False):
+        engine = engine_for(target_dir, tmp_path, ahead, num_kv_pages=40, max_num_seqs=4)
+        requests = engine.generate_ids(prompts, params)
+        assert_no_leak(engine)
+        outputs.append([r.output_ids for r in requests])
+    assert outputs[0] == outputs[1]
+
+
+def test_a_step_that_runs_a_token_tree_drafts_again(target_dir, tmp_path):
+    """auto switching between chains and trees: a tree step drafts its candidates itself (the context the queued
+    draft wrote stays), and outputs stay those of plain decoding."""
+    plain = spec_engine(target_dir, None, eos=(2, 9)).generate_ids(MANY_PROMPTS, SamplingParams(max_new_tokens=20))
+    engine = engine_for(target_dir, tmp_path, True, verify="auto", max_num_seqs=8)
+    rng = random.Random(0)
+    engine.decoding.policy.choose = lambda batch, nodes, trees=True: rng.choice([TREE, 4] if trees else [4])
+    counts = count_ahead(engine)
+    requests = engine.generate_ids(MANY_PROMPTS, SamplingParams(max_new_tokens=20))
+    assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
+    assert counts["queued"] > 0
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("point", ["propose_next", "settle"])
+def test_an_exception_around_a_draft_ahead_leaves_the_engine_clean(target_dir, tmp_path, point, monkeypatch):
+    params = SamplingParams(max_new_tokens=12)
+    engine = engine_for(target_dir, tmp_path, True, num_kv_pages=64, max_num_seqs=3)
+    fresh = [r.output_ids for r in engine_for(target_dir, tmp_path, False).generate_ids(MANY_PROMPTS[:3], params)]
+    rng = random.Random(point)
+    for _ in range(4):
+        with monkeypatch.context() as patch:
+            patch.setattr(engine.drafter, point, failing_at(rng.randint(1, 5), KeyboardInterrupt(point))(
+                getattr(engine.drafter, point)))
+            requests = [engine.make_request(p, params) for p in MANY_PROMPTS[:5]]
+            try:
+                engine.run(requests)
+            except KeyboardInterrupt:
+                assert all(r.finished for r in requests)
+        assert engine.scheduler.idle
+        assert_no_leak(engine)
+    assert [r.output_ids for r in engine.generate_ids(MANY_PROMPTS[:3], params)] == fresh
