@@ -2,7 +2,8 @@
 They really overlap (a step commits the previous step's tokens while its own are in flight), change no
 output token (greedy, seeded sampling, EOS, length limits; the scheduling tests run the same schedules
 overlapped), never run a request past its length limit, and an exception anywhere leaves the engine
-clean. Speculative engines ignore the setting."""
+clean. Speculative engines keep their steps in order under the setting (it makes them draft ahead:
+test_draft_ahead.py)."""
 
 import random
 
