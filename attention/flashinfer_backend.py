@@ -27,8 +27,9 @@ greedy speculation with FP8 KV matched greedy decoding on only 11 of 24 SmolLM2 
 A backend made with `device_lengths` (the DFlash drafter's) runs fa2 for every step, whose kernels read each
 request's KV length from the page metadata on the device when they run: a graph rung may then be planned for
 upper bounds of the lengths (the next draft step, queued before the verify's acceptance reaches the host), and
-the step itself writes the real page metadata into the rung's buffers first (`use_device_lengths`). The plan's
-work split stays the upper bounds'; KV chunks past a request's real end are empty and merge with weight 0.
+the step itself writes the real page metadata into the rung's buffers first (`use_device_lengths`). Its plans
+keep each request's KV in one piece (no split-KV): a split kernel lays out its partial results by the number of
+KV chunks it derives from the real length, while the plan sized and merges them by the planned one.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ _keep_mask_offsets_pinned()
 
 class GraphSlot:
     """The wrappers (one per cache dtype) and index buffers of one CUDA-graph batch size (their addresses
-    never change), and pinned host buffers to plan from (a slot is planned at most once per step, so they
-    are free again once the step's one synchronization has passed)."""
+    never change), and pinned host buffers to plan from (reused once the copies of the slot's last plan have
+    run: `staged`)."""
 
     def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int, several_uniform: bool,
                  tree: bool = False):
@@ -86,6 +87,7 @@ class GraphSlot:
         # one wrapper per cache dtype over the same index buffers (each plan writes the same values), made
         # here so that the graph memory estimate counts them; the kernel is the rung's (several_uniform)
         self.several_uniform = several_uniform
+        self.staged: torch.cuda.Event | None = None  # recorded after the copies of the slot's last plan
         # token trees: the custom mask (fa2), in the backend's one mask buffer (slots are planned one at a time)
         self.tree = tree
         masks = dict(custom_mask_buf=backend.tree_mask_buffer(),
@@ -98,7 +100,11 @@ class GraphSlot:
             for dtype in backend.kv_dtypes}
 
     def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
-        """values in the pinned host buffer `name`; returns that slice."""
+        """values in the pinned host buffer `name`; returns that slice (after the copies of the slot's last plan
+        have run: a draft queued ahead is planned before the step's wait, and its copies may still be queued)."""
+        if self.staged is not None:
+            self.staged.synchronize()
+            self.staged = None
         host = self.host[name][:len(values)]
         host.numpy()[:] = values
         return host
@@ -184,6 +190,9 @@ class FlashInferBackend(AttentionBackend):
                             slot.stage("kv_indptr", layout.kv_indptr()), slot.kv_indices[:n],
                             slot.stage("last_page_len", layout.last_page_lens()), slot.stage("kv_lens", layout.kv_lens),
                             uniform_q_len=int(layout.q_lens[0]), packed_mask=packed)
+        if self.device.type == "cuda":
+            slot.staged = torch.cuda.Event()
+            slot.staged.record()
 
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
         """A graph rung planned for upper bounds (`device_lengths`): its page metadata becomes the real lengths'
@@ -209,7 +218,8 @@ class FlashInferBackend(AttentionBackend):
             wrapper.plan(qo_indptr, kv_indptr, kv_indices_gpu, last_page_len, self.num_qo_heads, self.num_kv_heads,
                          self.head_dim, layout.page_size, causal=layout.causal, sm_scale=self.sm_scale,
                          q_data_type=self.q_dtype, kv_data_type=kv_dtype, non_blocking=True,
-                         uniform_q_len=uniform_q_len, packed_custom_mask=packed_mask, **lengths)
+                         uniform_q_len=uniform_q_len, packed_custom_mask=packed_mask,
+                         disable_split_kv=self.plans_upper_bounds, **lengths)
 
     def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
         layer.write(self.write_pages, self.write_offsets, k, v)

@@ -114,7 +114,14 @@ def test_token_tree_masks_match_reference(kv):
     assert rel_error(run(flashinfer_backend(KV_DTYPES[kv]), causal), outs[1]) > 10 * REL_BOUND
 
 
-@pytest.mark.parametrize("name", ["verify_page_boundaries", "noncausal_context_plus_block"])
+# (history, new_kv, q_lens, causal): short ones, and long ones, where a plan would split each request's KV
+UPPER_BOUND_CASES = {"verify_page_boundaries": CASES["verify_page_boundaries"],
+                     "noncausal_context_plus_block": CASES["noncausal_context_plus_block"],
+                     "long_noncausal": ([700, 1500, 90], [32, 32, 32], [16, 16, 16], False),
+                     "long_causal": ([1300, 600], [16, 16], [16, 16], True)}
+
+
+@pytest.mark.parametrize("name", sorted(UPPER_BOUND_CASES))
 @pytest.mark.parametrize("kv", sorted(KV_DTYPES))
 @pytest.mark.parametrize("rung", [0, 8], ids=["exact-rung", "padded-rung"])
 def test_a_graph_planned_for_upper_bounds_attends_over_the_real_lengths(name, kv, rung):
@@ -123,7 +130,7 @@ def test_a_graph_planned_for_upper_bounds_attends_over_the_real_lengths(name, kv
     the torch reference of the real layout, and the rung's metadata is the real layout's."""
     from attention.flashinfer_backend import FlashInferBackend
 
-    history, new_kv, q_lens, causal = CASES[name]
+    history, new_kv, q_lens, causal = UPPER_BOUND_CASES[name]
     case = PagedCase(history, new_kv, q_lens, causal, page_size=16, kv_dtype=KV_DTYPES[kv], device="cuda",
                      dtype=torch.bfloat16, scales=(0.05, 0.03) if kv == "fp8" else (1.0, 1.0))
     reference = TorchBackend(HQ, HKV, D, D ** -0.5, device="cuda")
