@@ -205,37 +205,38 @@ class DFlashDrafter(ModelRunner, Drafter):
         return self._step(requests, eager=True)
 
     @torch.no_grad()
-    def propose_next(self, requests: list[DraftRequest], accepted: torch.Tensor, bonus: torch.Tensor, q: int) -> bool:
+    def propose_next(self, requests: list[DraftRequest], anchors: torch.Tensor, counts: torch.Tensor,
+                     rows: list[int], most: list[int]) -> bool:
         bs, batch = self.block_size, len(requests)
         if any(r.request_id in self.pending or r.request_id not in self.tables for r in requests):
-            return False  # a context not yet written up to the verified anchor (a step not drafted by `propose`)
+            return False  # a context not yet written up to the request's position (a step not drafted by `propose`)
         tables = [self.tables[r.request_id] for r in requests]
-        starts = np.array([t.length for t in tables], dtype=np.int64)  # the verified anchors' positions
-        # positions each request commits: planned for all q when the step replays a graph that reads its real
+        starts = np.array([t.length for t in tables], dtype=np.int64)  # each request's last written position + 1
+        # positions each request commits: planned for the most when the step replays a graph that reads its real
         # lengths on the device; read back when it runs eagerly on the CPU (where reading back costs nothing)
         upper = self.attn.plans_upper_bounds and self.replays(DRAFT_STEP, batch)
         if not upper and self.device.type == "cuda":
-            return False  # reading the acceptance back would be a second wait for the GPU in the step
-        counts = np.full(batch, q, dtype=np.int64) if upper else (accepted[:batch] + 1).cpu().numpy()
-        kv_lens = starts + counts + bs
+            return False  # reading the counts back would be a second wait for the GPU in the step
+        planned = np.asarray(most, dtype=np.int64) if upper else counts[:batch].cpu().numpy().astype(np.int64)
+        kv_lens = starts + planned + bs
         if sum(self.pool.pages_for(int(n)) - t.num_pages for t, n in zip(tables, kv_lens)) > self.pool.num_free:
             return False
         for table, n in zip(tables, kv_lens.tolist()):
             table.grow(n - table.length)
-        layout = BatchLayout.build([bs] * batch, kv_lens, counts + bs, [t.array for t in tables], self.page_size,
+        layout = BatchLayout.build([bs] * batch, kv_lens, planned + bs, [t.array for t in tables], self.page_size,
                                    causal=False)
         self.inputs.fill("anchors", [])
         self.inputs.fill("starts", starts)
         self.inputs.fill("counts", [])
-        self.inputs.fill("rows", np.arange(batch) * q)  # request i's verified rows start at i * q
+        self.inputs.fill("rows", rows)
 
-        def acceptance_into_inputs() -> None:
-            committed = accepted[:batch].long() + 1
+        def results_into_inputs() -> None:  # the step's results, still on the device
+            committed = counts[:batch].long()
             self.inputs["counts"][:batch].copy_(committed)
             self.inputs["starts"][:batch].add_(committed)
-            self.inputs["anchors"][:batch].copy_(bonus[:batch])
+            self.inputs["anchors"][:batch].copy_(anchors[:batch])
 
-        self.dispatch(DRAFT_STEP, batch, layout, self.inputs, self._draft_body, after_upload=acceptance_into_inputs)
+        self.dispatch(DRAFT_STEP, batch, layout, self.inputs, self._draft_body, after_upload=results_into_inputs)
         self.queued = {r.request_id: i for i, r in enumerate(requests)}
         self.unsettled = {r.request_id: int(start) for r, start in zip(requests, starts)}
         return True

@@ -91,11 +91,13 @@ class StepTransfer:
     complete prompts, their first tokens. `read` waits for this copy alone, so work queued after it (the next
     step's draft) keeps the GPU busy while the host reads."""
 
-    def __init__(self, rows: torch.Tensor, prefill: PrefillChunks | None):
+    def __init__(self, rows: torch.Tensor, prefill: PrefillChunks | None, first_tokens: torch.Tensor | None = None):
+        """first_tokens: the prefill's first tokens if the caller sampled them already (sampled here otherwise)."""
         self.shape, self.prefill = tuple(rows.shape), prefill
-        firsts = prefill is not None and prefill.sample_first is not None
+        if first_tokens is None and prefill is not None and prefill.sample_first is not None:
+            first_tokens = prefill.sample_first(prefill.out.logits)
         flat = rows.reshape(-1)
-        self._copy = HostCopy(torch.cat([flat, prefill.sample_first(prefill.out.logits)]) if firsts else flat)
+        self._copy = HostCopy(torch.cat([flat, first_tokens]) if first_tokens is not None else flat)
 
     def read(self) -> list[list[int]]:
         """`rows` as lists (and the first tokens into `prefill.first_tokens`)."""

@@ -102,16 +102,18 @@ class Drafter(ABC):
         raise NotImplementedError(f"{type(self).__name__} proposes one draft per position: verify='tree' needs "
                                   "a drafter with candidates (DFlash)")
 
-    def propose_next(self, requests: list[DraftRequest], accepted: torch.Tensor, bonus: torch.Tensor, q: int) -> bool:
-        """Queue the next step's draft right after a chain verify of q tokens per request, before its acceptance
-        reaches the host, so that the GPU drafts while the host commits: request i's next anchor is bonus[i],
-        after accepted[i] accepted drafts (both on the device). True when queued: the caller then calls `settle`
-        (not `extend`) once the counts are on the host, and the next `propose` of these requests gives the queued
-        drafts. False (the default): nothing was queued."""
+    def propose_next(self, requests: list[DraftRequest], anchors: torch.Tensor, counts: torch.Tensor,
+                     rows: list[int], most: list[int]) -> bool:
+        """Queue the next step's draft right after a step's forward, before its results reach the host, so that
+        the GPU drafts while the host commits. On the device: request i's next anchor anchors[i], after it commits
+        counts[i] positions (a verified request: its anchor and accepted drafts, whose features are the rows
+        rows[i] ..; one whose prompt the step completed: 0), at most most[i]. True when queued: the caller then
+        calls `settle` (not `extend`) once the counts are on the host, and the next `propose` of these requests
+        gives the queued drafts. False (the default): nothing was queued."""
         return False
 
     def settle(self, requests: list[DraftRequest], counts: list[int]) -> None:
-        """After `propose_next`: request i committed counts[i] positions (its anchor and accepted drafts)."""
+        """After `propose_next`: request i committed counts[i] positions."""
         raise NotImplementedError(f"{type(self).__name__} queues no draft ahead")
 
     @abstractmethod

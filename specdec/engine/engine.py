@@ -483,7 +483,8 @@ class Engine:
         lens = [n for _, n in chunks]
         first = [i for i, (r, n) in enumerate(chunks) if not r.output_ids and r.num_cached + n == r.prefill_len]
         starting = [chunks[i][0] for i in first]
-        prefill = PrefillChunks([r.target_pages for r, _ in chunks], ids, lens, (np.cumsum(lens) - 1)[first])
+        prefill = PrefillChunks([r.target_pages for r, _ in chunks], ids, lens, (np.cumsum(lens) - 1)[first],
+                                requests=[r for r, _ in chunks], starting=starting)
         if starting:
             prefill.sample_first = lambda logits: sample_rows(logits, None, starting, 1)
         self._plan_prompt_logprobs(prefill, chunks)
@@ -533,7 +534,8 @@ class Engine:
         if self.drafter is not None:
             for request in requests:
                 request.stats.block_size = self.drafter.block_size
-            self.drafter.add_context(requests, prefill.out.features, prefill.lens)
+            if not prefill.context_added:
+                self.drafter.add_context(requests, prefill.out.features, prefill.lens)
         if starting:
             tokens = prefill.first_tokens
             logprobs = [None] * len(starting)

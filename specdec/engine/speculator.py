@@ -47,6 +47,16 @@ class SpeculativeDecoding:
         self.verify_length = drafter.block_size  # tokens per request the last step verified
         self.logprobs: list[list[TokenLogprob] | None] | None = None  # the last step's, per request (None: none asked)
 
+    def _prefilled(self, prefill: PrefillChunks | None) -> torch.Tensor | None:
+        """After a forward that carried prompt chunks: the drafter's context grows by their features now (a draft
+        queued ahead for the requests they complete reads it), and the first tokens of those requests are sampled
+        (on the device; None when the chunks complete no prompt)."""
+        if prefill is None:
+            return None
+        self.drafter.add_context(prefill.requests, prefill.out.features, prefill.lens)
+        prefill.context_added = True
+        return prefill.sample_first(prefill.out.logits) if prefill.sample_first is not None else None
+
     def capture(self) -> float:
         """CUDA graphs of the tree step's small pieces (none for chains: the runners hold theirs)."""
         return self.tree.capture() if self.tree is not None else 0.0
@@ -75,12 +85,19 @@ class SpeculativeDecoding:
         drafts_host = HostCopy(drafts) if any(r.matcher is not None for r in running) else None
         out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], drafts, q,
                                      prefill)
+        first_tokens = self._prefilled(prefill)
         targets = sample_block(out, running, q, drafts, drafts_host)
         accepted, bonus = accept(drafts, targets.view(batch, q))
         rows = LogprobRows.start(out.logits, targets, running, q)  # committed token j is the target's at row j
-        transfer = StepTransfer(torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1), prefill)
-        ahead = self.draft_ahead and bool(self.policy.lengths) and self.drafter.propose_next(running, accepted,
-                                                                                            bonus, q)
+        transfer = StepTransfer(torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1), prefill,
+                                first_tokens)
+        # the next step's draft, queued now: the verified requests' and those whose prompts this step completed
+        starting = prefill.starting if first_tokens is not None else []
+        drafting = running + starting
+        ahead = self.draft_ahead and bool(self.policy.lengths) and self.drafter.propose_next(
+            drafting, torch.cat([bonus.long(), first_tokens.long()]) if starting else bonus,
+            torch.cat([accepted.long() + 1, torch.zeros_like(first_tokens, dtype=torch.long)]) if starting else accepted + 1,
+            [i * q for i in range(batch)] + [0] * len(starting), [q] * batch + [0] * len(starting))
         host = transfer.read()
         tokens = []
         for row, request, start in zip(host, running, starts):
@@ -92,7 +109,7 @@ class SpeculativeDecoding:
             self.logprobs = rows.read(tokens)
         self.policy.observe([len(t) - 1 for t in tokens], q)
         if ahead:
-            self.drafter.settle(running, [len(t) for t in tokens])
+            self.drafter.settle(drafting, [len(t) for t in tokens] + [0] * len(starting))
         else:  # request i's verify features start at row i * q
             self.drafter.extend(running, out.features, [i * q for i in range(batch)], [len(t) for t in tokens])
         return tokens

@@ -90,6 +90,11 @@ class PrefillChunks:
     echo_logits: torch.Tensor | None = None
     echo_plan: list = field(default_factory=list)
     first_tokens: list[int] | None = None  # set by the step's transfer
+    # the caller's requests: each chunk's, and those whose prompts the chunks complete (the first tokens' order);
+    # `context_added`: the step already gave the drafter the chunks' context (drafting ahead needs it first)
+    requests: list = field(default_factory=list)
+    starting: list = field(default_factory=list)
+    context_added: bool = False
 
     def read_first_tokens(self) -> None:
         """After a forward of the chunks alone: the first tokens of the prompts they complete, to the host."""

@@ -27,14 +27,16 @@ def engine_for(target_dir, tmp_path, ahead: bool, **config):
 
 
 def count_ahead(engine) -> dict:
-    """Counts of drafts queued ahead, and of steps whose batch took some (`partly`) or all of its drafts from them."""
-    counts = {"queued": 0, "partly": 0, "wholly": 0, "none": 0}
+    """Counts of drafts queued ahead (and of the requests among them that the step started), and of steps whose
+    batch took some (`partly`), all or none of its drafts from them."""
+    counts = {"queued": 0, "starters": 0, "partly": 0, "wholly": 0, "none": 0}
     drafter = engine.drafter
     propose_next, propose = drafter.propose_next, drafter.propose
 
-    def queue(*args):
-        queued = propose_next(*args)
+    def queue(requests, anchors, committed, rows, most):
+        queued = propose_next(requests, anchors, committed, rows, most)
         counts["queued"] += queued
+        counts["starters"] += queued * most.count(0)  # requests whose prompts the step completed
         return queued
 
     def take(requests):
@@ -49,8 +51,8 @@ def count_ahead(engine) -> dict:
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_steps_drafted_ahead_commit_what_steps_drafted_in_order_commit(target_dir, tmp_path, temperature):
-    """Requests join every other step and end at different steps (EOS, limits), so later steps take some of
-    their drafts from the queue and draft the newcomers; chunked prompts ride along."""
+    """Requests join every other step and end at different steps (EOS, limits); chunked prompts ride along, and
+    the draft queued by the step that completes a prompt includes that request's first draft."""
     def run(ahead):
         engine = engine_for(target_dir, tmp_path, ahead, max_num_seqs=4, max_prefill_tokens=9)
         counts = count_ahead(engine) if ahead else None
@@ -72,19 +74,41 @@ def test_steps_drafted_ahead_commit_what_steps_drafted_in_order_commit(target_di
     assert [r.finish_reason for r in ahead] == [r.finish_reason for r in in_order]
     # the same drafts: every step commits the same tokens
     assert [r.stats.acceptance_lengths for r in ahead] == [r.stats.acceptance_lengths for r in in_order]
-    assert counts["queued"] > 10 and counts["wholly"] > 5 and counts["partly"] > 0
+    assert counts["queued"] > 10 and counts["wholly"] > 5 and counts["starters"] >= 4
 
 
 def test_a_small_pool_preempts_and_still_matches(target_dir, tmp_path):
     prompts = [[(7 * i + j) % (VOCAB - 3) + 3 for j in range(20 + 9 * i)] for i in range(5)]
-    params = SamplingParams(max_new_tokens=30)
-    outputs = []
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    outputs, preempted = [], []
     for ahead in (True, False):
-        engine = engine_for(target_dir, tmp_path, ahead, num_kv_pages=40, max_num_seqs=4)
-        requests = engine.generate_ids(prompts, params)
+        engine = engine_for(target_dir, tmp_path, ahead, num_kv_pages=24, max_num_seqs=4)
+        requests = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished_requests:
+            preempted += engine.step().preempted
         assert_no_leak(engine)
         outputs.append([r.output_ids for r in requests])
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] and preempted
+
+
+def test_a_batch_partly_drafted_ahead_drafts_the_rest_itself(target_dir, tmp_path, monkeypatch):
+    """Requests that join without a queued draft (here: the requests a step starts are left out of its queued
+    draft) are drafted by the step itself, beside the queued drafts of the others."""
+    prompts, params = MANY_PROMPTS[:6], SamplingParams(max_new_tokens=20)
+    expected = [r.output_ids for r in engine_for(target_dir, tmp_path, False).generate_ids(prompts, params)]
+    engine = engine_for(target_dir, tmp_path, True, max_num_seqs=4, max_prefill_tokens=9)
+    prefilled = engine.decoding._prefilled
+    monkeypatch.setattr(engine.decoding, "_prefilled", lambda prefill: (prefilled(prefill), None)[1])
+    counts = count_ahead(engine)
+    requests = []
+    for prompt in prompts:  # a new request every step, its prompt riding along the decode of the others
+        requests.append(engine.add_request(prompt, params))
+        engine.step()
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert [r.output_ids for r in requests] == expected
+    assert counts["partly"] > 0 and counts["starters"] == 0
+    assert_no_leak(engine)
 
 
 def test_a_step_that_runs_a_token_tree_drafts_again(target_dir, tmp_path):
