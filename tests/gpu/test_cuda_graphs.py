@@ -161,14 +161,7 @@ def test_overlapped_steps_equal_steps_in_order(model_dirs, eager):
         want, got = staggered(ordered, ids, params, per_step), staggered(overlapped, ids, params, per_step)
         assert [r.output_ids for r in got] == [r.output_ids for r in want], batch
         assert overlapped.pool.num_free == overlapped.pool.num_pages and overlapped.flight is None
-    requests = [overlapped.add_request(p, params) for p in prompts(5)]
-    overlapped.step()
-    overlapped.step()
-    assert len(synchronizing_calls(overlapped.step)) == 1
-    for request in requests:
-        overlapped.abort(request.request_id)
-    while overlapped.has_unfinished_requests:
-        overlapped.step()
+    assert len(waits_of_a_decoding_step(overlapped, params)) == 1
     assert overlapped.pool.num_free == overlapped.pool.num_pages
 
 
@@ -197,12 +190,7 @@ def test_drafting_ahead_equals_drafting_in_order(model_dirs, kv):
             assert engine.pool.num_free == engine.pool.num_pages
             assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
     assert len(queued) > NEW_TOKENS  # the drafts really were queued ahead
-    requests = [ahead.add_request(p, params) for p in prompts(5)]
-    ahead.step()
-    ahead.step()
-    assert len(synchronizing_calls(ahead.step)) == 1
-    for request in requests:
-        ahead.abort(request.request_id)
+    assert len(waits_of_a_decoding_step(ahead, params)) == 1
     assert ahead.pool.num_free == ahead.pool.num_pages and ahead.drafter.pool.num_free == ahead.drafter.pool.num_pages
 
 
@@ -239,6 +227,19 @@ def synchronizations_in_one_step(engine: Engine, batch: int, sampling: dict) -> 
     for request in admitted:
         engine.abort(request.request_id)
     return syncs
+
+
+def waits_of_a_decoding_step(engine: Engine, params: SamplingParams) -> list[str]:
+    """The waits for the GPU (`synchronizing_calls`) of one step of 5 requests decoding; then they are aborted."""
+    requests = [engine.add_request(p, params) for p in prompts(5)]
+    engine.step()
+    engine.step()
+    waits = synchronizing_calls(engine.step)
+    for request in requests:
+        engine.abort(request.request_id)
+    while engine.has_unfinished_requests:
+        engine.step()
+    return waits
 
 
 def synchronizing_calls(run) -> list[str]:
