@@ -57,7 +57,7 @@ def profile(llm, prompts, max_new: int, top: int) -> str:
     stream = io.StringIO()
     stats = pstats.Stats(profiler, stream=stream)
     stats.sort_stats("tottime").print_stats(top)
-    stream.write(f"\n-- by cumulative time --\n")
+    stream.write("\n-- by cumulative time --\n")
     stats.sort_stats("cumulative").print_stats(top)
     return f"{steps} decode steps; wall of the profiled generate in the tables (divide by steps)\n{stream.getvalue()}"
 

@@ -27,6 +27,17 @@ def test_each_verify_policy_has_a_dflash_row(tmp_path):
     assert list(dict.fromkeys(r["system"] for r in rows)) == ["AR", "DFlash", "DFlash auto"]
 
 
+def test_overlap_steps_adds_the_overlapped_and_drafted_ahead_rows_with_the_same_tokens(tmp_path):
+    out = tmp_path / "load.json"
+    assert main(["--quick", "--overlap-steps", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert list(dict.fromkeys(r["system"] for r in rows)) == ["AR", "AR overlapped", "DFlash", "DFlash, drafted ahead"]
+    tokens = {(r["system"], r["concurrency"]): (r["tokens"], r["tau"]) for r in rows}
+    for concurrency in (1, 4):  # greedy, the same requests: the same tokens, and drafts ahead accept the same
+        assert tokens[("AR", concurrency)][0] == tokens[("AR overlapped", concurrency)][0]
+        assert tokens[("DFlash", concurrency)] == tokens[("DFlash, drafted ahead", concurrency)]
+
+
 def test_profile_level_splits_steps_by_kind(tmp_path, capsys):
     out = tmp_path / "load.json"
     assert main(["--quick", "--profile", "4", "--out", str(out)]) == 0
