@@ -25,6 +25,7 @@ from attention.kv_cache import LayerKV
 
 class AttentionBackend(ABC):
     supports_graphs = False
+    plans_upper_bounds = False  # whether a graph step may be planned for upper bounds of its KV lengths
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float):
         self.num_qo_heads = num_qo_heads
@@ -45,8 +46,6 @@ class AttentionBackend(ABC):
     def set_write_slots(self, pages: torch.Tensor, offsets: torch.Tensor) -> None:
         """(page, offset) of every K/V row the step's layers write, in the order they pass them."""
         self.write_pages, self.write_offsets = pages, offsets
-
-    plans_upper_bounds = False  # whether a graph step may be planned for upper bounds of its KV lengths
 
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
         """The planned step's real KV lengths [batch] on the device (called by the step itself, inside its CUDA

@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
 from scripts.bench_steps import greedy, longest, models_to_run, prompt_ids  # noqa: E402
 from scripts.bench.runner import release_memory  # noqa: E402
 from specdec import LLM  # noqa: E402
@@ -42,7 +44,6 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.prompt_tokens, args.max_new_tokens, args.device, args.top = [1, 2], 16, 6, "cpu", 10
-    import torch
     args.device = torch.device(args.device)
     return args
 
