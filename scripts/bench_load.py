@@ -5,7 +5,8 @@ batch, and the share of wall time spent in steps that prefill, for plain decodin
     python scripts/bench_load.py --quick --out /tmp/load.json                  # CPU smoke run, tiny model
 
 Each concurrency runs the same requests through the library: --requests chat prompts alternating
-math500 problems and everyday coding requests (scripts/bench/chat_prompts.py), --max-new-tokens each,
+math500 problems and everyday coding requests (scripts/bench/chat_prompts.py; --dataset mixed|math500|code
+takes scripts/bench_serve.py's prompts instead, the same ones in the same order), --max-new-tokens each,
 greedy, answers of their natural length, with `max_num_seqs` = the concurrency, so arrivals keep
 coming while others decode. Every
 `Engine.step()` is timed and split by whether it prefilled (a prompt chunk of an admitted request).
@@ -77,9 +78,12 @@ def parse_args(argv):
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="the target's KV cache")
     p.add_argument("--verify", nargs="+", choices=tuple(DFLASH), default=["chain"],
                    help="the DFlash rows' verify policies (a row each)")
-    p.add_argument("--overlap-steps", action="store_true", help="also plain decoding with overlapped steps "
-                                                                "(rows 'AR overlapped') and DFlash drafting ahead "
-                                                                "(rows 'DFlash ..., drafted ahead')")
+    p.add_argument("--dataset", default="chat", choices=("chat", "mixed", "math500", "code"),
+                   help="chat: math500 and coding requests alternating; the others: bench_serve.py's prompts")
+    p.add_argument("--overlap-steps", nargs="?", const="both", default="off", choices=("off", "both", "on"),
+                   help="plain decoding with overlapped steps (rows 'AR overlapped') and DFlash drafting ahead "
+                        "(rows 'DFlash ..., drafted ahead'), the engine's defaults: beside the in-order rows "
+                        "(alone or 'both') or instead of them ('on')")
     p.add_argument("--profile", type=int, metavar="C", help="one more level at concurrency C under the profiler: "
                                                             "wall vs GPU busy time per kind of step")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
@@ -90,10 +94,14 @@ def parse_args(argv):
     return args
 
 
-def chat_prompts(llm: LLM, count: int) -> list[list[int]]:
-    """`count` prompts alternating math500 and coding requests, through the model's chat template."""
-    math, code = load_prompts("math500", seed=0), load_prompts("code", seed=0)
-    chosen = [p for pair in zip(take(math, count), take(code, count)) for p in pair][:count]
+def chat_prompts(llm: LLM, count: int, dataset: str = "chat") -> list[list[int]]:
+    """`count` prompts through the model's chat template: alternating math500 and coding requests ("chat"), or
+    the first `count` of scripts/bench_serve.py's dataset (its seed 0, one user turn each)."""
+    if dataset == "chat":
+        math, code = load_prompts("math500", seed=0), load_prompts("code", seed=0)
+        chosen = [p for pair in zip(take(math, count), take(code, count)) for p in pair][:count]
+    else:
+        chosen = take(load_prompts(dataset, seed=0), count)
     return [llm.encode_chat([{"role": "user", "content": p.text}]) for p in chosen]
 
 
@@ -241,16 +249,16 @@ def main(argv=None) -> int:
             model = str(random_target(Path(tmp) / "target", TINY_SHAPE, torch.device("cpu"), std=0.2))
             drafter = drafter or str(tiny_drafter(Path(tmp) / "drafter", Path(model)))
         # (name, drafter, verify policy, overlap_steps)
-        systems = [("AR", None, "chain", False)] + ([(OVERLAPPED, None, "chain", True)] if args.overlap_steps else [])
+        overlaps = {"off": (False,), "both": (False, True), "on": (True,)}[args.overlap_steps]
+        systems = [("AR" if not overlap else OVERLAPPED, None, "chain", overlap) for overlap in overlaps]
         for verify in args.verify if drafter else ():
-            systems += [(DFLASH[verify], drafter, verify, False)] + (
-                [(DFLASH[verify] + AHEAD, drafter, verify, True)] if args.overlap_steps else [])
+            systems += [(DFLASH[verify] + (AHEAD if overlap else ""), drafter, verify, overlap) for overlap in overlaps]
         rows, profiles, engines = [], [], []
         for system, draft, verify, overlap in systems:
             llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency),
                       kv_cache_dtype=args.kv_cache_dtype, overlap_steps=overlap, verify=verify)
             prompts = (random_prompts(llm.engine.model.config.vocab_size, args.requests) if args.quick
-                       else chat_prompts(llm, args.requests))
+                       else chat_prompts(llm, args.requests, args.dataset))
             run_load(llm, system, prompts[:min(4, len(prompts))], 1, 4)  # warm-up: graphs, kernels, allocator
             for concurrency in args.concurrency:
                 count = len(prompts) if args.rounds is None else min(len(prompts), args.rounds * concurrency)

@@ -10,11 +10,12 @@
 Batch 1, greedy, the same prompt token ids (math500 subset, z-lab prompt, the target's chat
 template: `eval.problems`) and the same stop tokens (the engine's EOS ids) for every system:
 
-    ours-dflash-bf16  specdec.LLM(target, drafter), bf16 KV cache (the model dtype), max_num_seqs=1
-    ours-dflash-auto  the same with verify="auto" (chain length per step; also in the throughput runs when chosen)
-    ours-dflash-fp8   the same with kv_cache_dtype="fp8"
+    ours-dflash-bf16  specdec.LLM(target, drafter, verify="chain"), bf16 KV cache (the model dtype), max_num_seqs=1,
+                      each step's next draft queued ahead (overlap_steps, the default)
+    ours-dflash-auto  the same with verify="auto" (the default policy: chain length or tree per step)
+    ours-dflash-fp8   ours-dflash-bf16 with kv_cache_dtype="fp8"
     ours-ar           specdec.LLM(target) without a drafter, steps in order (overlap_steps=False)
-    ours-ar-overlapped  the same with overlap_steps=True, the default (also in the throughput runs when chosen)
+    ours-ar-overlapped  the same with overlap_steps=True, the default
     vllm-dflash       vLLM (AsyncLLM) with our drafter, method "dflash", block_size - 1 speculative tokens
     vllm-ar           vLLM without speculation
     sglang-dflash     SGLang (Engine) with our drafter, algorithm DFLASH
@@ -35,7 +36,8 @@ end-to-end tokens/s, tau, speedups over hf-generate and ours-ar (TPOT ratios on 
 the fraction of prompts whose output token ids equal ours-ar's (whose KV cache is in the model
 dtype: for ours-dflash-fp8 a difference may come from the fp8 cache as well as from bf16 near-ties).
 
-Throughput (ours with DFlash bf16 KV and AR; each peer that ran): for each --concurrency C, the subset
+Throughput (ours: the chosen DFlash systems with bf16 KV, AR in order and AR overlapped if chosen; each
+peer that ran): for each --concurrency C, the subset
 repeated to at least --throughput-prompts prompts, at most C requests in flight (ours: max_num_seqs=C;
 peers: C concurrent streams on one engine): generated tokens / wall seconds, the mean per-request
 TPOT, tokens/s over the same engine's AR, outputs equal to ours-ar's at that C. Peak GPU memory:

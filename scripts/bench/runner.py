@@ -154,7 +154,7 @@ class Context:
         return None
 
     def ours(self, drafter: bool, kv_cache_dtype: str = "auto", max_num_seqs: int = 1,
-             overlap_steps: bool = False, verify: str = "chain") -> OursSystem:
+             overlap_steps: bool = True, verify: str = "chain") -> OursSystem:
         return OursSystem(str(self.target_dir), str(self.drafter_dir) if drafter else None, device=str(self.device),
                           kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
                           num_kv_pages=self.args.num_kv_pages, overlap_steps=overlap_steps, verify=verify)
@@ -168,9 +168,9 @@ class Context:
         if name == "ours-dflash-fp8":
             return self.ours(drafter=True, kv_cache_dtype="fp8")
         if name == "ours-ar":
-            return self.ours(drafter=False)
+            return self.ours(drafter=False, overlap_steps=False)
         if name == "ours-ar-overlapped":
-            return self.ours(drafter=False, overlap_steps=True)
+            return self.ours(drafter=False)
         if name == "hf-generate":
             return HFSystem(self.target_dir, target_model=self.shared_hf_target(), **hf)
         if name == "hf-assisted":
@@ -231,16 +231,14 @@ def estimate_run_s(batch1: dict | None, count: int, concurrency: int) -> float |
 
 def run_throughput(ctx: Context, batch, warm_prompt, clock: Clock, batch1: dict[str, dict], outputs: dict,
                    on_row) -> tuple:
-    """Ours, DFlash (bf16 KV) and AR, all prompts submitted at once with max_num_seqs=C, from the highest C down.
+    """Ours, all prompts submitted at once with max_num_seqs=C, from the highest C down: the chosen DFlash systems
+    (bf16 KV), AR in order (always: the outputs' reference) and AR with overlapped steps if chosen.
     Fills outputs[(system, C)] with the token ids; returns (rows, {"C/system": why skipped})."""
     args = ctx.args
-    variants = [("ours-ar", False)]
-    if ctx.drafter_dir is not None:
-        variants.insert(0, ("ours-dflash-bf16", True))
-    if "ours-dflash-auto" in args.systems and ctx.drafter_dir is not None:
-        variants.insert(1, ("ours-dflash-auto", True))
-    if "ours-ar-overlapped" in args.systems:
-        variants.append(("ours-ar-overlapped", False))
+    dflash = [name for name in ("ours-dflash-bf16", "ours-dflash-auto")
+              if name in args.systems and ctx.drafter_dir is not None]
+    variants = ([(name, True) for name in dflash] + [("ours-ar", False)]
+                + ([("ours-ar-overlapped", False)] if "ours-ar-overlapped" in args.systems else []))
     rows, skipped = [], {}
     for concurrency in sorted(set(args.concurrency), reverse=True):
         for name, drafter in variants:
@@ -252,7 +250,7 @@ def run_throughput(ctx: Context, batch, warm_prompt, clock: Clock, batch1: dict[
                 continue
             with PeakGpuMemory() as memory:
                 system = ctx.ours(drafter=drafter, max_num_seqs=concurrency,
-                                  overlap_steps=name == "ours-ar-overlapped",
+                                  overlap_steps=name != "ours-ar",
                                   verify="auto" if name == "ours-dflash-auto" else "chain")
                 try:
                     system.generate_many([warm_prompt] * min(concurrency, len(batch)), args.warmup_tokens)

@@ -67,7 +67,7 @@ class OursSystem:
     """`specdec.LLM` with or without a drafter; `max_num_seqs` 1 for the batch-1 table."""
 
     def __init__(self, target: str, drafter, *, device: str, kv_cache_dtype: str = "auto", max_num_seqs: int = 1,
-                 num_kv_pages: int | None = None, overlap_steps: bool = False, verify: str = "chain"):
+                 num_kv_pages: int | None = None, overlap_steps: bool = True, verify: str = "chain"):
         from specdec import LLM
 
         self.llm = LLM(target, drafter, device=device, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,

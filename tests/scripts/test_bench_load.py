@@ -2,7 +2,8 @@
 
 import json
 
-from scripts.bench_load import main
+from scripts.bench.chat_prompts import load_prompts
+from scripts.bench_load import chat_prompts, main
 
 
 def test_quick_run_reports_every_system_and_concurrency(tmp_path, capsys):
@@ -36,6 +37,18 @@ def test_overlap_steps_adds_the_overlapped_and_drafted_ahead_rows_with_the_same_
     for concurrency in (1, 4):  # greedy, the same requests: the same tokens, and drafts ahead accept the same
         assert tokens[("AR", concurrency)][0] == tokens[("AR overlapped", concurrency)][0]
         assert tokens[("DFlash", concurrency)] == tokens[("DFlash, drafted ahead", concurrency)]
+    assert main(["--quick", "--overlap-steps", "on", "--out", str(out)]) == 0  # the engine's defaults alone
+    rows = json.loads(out.read_text())["rows"]
+    assert list(dict.fromkeys(r["system"] for r in rows)) == ["AR overlapped", "DFlash, drafted ahead"]
+
+
+def test_a_serving_dataset_gives_bench_serves_prompts_in_its_order():
+    class Chat:  # the chat template reduced to the user's text
+        encode_chat = staticmethod(lambda messages: messages[0]["content"])
+
+    assert chat_prompts(Chat(), 5, "mixed") == [p.text for p in load_prompts("mixed", seed=0)[:5]]
+    math500 = chat_prompts(Chat(), 4)  # the default alternates math500 and coding requests
+    assert math500[0::2] == [p.text for p in load_prompts("math500", seed=0)[:2]]
 
 
 def test_profile_level_splits_steps_by_kind(tmp_path, capsys):
