@@ -66,13 +66,17 @@ class VllmPeer:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        spec = None
+        spec, batched = None, {}
         if job["drafter"]:
             spec = {"method": "dflash", "model": job["drafter"], "num_speculative_tokens": job["block_size"] - 1}
+            # vLLM reserves each running request's draft slots out of a step's token budget and refuses to start
+            # when they exceed it (the default budget, 2,048 tokens here, at 256 requests): room for them and
+            # 2,048 prompt tokens, at least 8,192
+            batched = {"max_num_batched_tokens": max(8192, job["max_num_seqs"] * job["block_size"] + 2048)}
         args = AsyncEngineArgs(model=job["model"], dtype="bfloat16", seed=0, max_num_seqs=job["max_num_seqs"],
                                max_model_len=job["max_model_len"], enable_prefix_caching=False,
                                gpu_memory_utilization=job["gpu_memory_utilization"], speculative_config=spec,
-                               generation_config="vllm", disable_log_stats=False)
+                               generation_config="vllm", disable_log_stats=False, **batched)
         self.engine = AsyncLLM.from_engine_args(args)
         self.sampling = lambda n: SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=job["stop_token_ids"],
                                                  repetition_penalty=1.0)
