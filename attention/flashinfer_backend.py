@@ -73,7 +73,7 @@ class GraphSlot:
     never change), and pinned host buffers to plan from (reused once the copies of the slot's last plan have
     run: `staged`)."""
 
-    def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int, several_uniform: bool,
+    def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int, fa2: bool,
                  tree: bool = False):
         dev = backend.device
         self.batch_size = batch_size
@@ -85,8 +85,8 @@ class GraphSlot:
             ("qo_indptr", batch_size + 1), ("kv_indptr", batch_size + 1), ("kv_indices", max_pages),
             ("last_page_len", batch_size), ("kv_lens", batch_size))}
         # one wrapper per cache dtype over the same index buffers (each plan writes the same values), made
-        # here so that the graph memory estimate counts them; the kernel is the rung's (several_uniform)
-        self.several_uniform = several_uniform
+        # here so that the graph memory estimate counts them; the kernel is the rung's (`FlashInferBackend.fa2`)
+        self.fa2 = fa2
         self.staged: torch.cuda.Event | None = None  # recorded after the copies of the slot's last plan
         # token trees: the custom mask (fa2), in the backend's one mask buffer (slots are planned one at a time)
         self.tree = tree
@@ -96,7 +96,7 @@ class GraphSlot:
             backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr,
             paged_kv_indptr_buf=self.kv_indptr, paged_kv_indices_buf=self.kv_indices,
             paged_kv_last_page_len_buf=self.last_page_len,
-            backend="fa2" if tree else kernel_backend(dtype, several_uniform), **masks)
+            backend="fa2" if tree else kernel_backend(dtype, fa2), **masks)
             for dtype in backend.kv_dtypes}
 
     def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
@@ -123,10 +123,10 @@ class FlashInferBackend(AttentionBackend):
         self.kv_dtypes = tuple(dict.fromkeys(kv_dtypes))  # a cache whose layers mix dtypes plans once per dtype
         self.q_dtype = q_dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        # by kind of step: other steps (False), decodes of several requests (True), token trees (TREE: a
-        # custom mask, which only the fa2 kernels take)
+        # by kind of step: other steps (False), steps that run fa2 whatever the cache dtype (True, `fa2`), token
+        # trees (TREE: a custom mask, which only the fa2 kernels take)
         self.eager_wrappers = {kind: {dtype: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend="fa2" if kind == TREE or device_lengths else kernel_backend(dtype, kind))
+            self.workspace, "NHD", backend="fa2" if kind == TREE else kernel_backend(dtype, kind))
             for dtype in self.kv_dtypes} for kind in (False, True, TREE)}
         self.wrappers = self.eager_wrappers[False]  # those of the planned step
         self.tree_mask_bytes = 0  # the graph rungs' shared custom-mask buffer (token trees), 0: none
@@ -142,6 +142,12 @@ class FlashInferBackend(AttentionBackend):
             self._tree_masks = torch.zeros(self.tree_mask_bytes, dtype=torch.uint8, device=self.device)
         return self._tree_masks
 
+    def fa2(self, layout: BatchLayout | None) -> bool:
+        """Whether steps of `layout` run the fa2 kernels whatever the cache dtype: every step of a backend of
+        `device_lengths` (fa2 kernels read the KV lengths on the device), else the causal steps of several
+        requests of one query count (`several_uniform`). None: a graph rung of no example layout."""
+        return self.plans_upper_bounds or (layout is not None and several_uniform(layout))
+
     def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
         """An eager step of any layout; write_slots=False leaves the write slots to the caller."""
         self.layout, self.slot = layout, None
@@ -155,7 +161,7 @@ class FlashInferBackend(AttentionBackend):
             self.set_write_slots(*slots_on_device(self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu,
                                                   layout.page_size))
         tree = layout.query_masks is not None
-        self.wrappers = self.eager_wrappers[TREE if tree else several_uniform(layout)]
+        self.wrappers = self.eager_wrappers[TREE if tree else self.fa2(layout)]
         self._plan_wrappers(layout, pinned(layout.qo_indptr()), pinned(kv_indptr), self.kv_indices,
                             pinned(layout.last_page_lens()), pinned(layout.kv_lens),
                             packed_mask=layout.packed_query_masks() if tree else None)
@@ -163,8 +169,8 @@ class FlashInferBackend(AttentionBackend):
     def graph_slot(self, batch_size: int, max_pages: int, example: BatchLayout | None = None) -> GraphSlot:
         """The buffers and wrappers of one rung; `example` (a layout of the steps it will replay, padded to
         its size) picks the kernel its graph is captured with."""
-        return GraphSlot(self, batch_size, max_pages, self.plans_upper_bounds or (
-            example is not None and several_uniform(example)), tree=example is not None and example.query_masks is not None)
+        return GraphSlot(self, batch_size, max_pages, self.fa2(example),
+                         tree=example is not None and example.query_masks is not None)
 
     def plan_graph(self, slot: GraphSlot, layout: BatchLayout, scratch_page: int) -> None:
         """A graph replay: `layout` padded to the slot's batch size goes into the slot's buffers. The
@@ -174,10 +180,8 @@ class FlashInferBackend(AttentionBackend):
         n = len(layout.kv_indices)
         slot.kv_indices[:n].copy_(slot.stage("kv_indices", layout.kv_indices), non_blocking=True)
         tree = layout.query_masks is not None
-        # (a backend of `device_lengths` runs fa2 for every layout)
-        if (several_uniform(layout) != slot.several_uniform and not self.plans_upper_bounds) or tree != slot.tree:
-            kind = ("token trees" if slot.tree else "several requests of one query count" if slot.several_uniform
-                    else "other steps")
+        if self.fa2(layout) != slot.fa2 or tree != slot.tree:
+            kind = "token trees" if slot.tree else "the fa2 kernels" if slot.fa2 else "other kernels"
             raise ValueError(f"a rung captured for {kind} cannot replay this layout "
                              f"(q_lens {layout.q_lens.tolist()}, masks: {tree})")
         packed = layout.packed_query_masks() if tree else None
@@ -231,10 +235,10 @@ class FlashInferBackend(AttentionBackend):
         return wrapper.run(q, layer.data, out=out)
 
 
-def kernel_backend(kv_dtype: torch.dtype, several_uniform: bool = False) -> str:
-    """fa2 for FP8 caches (fa3 needs FP8 queries) and causal steps of several requests of one query count
-    (decodes, chain verifies), "auto" (fa3 on Hopper) otherwise."""
-    return "fa2" if kv_dtype == FP8_DTYPE or several_uniform else "auto"
+def kernel_backend(kv_dtype: torch.dtype, fa2: bool = False) -> str:
+    """fa2 for FP8 caches (fa3 needs FP8 queries) and the steps that run fa2 whatever the dtype
+    (`FlashInferBackend.fa2`), "auto" (fa3 on Hopper) otherwise."""
+    return "fa2" if kv_dtype == FP8_DTYPE or fa2 else "auto"
 
 
 def several_uniform(layout: BatchLayout) -> bool:

@@ -91,13 +91,9 @@ class SpeculativeDecoding:
         rows = LogprobRows.start(out.logits, targets, running, q)  # committed token j is the target's at row j
         transfer = StepTransfer(torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1), prefill,
                                 first_tokens)
-        # the next step's draft, queued now: the verified requests' and those whose prompts this step completed
         starting = prefill.starting if first_tokens is not None else []
         drafting = running + starting
-        ahead = self.draft_ahead and bool(self.policy.lengths) and self.drafter.propose_next(
-            drafting, torch.cat([bonus.long(), first_tokens.long()]) if starting else bonus,
-            torch.cat([accepted.long() + 1, torch.zeros_like(first_tokens, dtype=torch.long)]) if starting else accepted + 1,
-            [i * q for i in range(batch)] + [0] * len(starting), [q] * batch + [0] * len(starting))
+        ahead = self._queue_next_draft(running, starting, bonus, accepted, first_tokens, q)
         host = transfer.read()
         tokens = []
         for row, request, start in zip(host, running, starts):
@@ -113,3 +109,19 @@ class SpeculativeDecoding:
         else:  # request i's verify features start at row i * q
             self.drafter.extend(running, out.features, [i * q for i in range(batch)], [len(t) for t in tokens])
         return tokens
+
+    def _queue_next_draft(self, running: list[Request], starting: list[Request], bonus: torch.Tensor,
+                          accepted: torch.Tensor, first_tokens: torch.Tensor | None, q: int) -> bool:
+        """The next step's draft, queued before this step's tokens reach the host (`Drafter.propose_next`): for the
+        verified requests (anchor: the bonus; a + 1 context rows from row i * q of the verify's features) and those
+        whose prompts this step completed (anchor: the first token; no rows, their chunks' context is added).
+        Not with trees only (a tree step drafts its own candidates). True when queued."""
+        if not (self.draft_ahead and self.policy.lengths):
+            return False
+        anchors, counts = bonus, accepted + 1
+        if starting:
+            anchors = torch.cat([bonus.long(), first_tokens.long()])
+            counts = torch.cat([counts.long(), torch.zeros_like(first_tokens, dtype=torch.long)])
+        batch = len(running)
+        return self.drafter.propose_next(running + starting, anchors, counts, [i * q for i in range(batch)]
+                                         + [0] * len(starting), [q] * batch + [0] * len(starting))

@@ -112,6 +112,26 @@ def test_a_graph_rung_picks_its_kernel_by_its_size(backend_class):
         backend.plan_graph(slot, mixed, scratch_page=15)
 
 
+def test_a_backend_of_device_lengths_runs_fa2_for_every_step_eager_or_graphed(backend_class):
+    """The drafter's backend: its kernels read the KV lengths on the device, which only fa2's do; so a non-causal
+    draft of one request, eager or on a rung of one, runs fa2, and a rung replays whatever layout it is given."""
+    FlashInferBackend = backend_class  # noqa: N806
+
+    RecordingWrapper.instances = []
+    backend = FlashInferBackend(4, 2, 8, 8 ** -0.5, device=torch.device("cpu"), kv_dtypes=(torch.bfloat16,),
+                                q_dtype=torch.bfloat16, device_lengths=True)
+    draft = BatchLayout.for_tokens([4], [9], [[0, 1, 2]], 4, causal=False)
+    backend.plan(draft)
+    (planned,) = [w for w in RecordingWrapper.instances if w.plans]
+    assert planned.backend == "fa2"
+    RecordingWrapper.instances = []
+    slot = backend.graph_slot(1, 16, BatchLayout.dummy(1, 4, 4, 4, 15, causal=False))
+    (wrapper,) = RecordingWrapper.instances
+    backend.plan_graph(slot, draft, scratch_page=15)
+    backend.plan_graph(slot, BatchLayout.for_tokens([2], [5], [[0, 1]], 4, causal=True), scratch_page=15)
+    assert wrapper.backend == "fa2" and len(wrapper.plans) == 2
+
+
 def test_token_trees_plan_the_fa2_wrappers_with_their_packed_masks(backend_class):
     FlashInferBackend = backend_class  # noqa: N806
 
