@@ -14,7 +14,8 @@ no network at all (a network namespace with only a down loopback), sees every mo
 directory read-only, and every process it starts dies with it. Where namespaces are not available
 (some containers forbid them), the seccomp filter still refuses sockets, processes and signals to others,
 and Landlock writes outside the work directory; on a kernel without Landlock the audit hook alone refuses
-those writes, which holds for model-written code, not for code written to defeat it. `isolation()` says which applies; results.json records it.
+those writes, which holds for model-written code, not for code written to defeat it. `isolation()` says
+which applies; results.json records it.
 
 `run_tests` grades a function: the module runs in the sandbox and answers calls of it; the tests run
 here, so the verdict is this process's own observation. `run_program` runs a whole program (passed

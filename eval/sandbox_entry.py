@@ -11,9 +11,10 @@ directory, so it uses the standard library only. In order:
 2. Resource limits, soft and hard: CPU time, address space, file size, open files, processes (the
    kernel does not apply this one to root; the filter and the hook below cover that case), no core files.
    Then Landlock where the kernel has it (`confine_writes`): no change to the filesystem outside the work
-   directory and the null device. Then a seccomp filter (`forbid_dangerous_syscalls`): the kernel refuses new sockets, new programs and
-   processes (threads stay), signals to other processes, ptrace, mounts and namespaces, modules, keys, BPF,
-   perf and io_uring from here on, whatever the program does to the hook below.
+   directory and the null device. Then a seccomp filter (`forbid_dangerous_syscalls`): the kernel refuses
+   new sockets, new programs and processes (threads stay), signals to other processes, ptrace, mounts and
+   namespaces, modules, keys, BPF, perf and io_uring from here on, whatever the program does to the hook
+   below.
 3. An audit hook (PEP 578) refuses starting processes, sockets and name lookups, loading native code
    through ctypes, changing resource limits, and writing or removing files outside the work
    directory. Where the kernel could not isolate the program this hook is what stands between it and

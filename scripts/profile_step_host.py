@@ -5,7 +5,8 @@
 
 The model is `bench_steps.py`'s (random weights of the default target's shape, the shipped drafter) unless
 --model names one. For each system and batch: one warm-up generate, then one generate under cProfile; the
-report lists the functions with the most own time, in microseconds per decode step.
+report lists the functions with the most own (then cumulative) time over that generate, headed by its number
+of decode steps to divide by.
 """
 
 from __future__ import annotations
