@@ -40,7 +40,7 @@ from specdec.runtime.cuda_graphs import StaticInputs
 from specdec.runtime.model_runner import FixedStep, ModelRunner, TokenStep
 from specdec.runtime.piecewise_graphs import Cut
 
-DRAFT_STEP = "draft"  # the fixed-shape step (its graph ladder's key)
+DRAFT_STEP = "draft"  # the fixed-shape step; its graph ladders' keys are (DRAFT_STEP, drafts scored per request)
 CANDIDATES_STEP = "draft with candidates"  # the same step also giving each position's top k (token trees)
 CONTEXT_STEP = "context"  # prompt chunks' context K/V (any token count)
 
@@ -56,6 +56,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.tables: dict[int, PageTable] = {}
         self.pending: dict[int, tuple[int, int]] = {}  # request id -> (row in the verify features, count)
         self.queued: dict[int, int] = {}  # request id -> its row of `drafts_out` drafted ahead (`propose_next`)
+        self.queued_drafts = 0  # how many drafts per request the queued rows hold
         self.unsettled: dict[int, int] = {}  # request id -> its verified anchor's position, until `settle`
 
     # ---- setup -------------------------------------------------------------------------------
@@ -71,6 +72,9 @@ class DFlashDrafter(ModelRunner, Drafter):
         batch = context.max_batch
         self.inputs = StaticInputs({"anchors": batch, "starts": batch, "counts": batch, "rows": batch}, self.device)
         self.drafts_out = torch.zeros(batch, bs - 1, dtype=torch.long, device=self.device)
+        # the draft lengths steps ask for, each a step of its own: scoring a draft is a row of the output layer
+        # over the whole vocabulary, the largest part of a draft step under load
+        self.draft_lengths = tuple(sorted({n for n in context.draft_lengths if 1 <= n < bs} | {bs - 1}))
         k = context.candidates  # token trees: each position's top k (log-probabilities, tokens)
         self.candidates_out = (torch.zeros(batch, bs - 1, k, dtype=torch.float32, device=self.device),
                                torch.zeros(batch, bs - 1, k, dtype=torch.long, device=self.device)) if k else None
@@ -91,7 +95,8 @@ class DFlashDrafter(ModelRunner, Drafter):
         def dummy(batch: int, scratch: int) -> BatchLayout:
             return BatchLayout.dummy(batch, bs, bs, self.page_size, scratch, causal=False)
 
-        steps = [FixedStep(DRAFT_STEP, "draft", dummy, 2 * bs, self._draft_body)]
+        steps = [FixedStep((DRAFT_STEP, n), f"draft of {n}", dummy, 2 * bs,
+                           lambda batch, n=n: self._draft_body(batch, length=n)) for n in self.draft_lengths]
         if self.candidates_out is not None:  # only the steps that feed a token tree pay for the top k
             steps.append(FixedStep(CANDIDATES_STEP, CANDIDATES_STEP, dummy, 2 * bs,
                                    lambda batch: self._draft_body(batch, candidates=True),
@@ -101,8 +106,16 @@ class DFlashDrafter(ModelRunner, Drafter):
     def token_steps(self) -> list[TokenStep]:
         return [self.context_step] if self.attn.supports_graphs else []
 
-    def step_seconds(self, candidates: bool = False) -> dict[int, float]:
-        return self.replay_seconds(CANDIDATES_STEP if candidates else DRAFT_STEP)
+    def step_seconds(self, candidates: bool = False, length: int | None = None) -> dict[int, float]:
+        return self.replay_seconds(CANDIDATES_STEP if candidates else (DRAFT_STEP, self._length(length)))
+
+    def _length(self, length: int | None) -> int:
+        """The shortest draft step that scores at least `length` drafts (None: the whole block)."""
+        return next((n for n in self.draft_lengths if length is not None and n >= length), self.block_size - 1)
+
+    @property
+    def queued_length(self) -> int | None:
+        return self.queued_drafts if self.queued else None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -171,24 +184,28 @@ class DFlashDrafter(ModelRunner, Drafter):
             state.pop(request.request_id, None)
 
     # ---- drafting ----------------------------------------------------------------------------
-    def propose(self, requests: list[DraftRequest]) -> torch.Tensor:
-        """One draft step for the batch: draft tokens [B, bs-1] (valid until the next step). Requests drafted
-        ahead (`propose_next`) take those drafts; the others are drafted now."""
+    def propose(self, requests: list[DraftRequest], length: int | None = None) -> torch.Tensor:
+        """One draft step for the batch: draft tokens [B, bs-1] of which the first `length` are scored (valid until
+        the next step). Requests drafted ahead (`propose_next`) take those drafts if they are as long; the others
+        are drafted now."""
+        length = self._length(length)
         queued, self.queued = self.queued, {}
+        if self.queued_drafts < length:  # too short for this step: drafted again (their context is written)
+            queued = {}
         rows = [queued.get(r.request_id) for r in requests]
         batch = len(requests)
         if rows == list(range(batch)):  # the batch drafted ahead, in order
             return self.drafts_out[:batch]
         ahead = [i for i, row in enumerate(rows) if row is not None]
         if not ahead:
-            self._step(requests, eager=False)
+            self._step(requests, eager=False, length=length)
             return self.drafts_out[:batch]
         fresh = [i for i, row in enumerate(rows) if row is None]
         index = upload(np.array(ahead + [rows[i] for i in ahead] + fresh, dtype=np.int64), self.device)
         drafts = torch.empty(batch, self.block_size - 1, dtype=torch.long, device=self.device)
         drafts[index[:len(ahead)]] = self.drafts_out[index[len(ahead):2 * len(ahead)]]  # before a draft rewrites them
         if fresh:
-            self._step([requests[i] for i in fresh], eager=False)
+            self._step([requests[i] for i in fresh], eager=False, length=length)
             drafts[index[2 * len(ahead):]] = self.drafts_out[:len(fresh)]
         return drafts
 
@@ -206,15 +223,15 @@ class DFlashDrafter(ModelRunner, Drafter):
 
     @torch.no_grad()
     def propose_next(self, requests: list[DraftRequest], anchors: torch.Tensor, counts: torch.Tensor,
-                     rows: list[int], most: list[int]) -> bool:
-        bs, batch = self.block_size, len(requests)
+                     rows: list[int], most: list[int], length: int | None = None) -> bool:
+        bs, batch, length = self.block_size, len(requests), self._length(length)
         if any(r.request_id in self.pending or r.request_id not in self.tables for r in requests):
             return False  # a context not yet written up to the request's position (a step not drafted by `propose`)
         tables = [self.tables[r.request_id] for r in requests]
         starts = np.array([t.length for t in tables], dtype=np.int64)  # each request's last written position + 1
         # positions each request commits: planned for the most when the step replays a graph that reads its real
         # lengths on the device; read back when it runs eagerly on the CPU (where reading back costs nothing)
-        upper = self.attn.plans_upper_bounds and self.replays(DRAFT_STEP, batch)
+        upper = self.attn.plans_upper_bounds and self.replays((DRAFT_STEP, length), batch)
         if not upper and self.device.type == "cuda":
             return False  # reading the counts back would be a second wait for the GPU in the step
         planned = np.asarray(most, dtype=np.int64) if upper else counts[:batch].cpu().numpy().astype(np.int64)
@@ -236,8 +253,10 @@ class DFlashDrafter(ModelRunner, Drafter):
             self.inputs["starts"][:batch].add_(committed)
             self.inputs["anchors"][:batch].copy_(anchors[:batch])
 
-        self.dispatch(DRAFT_STEP, batch, layout, self.inputs, self._draft_body, after_upload=results_into_inputs)
+        self.dispatch((DRAFT_STEP, length), batch, layout, self.inputs,
+                      lambda size: self._draft_body(size, length=length), after_upload=results_into_inputs)
         self.queued = {r.request_id: i for i, r in enumerate(requests)}
+        self.queued_drafts = length
         self.unsettled = {r.request_id: int(start) for r, start in zip(requests, starts)}
         return True
 
@@ -248,7 +267,10 @@ class DFlashDrafter(ModelRunner, Drafter):
                 self.tables[request.request_id].truncate(start + count)
 
     @torch.no_grad()
-    def _step(self, requests: list[DraftRequest], eager: bool, candidates: bool = False) -> torch.Tensor | None:
+    def _step(self, requests: list[DraftRequest], eager: bool, candidates: bool = False,
+              length: int | None = None) -> torch.Tensor | None:
+        """One draft step of `requests` scoring `length` drafts each (the whole block with candidates); returns the
+        logits when it runs eagerly."""
         bs, batch = self.block_size, len(requests)
         tables = [self.tables[r.request_id] for r in requests]
         pending = [self.pending.pop(r.request_id, (0, 0)) for r in requests]
@@ -263,15 +285,17 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.inputs.fill("starts", starts)
         self.inputs.fill("counts", counts)
         self.inputs.fill("rows", [p[0] for p in pending])
-        logits = self.dispatch(CANDIDATES_STEP if candidates else DRAFT_STEP, batch, layout, self.inputs,
-                               lambda size: self._draft_body(size, candidates), eager=eager)
+        length = self._length(None if candidates else length)
+        logits = self.dispatch(CANDIDATES_STEP if candidates else (DRAFT_STEP, length), batch, layout, self.inputs,
+                               lambda size: self._draft_body(size, candidates, length), eager=eager)
         for table, start in zip(tables, starts.tolist()):
             table.truncate(start)  # release the block's scratch slots; the context stays
         return logits
 
-    def _draft_body(self, batch: int, candidates: bool = False) -> torch.Tensor:
-        """The fixed-shape draft step: static inputs and planned page metadata -> `drafts_out[:batch]` (and
-        with `candidates`, each position's top k -> `candidates_out`)."""
+    def _draft_body(self, batch: int, candidates: bool = False, length: int | None = None) -> torch.Tensor:
+        """The fixed-shape draft step: static inputs and planned page metadata -> the first `length` drafts of each
+        request in `drafts_out[:batch]` (None: all bs - 1; the block runs whole, only those drafts are scored), and
+        with `candidates` (the whole block), each position's top k -> `candidates_out`."""
         bs, inputs, m = self.block_size, self.inputs, self.model
         j = self.arange[:bs]
         self.attn.use_device_lengths(inputs["starts"][:batch] + bs)  # a step planned for upper bounds (`propose_next`)
@@ -296,9 +320,10 @@ class DFlashDrafter(ModelRunner, Drafter):
             context = torch.zeros(batch * bs, m.fc.in_features, dtype=m.fc.weight.dtype, device=self.device)
         block_ids = torch.where(j == 0, inputs["anchors"][:batch, None], self.mask_token_id)
         hidden = self._forward(context, block_ids.flatten(), ctx_pos.flatten(), blk_pos.flatten())
-        hidden = hidden.view(batch, bs, -1)[:, 1:].reshape(batch * (bs - 1), -1)
-        logits = m.block_logits(hidden, self.context.lm_head).view(batch, bs - 1, -1)
-        torch.argmax(logits, dim=-1, out=self.drafts_out[:batch])
+        n = bs - 1 if length is None else length
+        hidden = hidden.view(batch, bs, -1)[:, 1:n + 1].reshape(batch * n, -1)
+        logits = m.block_logits(hidden, self.context.lm_head).view(batch, n, -1)
+        self.drafts_out[:batch, :n] = logits.argmax(dim=-1)
         if candidates:  # the top k of each position, as log-probabilities
             logprobs, tokens = self.candidates_out
             top, index = logits.topk(logprobs.shape[-1], dim=-1)

@@ -51,7 +51,7 @@ class ScriptedDrafter(Drafter):
     def release(self, request):
         self.live.discard(request.request_id)
 
-    def propose(self, requests):
+    def propose(self, requests, length=None):
         return self._scripted(requests)[1]
 
     def _scripted(self, requests) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,6 +50,9 @@ class DraftContext:
     # the largest batch whose steps with candidates are worth CUDA graphs (0: every batch)
     candidates: int = 0
     candidates_max_batch: int = 0
+    # how many drafts a chain step may verify (q - 1 for each chain length q of the verify policy): a drafter
+    # may score only those (empty: the whole block's)
+    draft_lengths: tuple[int, ...] = ()
 
 
 class Drafter(ABC):
@@ -78,10 +81,10 @@ class Drafter(ABC):
         """Capture CUDA graphs of the draft step into `pool`; returns seconds (0 without graphs)."""
         return 0.0
 
-    def step_seconds(self, candidates: bool = False) -> dict[int, float]:
-        """GPU seconds of one draft step (with candidates: one of `propose_candidates`) at each CUDA-graph
-        batch size, measured after capture (empty when not measured: the verify policy then counts only the
-        target's verify)."""
+    def step_seconds(self, candidates: bool = False, length: int | None = None) -> dict[int, float]:
+        """GPU seconds of one draft step of `length` drafts per request (None: the whole block; with candidates:
+        one of `propose_candidates`) at each CUDA-graph batch size, measured after capture (empty when not
+        measured: the verify policy then counts only the target's verify)."""
         return {}
 
     @abstractmethod
@@ -91,8 +94,9 @@ class Drafter(ABC):
         0). `features` are rows of the buffer given at attach (`DraftContext.features`)."""
 
     @abstractmethod
-    def propose(self, requests: list[DraftRequest]) -> torch.Tensor:
-        """Draft tokens [len(requests), block_size - 1] following each request's pending token."""
+    def propose(self, requests: list[DraftRequest], length: int | None = None) -> torch.Tensor:
+        """Draft tokens [len(requests), n] following each request's pending token: at least the first `length` of
+        the block's block_size - 1 (None: all of them; a drafter may score only those asked for)."""
 
     def propose_candidates(self, requests: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each block position's `DraftContext.candidates` most likely drafts following each request's
@@ -103,14 +107,21 @@ class Drafter(ABC):
                                   "a drafter with candidates (DFlash)")
 
     def propose_next(self, requests: list[DraftRequest], anchors: torch.Tensor, counts: torch.Tensor,
-                     rows: list[int], most: list[int]) -> bool:
+                     rows: list[int], most: list[int], length: int | None = None) -> bool:
         """Queue the next step's draft right after a step's forward, before its results reach the host, so that
         the GPU drafts while the host commits. On the device: request i's next anchor anchors[i], after it commits
         counts[i] positions (a verified request: its anchor and accepted drafts, whose features are the rows
         rows[i] ..; one whose prompt the step completed: 0), at most most[i]. True when queued: the caller then
         calls `settle` (not `extend`) once the counts are on the host, and the next `propose` of these requests
-        gives the queued drafts. False (the default): nothing was queued."""
+        gives the queued drafts, at least `length` of each (`queued_length`). False (the default): nothing was
+        queued."""
         return False
+
+    @property
+    def queued_length(self) -> int | None:
+        """How many drafts per request the draft queued by `propose_next` holds (None: none queued, or a drafter
+        that scores every draft): a step that takes them verifies at most that many."""
+        return None
 
     def settle(self, requests: list[DraftRequest], counts: list[int]) -> None:
         """After `propose_next`: request i committed counts[i] positions."""

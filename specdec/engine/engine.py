@@ -112,7 +112,8 @@ class Engine:
                                         self.model.lm_head, config.calibrate_fp8_scales, self.runner.features_out,
                                         CANDIDATES_PER_POSITION if trees else 0,
                                         # auto runs trees where they can pay: small batches
-                                        TREE_GRAPH_MAX_BATCH if config.verify == "auto" else 0))
+                                        TREE_GRAPH_MAX_BATCH if config.verify == "auto" else 0,
+                                        tuple(q - 1 for q in chain_lengths)))
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                            and self.runner.attn.supports_graphs)
         # the graphs' memory pool is counted before the KV pool takes what is left
@@ -167,12 +168,12 @@ class Engine:
         self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         policy = getattr(self.decoding, "policy", None)
         if policy is not None and len(policy.options) > 1:  # what each option costs on this GPU
-            draft = self.drafter.step_seconds()
+            draft = {q: self.drafter.step_seconds(length=q - 1) for q in policy.lengths}
             verify = {q: self.runner.replay_seconds(q) for q in policy.lengths}
-            if policy.tree:  # a tree step: its verify, its drafting with candidates, building and acceptance
-                tree, drafting = self.decoding.tree, self.drafter.step_seconds(candidates=True)
-                verify[TREE] = {rung: seconds + tree.overhead_seconds(rung) + drafting.get(rung, 0.0)
-                                      - draft.get(rung, 0.0)
+            if policy.tree:  # a tree step: its drafting with candidates; its verify, building and acceptance
+                tree = self.decoding.tree
+                draft[TREE] = self.drafter.step_seconds(candidates=True)
+                verify[TREE] = {rung: seconds + tree.overhead_seconds(rung)
                                 for rung, seconds in self.runner.replay_seconds(TREE_STEP).items()}
             policy.costs = StepCosts(draft, verify)
         log.info("captured CUDA graphs for batch sizes %s in %.1f s (%.0f MiB; %.0f MiB reserved)",

@@ -1,8 +1,9 @@
 """The speculative decode phase: draft, verify, accept, roll back, for the whole running batch.
 
-    drafts  = drafter.propose(batch)                  # [B, bs-1], one drafter forward
     q       = policy.choose(B)                        # verify the anchor and the first q-1 drafts (q <= bs),
                                                       # or a token tree (tree_speculator.py)
+    drafts  = drafter.propose(batch, q - 1)           # [B, q-1], one drafter forward (the whole block runs,
+                                                      # only the drafts to verify are scored)
     verify  = target([anchor, drafts[:q-1]...])       # one causal forward, q queries each (CUDA graphs)
     a, bonus = accept(drafts[:q-1], target tokens)    # greedy argmax or the target's samples
     tokens  = drafts[:a] + [bonus]; target cache -> start + a + 1 (whole tail pages back to the pool);
@@ -11,7 +12,8 @@
 One device-to-host transfer per step (drafts, a and bonus together); a step with a grammar (structured
 output) adds one, of the drafts, which its masks walk on the host while the verify runs. With `draft_ahead`
 the next step's draft is queued right after the transfer (from the acceptance on the device, see
-`Drafter.propose_next`), so the GPU drafts while the host reads and commits. The engine commits the tokens;
+`Drafter.propose_next`), so the GPU drafts while the host reads and commits; its length is the policy's choice
+for the next step's batch then, and that step verifies no more drafts than it holds. The engine commits the tokens;
 one it cuts short (EOS, a stop, max_new_tokens) finishes the request, which then gives back its
 target pages and drafter state, so the rollback and the drafter's context need not wait for it.
 """
@@ -77,9 +79,12 @@ class SpeculativeDecoding:
             # what the whole chain would have had accepted: its running acceptance stays current while trees run
             self.policy.observe(self.tree.chain_accepted, self.policy.block_size)
             return tokens
+        queued = self.drafter.queued_length  # a draft queued ahead, chosen for the batch of its time
+        if queued is not None:
+            q = min(q, queued + 1)
         self.verify_length = q
         starts = [r.num_cached for r in running]
-        drafts = self.drafter.propose(running)[:, :q - 1]  # [B, q-1] on the device
+        drafts = self.drafter.propose(running, q - 1)[:, :q - 1]  # [B, q-1] on the device
         # grammars walk the drafts on the host: their copy is queued before the verify, which runs while the
         # masks are computed
         drafts_host = HostCopy(drafts) if any(r.matcher is not None for r in running) else None
@@ -118,10 +123,11 @@ class SpeculativeDecoding:
         Not with trees only (a tree step drafts its own candidates). True when queued."""
         if not (self.draft_ahead and self.policy.lengths):
             return False
+        length = self.policy.choose(len(running) + len(starting), trees=False) - 1  # the next step's, as now seen
         anchors, counts = bonus, accepted + 1
         if starting:
             anchors = torch.cat([bonus.long(), first_tokens.long()])
             counts = torch.cat([counts.long(), torch.zeros_like(first_tokens, dtype=torch.long)])
         batch = len(running)
         return self.drafter.propose_next(running + starting, anchors, counts, [i * q for i in range(batch)]
-                                         + [0] * len(starting), [q] * batch + [0] * len(starting))
+                                         + [0] * len(starting), [q] * batch + [0] * len(starting), length)

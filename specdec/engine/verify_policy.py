@@ -5,12 +5,14 @@
     policy.observe(accepted, q)            # how many drafts each request had accepted (a chain step)
     policy.observe_tree(accepted, nodes)   # the same for a tree step of `nodes` draft nodes per request
 
-The drafter proposes a whole block either way (one forward); verifying fewer drafts saves target work
-that grows with the batch, and a tree of more nodes accepts more than the chain at a verify cost that
+The drafter runs the whole block either way (one forward) but scores only the drafts the step verifies (its
+output layer over the vocabulary grows with the batch like the target's); verifying fewer drafts saves target
+work that grows with the batch, and a tree of more nodes accepts more than the chain at a verify cost that
 barely grows while the batch is small. At batch 1 a verify of 64 tokens costs about what one of 16 does
 (the step reads the weights once), so a large tree wins there; under load the drafts deep in the chain,
 rarely accepted, cost as much target compute as the first ones, so short chains win. Per step the policy
-picks the option that maximizes expected committed tokens per second: E / (draft(b) + verify(b)).
+picks the option that maximizes expected committed tokens per second: E / (draft(b) + verify(b)), both
+measured for that option (a chain's draft scores its q - 1 drafts; a tree's drafts with candidates).
 For a chain of q, E(q) = 1 + sum over j < q of P(drafts 1..j all accepted), from running per-position
 acceptance, counted only where it was observed (a step that verified q - 1 drafts says nothing of
 position q onwards). For a tree, E is the running mean of committed tokens of tree steps of that node
@@ -53,17 +55,17 @@ def verify_lengths(block_size: int, policy: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Seconds of one step at each captured batch size (a CUDA-graph rung): the draft step, and the verify
-    of each chain length. A batch runs as the smallest rung that holds it."""
+    """Seconds of one step at each captured batch size (a CUDA-graph rung), by option (a chain length q, or
+    TREE): its draft step and its verify. A batch runs as the smallest rung that holds it."""
 
-    draft: dict[int, float]  # rung -> seconds (empty: a drafter without a measured step)
-    verify: dict[int, dict[int, float]]  # q (or TREE) -> {rung: seconds}
+    draft: dict[int, dict[int, float]]  # option -> {rung: seconds} (an option missing: a drafter not measured)
+    verify: dict[int, dict[int, float]]  # option -> {rung: seconds}
 
-    def at(self, batch: int) -> tuple[float, dict[int, float]] | None:
-        """(draft seconds, {option: verify seconds}) for a step of `batch` requests, each at the smallest of
-        its measured rungs that holds the batch; options measured at none are left out (trees above the
-        batches they are measured for). None when no chain length is measured there (above the ladder: an
-        eager step, not measured)."""
+    def at(self, batch: int) -> dict[int, float] | None:
+        """{option: seconds of a whole step} for a step of `batch` requests, each part at the smallest of its
+        measured rungs that holds the batch; options whose verify is measured at none are left out (trees
+        above the batches they are measured for). None when no chain length is measured there (above the
+        ladder: an eager step, not measured)."""
         def at_rung(by_rung: dict[int, float]) -> float | None:
             rung = next((r for r in sorted(by_rung) if r >= batch), None)
             return None if rung is None else by_rung[rung]
@@ -71,7 +73,7 @@ class StepCosts:
         verify = {q: seconds for q, by_rung in self.verify.items() if (seconds := at_rung(by_rung)) is not None}
         if not any(q != TREE for q in verify):
             return None
-        return at_rung(self.draft) or 0.0, verify
+        return {q: seconds + (at_rung(self.draft.get(q, {})) or 0.0) for q, seconds in verify.items()}
 
 
 class VerifyPolicy:
@@ -98,17 +100,16 @@ class VerifyPolicy:
         """The chain length (tokens per request, anchor included), or TREE, for a step of `batch` requests;
         a tree step would verify `tree_nodes` draft nodes per request (`trees` False: chains only)."""
         options = [o for o in self.options if trees or o != TREE]
-        costs = self.costs.at(batch) if self.costs is not None and len(options) > 1 else None
-        if costs is None:
+        seconds = self.costs.at(batch) if self.costs is not None and len(options) > 1 else None
+        if seconds is None:
             return self.block_size if self.lengths or not trees else TREE
-        draft, verify = costs
         expected = self.expected_tokens()
 
         def rate(option: int) -> float:
             tokens = self.expected_tree_tokens(tree_nodes) if option == TREE else expected[option - 1]
-            return tokens / (draft + verify[option])
+            return tokens / seconds[option]
 
-        return max((o for o in options if o in verify), key=lambda option: (rate(option), option))
+        return max((o for o in options if o in seconds), key=lambda option: (rate(option), option))
 
     def expected_tree_tokens(self, nodes: int) -> float:
         """Expected committed tokens per request of a tree step with `nodes` draft nodes."""

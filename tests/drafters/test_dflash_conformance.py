@@ -114,7 +114,7 @@ def test_block_logits_match_reference(setup, reference):
     scripted = ScriptedDrafter(hf_cont, BLOCK, VOCAB, error_rate=0.3, seed=1)
     scripted.attach(engine)
     real_propose = drafter.propose
-    drafter.propose = lambda reqs: (real_propose(reqs), scripted.propose(reqs))[1]  # keep the cache in step
+    drafter.propose = lambda reqs, length=None: (real_propose(reqs), scripted.propose(reqs))[1]  # cache in step
     for _ in range(3):
         engine._decode(requests, lambda r, t: None)
     drafter.propose = real_propose

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from specdec.engine.sampling_params import SamplingParams
-from specdec.engine.verify_policy import TREE
+from specdec.engine.verify_policy import TREE, StepCosts
 from tests.conftest import VOCAB, build_tiny_model
 from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, failing_at, spec_engine
 
@@ -33,17 +33,17 @@ def count_ahead(engine) -> dict:
     drafter = engine.drafter
     propose_next, propose = drafter.propose_next, drafter.propose
 
-    def queue(requests, anchors, committed, rows, most):
-        queued = propose_next(requests, anchors, committed, rows, most)
+    def queue(requests, anchors, committed, rows, most, length=None):
+        queued = propose_next(requests, anchors, committed, rows, most, length)
         counts["queued"] += queued
         counts["starters"] += queued * most.count(0)  # requests whose prompts the step completed
         return queued
 
-    def take(requests):
+    def take(requests, length=None):
         ahead = sum(r.request_id in drafter.queued for r in requests)
         kind = "wholly" if ahead == len(requests) else "partly" if ahead else "none"
         counts[kind] = counts.get(kind, 0) + 1
-        return propose(requests)
+        return propose(requests, length)
 
     drafter.propose_next, drafter.propose = queue, take
     return counts
@@ -117,11 +117,47 @@ def test_a_step_that_runs_a_token_tree_drafts_again(target_dir, tmp_path):
     plain = spec_engine(target_dir, None, eos=(2, 9)).generate_ids(MANY_PROMPTS, SamplingParams(max_new_tokens=20))
     engine = engine_for(target_dir, tmp_path, True, verify="auto", max_num_seqs=8)
     rng = random.Random(0)
-    engine.decoding.policy.choose = lambda batch, nodes, trees=True: rng.choice([TREE, 4] if trees else [4])
+    engine.decoding.policy.choose = lambda batch, nodes=0, trees=True: rng.choice([TREE, 4] if trees else [4])
     counts = count_ahead(engine)
     requests = engine.generate_ids(MANY_PROMPTS, SamplingParams(max_new_tokens=20))
     assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
     assert counts["queued"] > 0
+    assert_no_leak(engine)
+
+
+def test_a_queued_draft_scores_the_drafts_the_policy_picks_for_the_next_step(target_dir, tmp_path):
+    """auto with costs that verify 2 tokens a request at 3 or more requests and the whole block (4) below, and
+    requests that end one after another: each queued draft scores as many drafts as the policy picks for the batch
+    it drafts (1 or 3), a step that takes queued drafts verifies no more than they hold, and outputs equal plain
+    decoding's."""
+    def run(engine):
+        requests = [engine.make_request(prompt, SamplingParams(max_new_tokens=6 + 5 * i))
+                    for i, prompt in enumerate(MANY_PROMPTS)]
+        engine.run(requests)
+        return [r.output_ids for r in requests]
+
+    plain = run(spec_engine(target_dir, None, eos=(2, 9)))
+    engine = engine_for(target_dir, tmp_path, True, verify="auto", max_num_seqs=4)
+    rungs = (1, 2, 3, 4)
+    engine.decoding.policy.costs = StepCosts(draft={}, verify={2: dict.fromkeys(rungs, 1.0),
+                                                               4: {r: 1.0 if r < 3 else 100.0 for r in rungs}})
+    drafter, queued, taken = engine.drafter, [], []
+    propose_next, propose = drafter.propose_next, drafter.propose
+
+    def queue(requests, anchors, committed, rows, most, length=None):
+        queued.append((len(requests), length))
+        return propose_next(requests, anchors, committed, rows, most, length)
+
+    def take(requests, length=None):
+        taken.append((length, drafter.queued_length))
+        return propose(requests, length)
+
+    drafter.propose_next, drafter.propose = queue, take
+    assert run(engine) == plain
+    assert {length for _, length in queued} == {1, 3}
+    assert all(length == (1 if batch >= 3 else 3) for batch, length in queued)
+    assert all(held is None or length <= held for length, held in taken)
+    assert (3, 3) in taken  # the tail's steps took whole-block drafts queued for them
     assert_no_leak(engine)
 
 

@@ -33,7 +33,7 @@ def test_expected_tokens_follow_the_per_position_rates():
 
 
 def test_the_whole_chain_where_verifying_more_costs_little_and_a_short_one_where_it_costs_much():
-    costs = StepCosts(draft={1: 1e-3, 64: 2e-3},
+    costs = StepCosts(draft=dict.fromkeys((4, 8, 16), {1: 1e-3, 64: 2e-3}),
                       verify={4: {1: 2.0e-3, 64: 4e-3}, 8: {1: 2.0e-3, 64: 6e-3}, 16: {1: 2.0e-3, 64: 9e-3}})
     policy = VerifyPolicy(16, (4, 8, 16), costs)
     rates = np.array([0.86, 0.81, 0.79, 0.76, 0.69, 0.61, 0.5, 0.5, 0.5, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3])
@@ -44,11 +44,24 @@ def test_the_whole_chain_where_verifying_more_costs_little_and_a_short_one_where
     assert VerifyPolicy(16, (4, 8, 16)).choose(40) == 16  # nothing measured (no graphs): the whole chain
 
 
+def test_each_option_counts_its_own_draft_step():
+    """A chain's draft step scores only the drafts it verifies: where scoring all 15 costs 3x scoring 3, the short
+    chain's cheaper draft decides; with one draft cost for all, the whole chain wins."""
+    verify = {4: {64: 4e-3}, 16: {64: 4.2e-3}}
+    policy = VerifyPolicy(16, (4, 16), StepCosts(draft={4: {64: 1e-3}, 16: {64: 3e-3}}, verify=verify))
+    rates = np.array([0.86, 0.70, 0.55, 0.42, 0.29, 0.18, 0.11, 0.06, 0.03, 0.01, 0.01, 0, 0, 0, 0])
+    policy.accepted[:], policy.seen[:] = rates * 100, 100
+    assert policy.costs.at(64) == pytest.approx({4: 5e-3, 16: 7.2e-3})
+    assert policy.choose(64) == 4  # 2.79 tokens in 5 ms against 2.98 in 7.2 ms
+    policy.costs = StepCosts(draft=dict.fromkeys((4, 16), {64: 1e-3}), verify=verify)
+    assert policy.choose(64) == 16  # 2.79 tokens in 5 ms against 2.98 in 5.2 ms
+
+
 def test_trees_where_they_pay_and_only_where_they_are_measured():
     """A tree costs more than the chain but accepts more: chosen at batch 1, not at 8 where its cost
     grows; above its measured rungs it is never chosen. Before any tree step its expected tokens are
     the chain's times a gain for its size; then its own running mean."""
-    costs = StepCosts(draft={1: 1e-3, 8: 1e-3, 64: 2e-3},
+    costs = StepCosts(draft=dict.fromkeys((4, 16, TREE), {1: 1e-3, 8: 1e-3, 64: 2e-3}),
                       verify={4: {1: 2e-3, 8: 2e-3, 64: 4e-3}, 16: {1: 2e-3, 8: 3e-3, 64: 9e-3},
                               TREE: {1: 2.2e-3, 8: 9e-3}})
     policy = VerifyPolicy(16, (4, 16), costs, tree=True)
@@ -118,7 +131,7 @@ def test_steps_verifying_fewer_drafts_equal_autoregressive_decoding(target_dir, 
 
 def test_the_drafter_reads_each_requests_features_after_a_short_verify(target_dir, tmp_path):
     """Request i's verify features start at row i * q: after a step verifying 2 tokens per request, a
-    request that committed what it would have with the whole block gets the same drafts (its drafter
+    request that committed what it would have with the whole block gets the same first draft (its drafter
     context holds the same positions' features), whatever its row in the batch."""
     prompts = MANY_PROMPTS[:3]
     drafts = {}
@@ -126,7 +139,12 @@ def test_the_drafter_reads_each_requests_features_after_a_short_verify(target_di
         engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), verify="auto", max_num_seqs=4)
         lengths_by_batch(engine, short_from)
         proposals, propose = [], engine.drafter.propose
-        engine.drafter.propose = lambda requests, p=proposals, f=propose: p.append(f(requests).clone()) or p[-1]
+
+        def recording(requests, n=None, p=proposals, f=propose):
+            p.append(f(requests, n)[:, :n].clone())  # the drafts the step verifies
+            return p[-1]
+
+        engine.drafter.propose = recording
         requests = [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
         while len(proposals) < 2:
             engine.step()
@@ -135,5 +153,6 @@ def test_the_drafter_reads_each_requests_features_after_a_short_verify(target_di
     # requests that committed as many tokens in both runs (the same ones: greedy) have the same context
     same = [i for i in range(3) if counts_block[i] == counts_short[i]]
     assert len(same) >= 2, (counts_block, counts_short)
-    for i in same:
-        assert block[i].tolist() == short[i].tolist(), i
+    assert short.shape[1] == 1 and block.shape[1] == 3  # a step scores only the drafts it verifies
+    for i in same:  # the first draft, scored by both
+        assert block[i, :1].tolist() == short[i].tolist(), i
