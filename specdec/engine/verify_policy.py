@@ -1,6 +1,6 @@
 """What a speculative step verifies: the whole chain, a shorter one, or a token tree, whichever pays.
 
-    policy = VerifyPolicy(block_size, lengths=(16, 8, 4), tree=True, costs=StepCosts(...))   # costs: None = chain
+    policy = VerifyPolicy(block_size, lengths=(16, 8, 4, 2), tree=True, costs=StepCosts(...))   # costs: None = chain
     q = policy.choose(batch, tree_nodes)   # q tokens per request (the anchor and the first q - 1 drafts), or TREE
     policy.observe(accepted, q)            # how many drafts each request had accepted (a chain step)
     policy.observe_tree(accepted, nodes)   # the same for a tree step of `nodes` draft nodes per request
@@ -44,13 +44,14 @@ TREE = 0  # the choice "verify a token tree" (chain choices are their token coun
 
 
 def verify_lengths(block_size: int, policy: str) -> tuple[int, ...]:
-    """The chain lengths a speculative step may verify: the block ("chain"), also half and a quarter of it
-    ("auto"; each length has CUDA graphs of its own), none ("tree": trees only)."""
+    """The chain lengths a speculative step may verify: the block ("chain"), also a half, a quarter and an eighth of
+    it, down to the anchor and one draft ("auto"; each length has CUDA graphs of its own: under heavy load the
+    first draft alone, accepted most often, may pay where more do not), none ("tree": trees only)."""
     if policy == "tree":
         return ()
     if policy == "chain":
         return (block_size,)
-    return tuple(sorted({block_size} | {q for q in (block_size // 2, block_size // 4) if q >= 2}))
+    return tuple(sorted({block_size} | {q for q in (block_size // 2, block_size // 4, block_size // 8) if q >= 2}))
 
 
 @dataclass(frozen=True)
