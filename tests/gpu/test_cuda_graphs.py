@@ -194,6 +194,32 @@ def test_drafting_ahead_equals_drafting_in_order(model_dirs, kv):
     assert ahead.pool.num_free == ahead.pool.num_pages and ahead.drafter.pool.num_free == ahead.drafter.pool.num_pages
 
 
+def test_each_draft_lengths_graph_scores_the_eager_drafts(model_dirs):
+    """verify="auto" captures a draft graph per chain length (only the drafts a step verifies are scored): each
+    replayed at batch 1 and 5 gives the argmax of the eager step's logits at those positions (near-ties aside),
+    over the same context."""
+    from drafters.dflash import DRAFT_STEP
+
+    engine = make_engine(model_dirs, True, "auto", False, verify="auto")
+    drafter = engine.drafter
+    assert drafter.draft_lengths == tuple(q - 1 for q in engine.decoding.policy.lengths)
+    params = SamplingParams(max_new_tokens=10 * NEW_TOKENS, ignore_eos=True)  # none finishes in three steps
+    for batch in (1, 5):
+        requests = [engine.add_request(ids, params) for ids in prompts(batch)]
+        for _ in range(3):  # the prompts, then two speculative steps: the drafter's context has verify rows
+            engine.step()
+        for n in drafter.draft_lengths:
+            assert drafter.replays((DRAFT_STEP, n), batch)
+            drafts = drafter.propose(requests, n)[:, :n].clone()
+            logits = drafter.draft_logits(requests)[:, :n].float()  # eager, the whole block, the same context
+            gap = logits.max(dim=-1).values - logits.gather(-1, drafts[..., None]).squeeze(-1)
+            assert (gap <= NEAR_TIE).all(), (batch, n, gap.max().item())
+        for request in requests:
+            engine.abort(request.request_id)
+        assert engine.pool.num_free == engine.pool.num_pages
+        assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
+
+
 @pytest.mark.parametrize("drafter", [False, True], ids=["ar", "dflash"])
 def test_graph_memory_is_counted_before_the_pool_is_sized(model_dirs, drafter):
     gc.collect()  # engines of earlier tests give their memory back first
