@@ -113,12 +113,13 @@ def test_short_verifies_are_exact_at_batch_one(drafter_dir):
     common = dict(device="cuda", num_kv_pages=2048, attention_backend="flashinfer")
     ar_llm, spec_llm = LLM(MODEL, **common), LLM(MODEL, drafter=drafter_dir, verify="auto", **common)
     policy = spec_llm.engine.decoding.policy
-    assert policy.options == (4, 8, 16, TREE) and set(policy.costs.verify) == {4, 8, 16, TREE}
-    assert all(s > 0 for by_rung in policy.costs.verify.values() for s in by_rung.values())
-    assert all(s > 0 for s in policy.costs.draft.values()) and policy.costs.draft
+    assert policy.options == (2, 4, 8, 16, TREE) and set(policy.costs.verify) == {2, 4, 8, 16, TREE}
+    assert set(policy.costs.draft) == {2, 4, 8, 16, TREE}
+    for costs in (policy.costs.verify, policy.costs.draft):
+        assert all(s > 0 for by_rung in costs.values() for s in by_rung.values())
     rungs = policy.costs.verify[16]
-    policy.costs = StepCosts({}, {4: dict.fromkeys(rungs, 1.0), 8: dict.fromkeys(rungs, 9.0),
-                                  16: dict.fromkeys(rungs, 9.0), TREE: dict.fromkeys(rungs, 9.0)})
+    slow = dict.fromkeys(rungs, 9.0)
+    policy.costs = StepCosts({}, {2: slow, 4: dict.fromkeys(rungs, 1.0), 8: slow, 16: slow, TREE: slow})
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     for prompt in PROMPTS[:BATCH_ONE_PROMPTS]:
         want = ar_llm.generate([prompt], params, chat=True)[0].token_ids
