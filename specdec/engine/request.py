@@ -146,10 +146,34 @@ class Request:
 
     def commit_many(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> int:
         """Commit tokens in order until one finishes the request; returns how many were taken."""
+        if self.matcher is None and self.output_logprobs is None and self.detokenizer is None and not self.params.stop:
+            return self._commit_ids(tokens)
         for n, token in enumerate(tokens, start=1):
             if self.commit(token, logprobs[n - 1] if logprobs is not None else None):
                 return n
         return len(tokens)
+
+    def _commit_ids(self, tokens: list[int]) -> int:
+        """`commit` of each token in turn, at once, for a request whose tokens need nothing but their ids (no
+        grammar, logprobs, text or stop strings): the same tokens taken, the same finish. A speculative step
+        commits several tokens of every running request, so this runs for most requests of every step."""
+        if not tokens:
+            return 0
+        room = self.params.max_new_tokens - len(self.output_ids)
+        if self.max_total_tokens is not None:
+            room = min(room, self.max_total_tokens - len(self.prompt_ids) - len(self.output_ids))
+        taken = tokens[:max(room, 1)]  # commit() takes one token even past the limits, then finishes
+        reason = "length" if len(taken) >= room else None
+        if not self.params.ignore_eos and not self.eos_token_ids.isdisjoint(taken):
+            end = next(n for n, token in enumerate(taken, start=1) if token in self.eos_token_ids)
+            taken, reason = taken[:end], "stop"
+        self.output_ids.extend(taken)
+        self.stats.generated_tokens = len(self.output_ids)
+        if self.stats.first_token_time is None:
+            self.stats.first_token_time = time.perf_counter()
+        if reason is not None:
+            self.finish(reason)
+        return len(taken)
 
     def _matches_stop(self, new_text: str) -> bool:
         """Search the new text and the last (longest stop - 1) characters before it: a new match must

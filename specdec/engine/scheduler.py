@@ -78,6 +78,7 @@ class Scheduler:
         """Plan the next step. Pages are not taken here (the forwards take them), but the plan fits the pool."""
         plan = StepPlan()
         planned = 0  # pages the planned work will take from the pool
+        free = self.pool.num_free  # read once per step (it changes only when a preemption gives pages back)
         budget = self.max_prefill_tokens
         i = 0
         while i < len(self.running):
@@ -92,13 +93,15 @@ class Scheduler:
                 i += 1
                 continue
             need = self._growth(request, tokens)
-            while need > self.pool.num_free - planned and self.running[-1] is not request:
+            while need > free - planned and self.running[-1] is not request:
                 self._preempt(self.running[-1], plan)
-            if need > self.pool.num_free - planned:
+                free = self.pool.num_free
+            if need > free - planned:
                 if request.decoding:  # the newest request, and even alone it does not fit: let the others go on
                     self._preempt(request, plan)
+                    free = self.pool.num_free
                     continue
-                tokens = self._tokens_that_fit(request, self.pool.num_free - planned)
+                tokens = self._tokens_that_fit(request, free - planned)
                 if tokens == 0:
                     i += 1
                     continue
