@@ -97,7 +97,7 @@ class EngineConfig:
                                           "waiting for this one's tokens; speculative decoding: the next step's "
                                           "draft is queued before this step's tokens are read")
     # speculative steps (specdec/engine/verify_policy.py): chain = every draft of the block every step;
-    # auto = per step the chain length (the block, half, a quarter) with the most committed tokens per
+    # auto = per step the chain length (the block, a half, a quarter, an eighth) with the most committed tokens per
     # second, from running acceptance and step times measured after graph capture (without CUDA graphs:
     # the whole chain); tree = a token tree of block_size - 1 nodes from each position's top drafts
     # (specdec/engine/tree_speculator.py). auto is the default: on an H200 it matched the chain at batch 1 and
