@@ -10,6 +10,8 @@ takes scripts/bench_serve.py's prompts instead, the same ones in the same order)
 greedy, answers of their natural length, with `max_num_seqs` = the concurrency, so arrivals keep
 coming while others decode. Every
 `Engine.step()` is timed and split by whether it prefilled (a prompt chunk of an admitted request).
+Single runs of a level vary by 10-16% on a GPU (host-bound steps): --repeats N runs each level N times on
+the same engine and reports the run with the median tokens/s.
 
 --profile C adds one level at concurrency C under the torch profiler (not counted in the table above):
 for steps with and without prefill, the median wall time against the GPU's busy time in the step
@@ -63,6 +65,7 @@ class LoadRow:
     prefill_share: float  # of the wall time, in steps that prefilled
     tau: float | None
     verified: float | None = None  # tokens verified per request per speculative step (the anchor included)
+    runs_tokens_per_s: list[float] | None = None  # with --repeats: every run's, the row being the median run's
 
 
 def parse_args(argv):
@@ -74,6 +77,8 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, help="run at most rounds x concurrency of the requests at each "
                                               "concurrency (low concurrencies in bounded time; default: all)")
     p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=1, help="runs of each level on the same engine; the row is the run "
+                   "with the median tokens/s (odd counts: the middle one), every run's tokens/s listed beside it")
     p.add_argument("--device", default="cuda")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="the target's KV cache")
     p.add_argument("--verify", nargs="+", choices=tuple(DFLASH), default=["chain"],
@@ -89,6 +94,8 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
     p.add_argument("--out", help="JSON results file")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.quick:
         args.concurrency, args.requests, args.max_new_tokens, args.device = [1, 4], 6, 8, "cpu"
     return args
@@ -153,6 +160,16 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
                    statistics.mean(r[1] for r in decode) if decode else 0.0, len(prefill), median_ms(prefill),
                    sum(r[2] for r in prefill) / wall, statistics.mean(taus) if taus else None,
                    statistics.mean(verified) if verified else None)
+
+
+def median_run(runs: list[LoadRow]) -> LoadRow:
+    """The run with the median tokens/s (the lower middle of an even count), with every run's tokens/s."""
+    if len(runs) == 1:
+        return runs[0]
+    ordered = sorted(runs, key=lambda r: r.tokens_per_s)
+    row = ordered[(len(ordered) - 1) // 2]
+    row.runs_tokens_per_s = [r.tokens_per_s for r in runs]
+    return row
 
 
 STEP_RANGE = "specdec_step"
@@ -234,7 +251,9 @@ def table(rows: list[LoadRow]) -> str:
     for r in rows:
         tau = f"{r.tau:.2f}" if r.tau is not None else "-"
         verified = f"{r.verified:.1f}" if r.verified is not None else "-"
-        lines.append(f"| {r.system} | {r.concurrency} | {r.tokens_per_s:,.0f} | {r.decode_steps} x "
+        spread = (f" ({min(r.runs_tokens_per_s):,.0f}-{max(r.runs_tokens_per_s):,.0f} over {len(r.runs_tokens_per_s)})"
+                  if r.runs_tokens_per_s else "")
+        lines.append(f"| {r.system} | {r.concurrency} | {r.tokens_per_s:,.0f}{spread} | {r.decode_steps} x "
                      f"{r.decode_step_ms:.2f} ({r.decode_batch:.1f}) | {r.prefill_steps} x {r.prefill_step_ms:.2f} | "
                      f"{100 * r.prefill_share:.0f}% | {tau} | {verified} |")
     return "\n".join(lines)
@@ -262,7 +281,8 @@ def main(argv=None) -> int:
             run_load(llm, system, prompts[:min(4, len(prompts))], 1, 4)  # warm-up: graphs, kernels, allocator
             for concurrency in args.concurrency:
                 count = len(prompts) if args.rounds is None else min(len(prompts), args.rounds * concurrency)
-                rows.append(run_load(llm, system, prompts[:count], concurrency, args.max_new_tokens))
+                rows.append(median_run([run_load(llm, system, prompts[:count], concurrency, args.max_new_tokens)
+                                        for _ in range(args.repeats)]))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
             engines.append({"system": system, "kv_cache_dtype": args.kv_cache_dtype, "num_kv_pages": llm.engine.num_pages,
                             "kv_full_precision_layers": list(llm.engine.full_precision_layers)})

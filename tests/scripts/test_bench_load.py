@@ -59,3 +59,14 @@ def test_profile_level_splits_steps_by_kind(tmp_path, capsys):
                                                              for k in ("decode only", "with prefill")}
     assert all(p["steps"] >= 1 and p["wall_ms"] > 0 and p["gpu_busy_ms"] == 0 for p in profiles)  # CPU: no GPU
     assert "| busy / wall |" in capsys.readouterr().out
+
+
+def test_repeats_report_the_median_run_and_every_runs_tokens_per_s(tmp_path, capsys):
+    out = tmp_path / "load.json"
+    assert main(["--quick", "--repeats", "3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4  # one row per system and level, not per run
+    for row in rows:
+        runs = row["runs_tokens_per_s"]
+        assert len(runs) == 3 and row["tokens_per_s"] == sorted(runs)[1]
+    assert " over 3) |" in capsys.readouterr().out
