@@ -5,7 +5,9 @@
 #   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_features.sh > /tmp/features/run.log 2>&1 &
 #   watch:  tail /tmp/features/run.log; results in /tmp/features
 # The GGUFs as for scripts/device_job.sh; the server's packages in .gpu/wheels. Env: STAGES (default "tests
-# ttft features"; "serve" adds the serving benchmark), LEVELS (serve: default "1 8,32"), MAX_TOKENS (256).
+# ttft features"; "serve" adds the serving benchmark, "vllm" the same levels against vLLM's server with DFlash and prefix
+# caching, scripts/peers/vllm_server.sh: its wheel pieces in /tmp/xfer), LEVELS (serve, vllm: default "1 8,32"),
+# MAX_TOKENS (256).
 set -uo pipefail
 out=${FEATURES_OUT:-/tmp/features}
 default_stages="tests ttft features"
@@ -31,5 +33,20 @@ if wanted serve; then
       --num-prompts "$n" --max-tokens "${MAX_TOKENS:-256}" --time-limit-s 900 \
       --output "$out/multiturn-c${levels//,/-}.json" 2>&1 | grep -v "Loading weights" | tail -40
   done
+fi
+if wanted vllm; then  # the same multiturn levels against vLLM's server: DFlash, its prefix caching on
+  bash scripts/peers/install.sh vllm || exit 1
+  stage "vLLM's server (DFlash, prefix caching), starting"
+  model_dir=$(python3 -c "from specdec.weights.demo_models import resolve_model; print(resolve_model('$target'))")
+  MAX_NUM_SEQS=32 bash scripts/peers/vllm_server.sh "$model_dir" \
+    "$(pwd)/drafters/checkpoints/qwen2.5-coder-1.5b-dflash-b16" 8123 || exit 1
+  for levels in ${LEVELS:-1 8,32}; do
+    n=$([ "$levels" = 1 ] && echo 6 || echo 64)
+    stage "vLLM, multiturn, concurrency $levels, $n conversations"
+    python3 scripts/bench_serve.py --base-url http://127.0.0.1:8123 --label vllm-dflash-cache --dataset multiturn \
+      --concurrency "$levels" --num-prompts "$n" --max-tokens "${MAX_TOKENS:-256}" --time-limit-s 900 \
+      --output "$out/vllm-multiturn-c${levels//,/-}.json" 2>&1 | tail -20
+  done
+  kill "$(cat /tmp/vllm-server.pid)"
 fi
 stage done
