@@ -6,7 +6,8 @@
 #            each level REPEATS times (the median run reported), at most ROUNDS x concurrency requests a level
 #   profile  where a step's time goes (wall against GPU busy time): steps with and without arrivals at 64 on the
 #            mixed set, and at 256 on the coding requests
-#   ab       this checkout against BASELINE at concurrency 64 and 256 on the coding requests, alternating, twice
+#   ab       this checkout against BASELINE on math500 and the coding requests at AB_LEVELS (64 128 256),
+#            alternating, twice
 #   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_load_bench.sh > /tmp/load/run.log 2>&1 &
 #   watch:  tail /tmp/load/run.log; results in /tmp/load/*.json, *.md
 # The GGUFs as for scripts/device_job.sh. BASELINE: a directory holding the baseline's packages (e.g. `git archive
@@ -38,8 +39,12 @@ if wanted profile; then
 fi
 if wanted ab && [ -n "${BASELINE:-}" ]; then
   for round in 1 2; do
-    load "new-$round" "$here" --dataset code --concurrency 64 256
-    load "old-$round" "$BASELINE" --dataset code --concurrency 64 256
+    for dataset in math500 code; do
+      # shellcheck disable=SC2086
+      load "new-$dataset-$round" "$here" --dataset "$dataset" --concurrency ${AB_LEVELS:-64 128 256}
+      # shellcheck disable=SC2086
+      load "old-$dataset-$round" "$BASELINE" --dataset "$dataset" --concurrency ${AB_LEVELS:-64 128 256}
+    done
   done
 fi
 stage done
