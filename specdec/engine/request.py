@@ -101,9 +101,14 @@ class Request:
     def can_take_more(self) -> bool:
         """Whether one more token fits its length limits once the token in flight is counted (EOS and
         stop strings are only known when the tokens are)."""
-        generated = len(self.output_ids) + self.in_flight
-        return not self.finished and generated < self.params.max_new_tokens and (
-            self.max_total_tokens is None or len(self.prompt_ids) + generated < self.max_total_tokens)
+        return not self.finished and self._room(len(self.output_ids) + self.in_flight) > 0
+
+    def _room(self, generated: int) -> int:
+        """Output tokens the length limits (max_new_tokens, the model's context) leave after `generated`."""
+        room = self.params.max_new_tokens - generated
+        if self.max_total_tokens is not None:
+            room = min(room, self.max_total_tokens - len(self.prompt_ids) - generated)
+        return room
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens start .. end - 1 of prompt + output, without building the whole list."""
@@ -139,8 +144,7 @@ class Request:
             self.finish("stop")
         elif self.matcher is not None and self.matcher.is_stopped():  # nothing but the end can follow
             self.finish("stop")
-        elif len(self.output_ids) >= self.params.max_new_tokens or (
-                self.max_total_tokens is not None and len(self.prompt_ids) + len(self.output_ids) >= self.max_total_tokens):
+        elif self._room(len(self.output_ids)) <= 0:
             self.finish("length")
         return self.finished
 
@@ -159,9 +163,7 @@ class Request:
         commits several tokens of every running request, so this runs for most requests of every step."""
         if not tokens:
             return 0
-        room = self.params.max_new_tokens - len(self.output_ids)
-        if self.max_total_tokens is not None:
-            room = min(room, self.max_total_tokens - len(self.prompt_ids) - len(self.output_ids))
+        room = self._room(len(self.output_ids))
         taken = tokens[:max(room, 1)]  # commit() takes one token even past the limits, then finishes
         reason = "length" if len(taken) >= room else None
         if not self.params.ignore_eos and not self.eos_token_ids.isdisjoint(taken):
