@@ -122,6 +122,20 @@ class DFlashDrafter(ModelRunner, Drafter):
     def add_context(self, requests: list[DraftRequest], features: torch.Tensor, lens: list[int]) -> None:
         """Write the context K/V of each prefill chunk now (positions length .. length + n - 1 of the
         request's context cache; a request's first chunk creates the cache)."""
+        first = self._feature_row(features)
+        self._write_context(requests, lens, np.arange(first, first + sum(lens)))
+
+    def catch_up(self, requests: list[DraftRequest]) -> None:
+        self.queued = {}  # its context rows are written and settled already
+        pending = [(r, self.pending.pop(r.request_id)) for r in requests if r.request_id in self.pending]
+        pending = [(r, row, count) for r, (row, count) in pending if count]
+        if pending:
+            self._write_context([r for r, _, _ in pending], [count for _, _, count in pending],
+                                np.concatenate([np.arange(row, row + count) for _, row, count in pending]))
+
+    def _write_context(self, requests: list[DraftRequest], lens: list[int], rows: np.ndarray) -> None:
+        """Context K/V of request i's next lens[i] positions from the features at `rows` (sum(lens) of them, request
+        by request), written now in one token step."""
         tables = [self.tables.setdefault(r.request_id, PageTable(self.pool)) for r in requests]
         ends = []
         for table, n in zip(tables, lens):
@@ -129,8 +143,7 @@ class DFlashDrafter(ModelRunner, Drafter):
             ends.append(table.length)
         layout = BatchLayout.for_tokens(lens, ends, [t.array for t in tables], self.page_size, causal=False)
         total = self.stage_token_rows(self.context_step, layout)
-        first = self._feature_row(features)
-        self.context_inputs.fill("rows", np.arange(first, first + total))
+        self.context_inputs.fill("rows", rows)
         self.context_inputs.upload()
         self.run_tokens(self.context_step, total)
 

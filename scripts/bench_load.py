@@ -66,6 +66,7 @@ class LoadRow:
     tau: float | None
     verified: float | None = None  # tokens verified per request per speculative step (the anchor included)
     runs_tokens_per_s: list[float] | None = None  # with --repeats: every run's, the row being the median run's
+    plain_steps: int | None = None  # DFlash: steps `auto` ran as plain decoding steps (no draft pays at their batch)
 
 
 def parse_args(argv):
@@ -145,11 +146,14 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
     engine = llm.engine
     engine.scheduler.max_num_seqs = concurrency
     records = timed_steps(engine)
+    plain_steps = counted_plain_steps(engine)
     params = SamplingParams(max_new_tokens=max_new_tokens)  # answers end where the model ends them: arrivals vary
     start = time.perf_counter()
     requests = engine.generate_ids(prompts, params)
     wall = time.perf_counter() - start
     del engine.step, engine.scheduler.schedule  # back to the class's methods
+    if plain_steps is not None:
+        del engine.decoding.launch
     decode = [r for r in records if not r[0]]
     prefill = [r for r in records if r[0]]
     tokens = sum(len(r.output_ids) for r in requests)
@@ -159,7 +163,22 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
     return LoadRow(system, concurrency, len(requests), tokens, wall, tokens / wall, len(decode), median_ms(decode),
                    statistics.mean(r[1] for r in decode) if decode else 0.0, len(prefill), median_ms(prefill),
                    sum(r[2] for r in prefill) / wall, statistics.mean(taus) if taus else None,
-                   statistics.mean(verified) if verified else None)
+                   statistics.mean(verified) if verified else None,
+                   plain_steps=len(plain_steps) if plain_steps is not None else None)
+
+
+def counted_plain_steps(engine) -> list | None:
+    """From now on, one entry per plain decoding step a DFlash engine launches (None: no drafter)."""
+    if engine.drafter is None:
+        return None
+    launches, launch = [], engine.decoding.launch
+
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return launch(*args, **kwargs)
+
+    engine.decoding.launch = counted
+    return launches
 
 
 def median_run(runs: list[LoadRow]) -> LoadRow:
@@ -246,8 +265,8 @@ def profile_table(profiles: list[StepProfile]) -> str:
 
 def table(rows: list[LoadRow]) -> str:
     lines = ["| system | concurrency | tokens/s | decode steps x median ms (mean batch) | steps with prefill x "
-             "median ms | share of wall in prefill steps | tau | verified per step |",
-             "|---|---|---|---|---|---|---|---|"]
+             "median ms | share of wall in prefill steps | tau | verified per step | plain steps |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tau = f"{r.tau:.2f}" if r.tau is not None else "-"
         verified = f"{r.verified:.1f}" if r.verified is not None else "-"
@@ -255,7 +274,8 @@ def table(rows: list[LoadRow]) -> str:
                   if r.runs_tokens_per_s else "")
         lines.append(f"| {r.system} | {r.concurrency} | {r.tokens_per_s:,.0f}{spread} | {r.decode_steps} x "
                      f"{r.decode_step_ms:.2f} ({r.decode_batch:.1f}) | {r.prefill_steps} x {r.prefill_step_ms:.2f} | "
-                     f"{100 * r.prefill_share:.0f}% | {tau} | {verified} |")
+                     f"{100 * r.prefill_share:.0f}% | {tau} | {verified} | "
+                     f"{r.plain_steps if r.plain_steps is not None else '-'} |")
     return "\n".join(lines)
 
 

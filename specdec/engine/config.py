@@ -92,7 +92,8 @@ class EngineConfig:
     # plain decoding: queue step N + 1 before reading step N's tokens back (specdec/engine/flight.py); on
     # an H100 it gives 1.21x at batch 1 and 1.36-1.41x at 64 concurrent requests (BENCHMARKS.md)
     # speculative decoding: queue the next step's draft before reading this step's tokens back (the drafter's
-    # attention planned for the whole block accepted, the real lengths read on the device; drafters/dflash.py)
+    # attention planned for the whole block accepted, the real lengths read on the device; drafters/dflash.py),
+    # and with verify auto, run the plain steps it picks where no draft pays overlapped as plain decoding does
     overlap_steps: bool = _setting(True, "plain decoding: the host prepares and queues the next step before "
                                           "waiting for this one's tokens; speculative decoding: the next step's "
                                           "draft is queued before this step's tokens are read")

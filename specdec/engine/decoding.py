@@ -51,11 +51,12 @@ class PlainDecoding:
 
     @torch.no_grad()
     def launch(self, running: list[Request], prefill: PrefillChunks | None, carried: Carried | None,
-               starting: list[Request] = ()) -> "Launched":
+               starting: list[Request] = (), after_forward=None) -> "Launched":
         """The same step without waiting for its tokens (overlapped steps): they stay on the device, where
         the next step can read them (`carried`: this step's first tokens that are still there), and are
         on their way to the host, where `Launched.tokens` reads them. `starting`: the requests whose first
-        tokens the prefill samples (their logprobs, when asked)."""
+        tokens the prefill samples (their logprobs, when asked). `after_forward(running, prefill)` queues more
+        work on the forward's outputs (a drafter's context)."""
         parts, logprobs = [], [None, None]
         if running:
             out = self.runner.run_block([r.target_pages for r in running],
@@ -65,6 +66,8 @@ class PlainDecoding:
             logprobs[0] = LogprobRows.start(out.logits, parts[-1], running, 1)
         else:
             self.runner.run_prefill(prefill)
+        if after_forward is not None:
+            after_forward(running, prefill)
         if prefill is not None and prefill.sample_first is not None:
             parts.append(prefill.sample_first(prefill.out.logits).view(-1).long())
             logprobs[1] = LogprobRows.start(prefill.out.logits, parts[-1], starting, 1)

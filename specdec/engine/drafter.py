@@ -127,6 +127,11 @@ class Drafter(ABC):
         """After `propose_next`: request i committed counts[i] positions."""
         raise NotImplementedError(f"{type(self).__name__} queues no draft ahead")
 
+    def catch_up(self, requests: list[DraftRequest]) -> None:
+        """A plain decoding step comes next (no draft; its forward overwrites the features buffer): a draft queued
+        ahead is dropped, and context rows `extend` left pending are written now. After it, `add_context` gives the
+        context of the positions the plain step computes. Nothing to do for a drafter without such state."""
+
     @abstractmethod
     def extend(self, requests: list[DraftRequest], features: torch.Tensor, rows: list[int], counts: list[int]) -> None:
         """Positions were committed: request i's newly committed positions (anchor and accepted

@@ -14,7 +14,9 @@ request, specdec/engine/speculator.py), with the step's prompt chunks of admitte
 token budget) riding along in its forward; a step with nothing to decode prefills alone. The phase
 returns the tokens each request commits; the engine commits them. The scheduler plans the step
 (specdec/engine/scheduler.py). With `overlap_steps` (plain decoding) a step queues its forward and then
-commits the previous step's tokens, so each token is committed one step later (specdec/engine/flight.py).
+commits the previous step's tokens, so each token is committed one step later (specdec/engine/flight.py); so do a
+DFlash engine's plain steps, which `verify="auto"` runs where no draft pays (under heavy load), its drafter's
+context kept up by each of them (`SpeculativeDecoding.launch`).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.speculator import SpeculativeDecoding
 from specdec.engine.tree_speculator import CANDIDATES_PER_POSITION, TreeDecoding
-from specdec.engine.verify_policy import TREE, StepCosts, VerifyPolicy, verify_lengths
+from specdec.engine.verify_policy import PLAIN, TREE, StepCosts, VerifyPolicy, verify_lengths
 from specdec.models.kv_precision import calibrated_fp8_errors, full_precision_layers
 from specdec.models.loader import LoadedTarget
 from specdec.models.logprobs import packed_logprobs
@@ -95,7 +97,9 @@ class Engine:
                              f"{type(drafter).__name__} proposes one: pass verify='chain' or 'auto'")
         # the verify lengths speculative steps choose from (tokens per request: the anchor and drafts), and
         # whether they may verify token trees
-        chain_lengths = verify_lengths(block, config.verify) if drafter is not None else (1,)
+        # under load auto may also run plain decoding steps (no draft), overlapped as plain decoding's are
+        plain_steps = config.overlap_steps and config.verify == "auto"
+        chain_lengths = verify_lengths(block, config.verify, plain_steps) if drafter is not None else (1,)
         trees = drafter is not None and config.verify in ("tree", "auto") and drafter.proposes_candidates
         tree_nodes = config.tree_nodes if trees else 0
         lookahead = max(block, tree_nodes + 1)  # slots a step may write past the committed length
@@ -168,7 +172,8 @@ class Engine:
         self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         policy = getattr(self.decoding, "policy", None)
         if policy is not None and len(policy.options) > 1:  # what each option costs on this GPU
-            draft = {q: self.drafter.step_seconds(length=q - 1) for q in policy.lengths}
+            # a plain step (PLAIN) drafts nothing; its context rows cost a few projections, not counted
+            draft = {q: self.drafter.step_seconds(length=q - 1) for q in policy.lengths if q != PLAIN}
             verify = {q: self.runner.replay_seconds(q) for q in policy.lengths}
             if policy.tree:  # a tree step: its drafting with candidates; its verify, building and acceptance
                 tree = self.decoding.tree
@@ -335,12 +340,15 @@ class Engine:
 
         decode = plan.decode
         # penalties and grammars follow every output token on the host: a step with such a request runs in order,
-        # after the step in flight has landed
-        in_order = self.overlap and any(adjusts_logits(r.params) for r in decode)
+        # after the step in flight has landed. With a drafter, the policy's plain steps (no draft pays at this
+        # batch) run overlapped as well; a speculative step needs the tokens in flight on the host first
+        plain = self.drafter is not None and bool(decode) and self.decoding.plain_pays(decode)
+        in_order = (self.overlap and any(adjusts_logits(r.params) for r in decode)) or (
+            self.drafter is not None and not plain)
         if in_order and self.flight is not None:
             self._overlapped([], [], commit)
             decode = [r for r in decode if not r.finished]
-        if self.overlap and not in_order:
+        if (self.overlap and not in_order) or plain:
             self._overlapped(decode, plan.prefill, commit)
         elif decode:  # prompt chunks ride along in the decode forward: an arrival never stalls the batch
             self._decode(decode, commit, plan.prefill)
@@ -406,6 +414,8 @@ class Engine:
 
     def _prepare(self, request: Request) -> None:
         request.target_pages = PageTable(self.pool)
+        if self.drafter is not None:
+            request.stats.block_size = self.drafter.block_size
         if not request.params.greedy:
             request.generator = make_generator(request.params.seed)
         if request.params.stop:
@@ -532,11 +542,8 @@ class Engine:
         features, and each request of `starting` (its prompt now complete) commits its first token."""
         self._record_prompt_logprobs(prefill)
         requests = [r for r, _ in chunks]
-        if self.drafter is not None:
-            for request in requests:
-                request.stats.block_size = self.drafter.block_size
-            if not prefill.context_added:
-                self.drafter.add_context(requests, prefill.out.features, prefill.lens)
+        if self.drafter is not None and not prefill.context_added:
+            self.drafter.add_context(requests, prefill.out.features, prefill.lens)
         if starting:
             tokens = prefill.first_tokens
             logprobs = [None] * len(starting)

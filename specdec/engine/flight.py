@@ -10,7 +10,8 @@ request that step N ends (EOS, a stop string) still runs in step N + 1, whose to
 its length limit is known ahead, so that one never runs past it (`Request.can_take_more`). Pages of a
 finished request may go back while step N + 1 is queued: every step runs on one stream, so a later
 step that reuses them writes after step N + 1 has. Speculative steps cannot overlap this way: the
-next step's attention plans need this step's acceptance (its KV lengths) on the host.
+next step's attention plans need this step's acceptance (its KV lengths) on the host. A DFlash engine's plain
+steps (verify auto's PLAIN) can, and do: `decoding` is then the speculative phase, whose `launch` runs one.
 """
 
 from __future__ import annotations

@@ -24,14 +24,14 @@ import torch
 
 from attention.transfer import HostCopy
 from specdec.engine.acceptance import accept
-from specdec.engine.decoding import StepTransfer
+from specdec.engine.decoding import Launched, PlainDecoding, StepTransfer
 from specdec.engine.drafter import Drafter
 from specdec.engine.logprobs import LogprobRows, TokenLogprob, wants_logprobs
 from specdec.engine.request import Request
 from specdec.engine.sampler import adjusts_logits, sample_block
 from specdec.engine.tree_speculator import TreeDecoding
-from specdec.engine.verify_policy import TREE, VerifyPolicy
-from specdec.runtime.target_runner import PrefillChunks, TargetRunner
+from specdec.engine.verify_policy import PLAIN, TREE, VerifyPolicy
+from specdec.runtime.target_runner import Carried, PrefillChunks, TargetRunner
 
 
 class SpeculativeDecoding:
@@ -46,6 +46,7 @@ class SpeculativeDecoding:
         if self.policy.tree and tree is None:
             raise ValueError("a verify policy with trees needs the tree step")
         self.tree = tree
+        self.plain = PlainDecoding(runner)  # the steps the policy runs without a draft (PLAIN)
         self.verify_length = drafter.block_size  # tokens per request the last step verified
         self.logprobs: list[list[TokenLogprob] | None] | None = None  # the last step's, per request (None: none asked)
 
@@ -71,7 +72,7 @@ class SpeculativeDecoding:
         # logprobs, penalties and grammars work on the rows of a chain's verify: a step with a request that asks for
         # one verifies a chain (of the length the policy picks)
         chains_only = wants_logprobs(running) or any(adjusts_logits(r.params) for r in running)
-        q = self.policy.choose(batch, nodes, trees=not chains_only)
+        q = self.policy.choose(batch, nodes, trees=not chains_only, plain=False)
         if q == TREE:
             tokens = self.tree.step(running, prefill)
             self.verify_length = self.tree.verify_length
@@ -124,6 +125,8 @@ class SpeculativeDecoding:
         if not (self.draft_ahead and self.policy.lengths):
             return False
         length = self.policy.choose(len(running) + len(starting), trees=False) - 1  # the next step's, as now seen
+        if length == 0:  # a plain step: nothing to draft
+            return False
         anchors, counts = bonus, accepted + 1
         if starting:
             anchors = torch.cat([bonus.long(), first_tokens.long()])
@@ -131,3 +134,30 @@ class SpeculativeDecoding:
         batch = len(running)
         return self.drafter.propose_next(running + starting, anchors, counts, [i * q for i in range(batch)]
                                          + [0] * len(starting), [q] * batch + [0] * len(starting), length)
+
+    def plain_pays(self, running: list[Request]) -> bool:
+        """Whether the policy runs the step of `running` as a plain decoding step (PLAIN): no draft pays at this
+        batch. Not for requests whose tokens the host must follow one by one (penalties, grammars)."""
+        return (PLAIN in self.policy.lengths and not any(adjusts_logits(r.params) for r in running)
+                and self.policy.choose(len(running), trees=False) == PLAIN)
+
+    @torch.no_grad()
+    def launch(self, running: list[Request], prefill: PrefillChunks | None, carried: Carried | None,
+               starting: list[Request] = ()) -> Launched:
+        """A plain decoding step (`plain_pays`), queued without waiting for its tokens as plain decoding's overlapped
+        steps are (specdec/engine/flight.py). The drafter's context grows by the positions its forward computes (the
+        running requests' inputs and the prompt chunks), so a later speculative step drafts from where they are."""
+        self.drafter.catch_up(running)
+        self.verify_length = PLAIN
+        return self.plain.launch(running, prefill, carried, starting, after_forward=self._plain_context)
+
+    def _plain_context(self, running: list[Request], prefill: PrefillChunks | None) -> None:
+        """After a plain step's forward: the context of its rows, the running requests' first (one each), then the
+        chunks' (the forward's features in that order)."""
+        requests, lens = list(running), [1] * len(running)
+        if prefill is not None:
+            requests += prefill.requests
+            lens += prefill.lens
+            prefill.context_added = True
+        if requests:
+            self.drafter.add_context(requests, self.runner.features_out[:sum(lens)], lens)

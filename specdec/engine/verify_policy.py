@@ -1,7 +1,8 @@
 """What a speculative step verifies: the whole chain, a shorter one, or a token tree, whichever pays.
 
     policy = VerifyPolicy(block_size, lengths=(16, 8, 4, 2), tree=True, costs=StepCosts(...))   # costs: None = chain
-    q = policy.choose(batch, tree_nodes)   # q tokens per request (the anchor and the first q - 1 drafts), or TREE
+    q = policy.choose(batch, tree_nodes)   # q tokens per request (the anchor and the first q - 1 drafts), or TREE;
+                                           # q = PLAIN (1): a plain decoding step, no draft
     policy.observe(accepted, q)            # how many drafts each request had accepted (a chain step)
     policy.observe_tree(accepted, nodes)   # the same for a tree step of `nodes` draft nodes per request
 
@@ -19,6 +20,11 @@ position q onwards). For a tree, E is the running mean of committed tokens of tr
 count (before any, the chain's E(block) times a gain measured for trees of that size). Step times are
 measured on this GPU at start-up (`StepCosts`); without them a step verifies the whole chain (or the
 tree, if only trees are allowed).
+
+Under heavy load the target's forward is compute-bound and even the anchor and one draft may cost more than they
+commit; `auto` then also weighs a plain decoding step (PLAIN: the anchor alone, one token per request; its cost the
+target's decode step), which the engine runs overlapped as plain decoding does (specdec/engine/flight.py) while the
+drafter's context keeps up, so speculation resumes when the batch shrinks.
 """
 
 from __future__ import annotations
@@ -40,18 +46,21 @@ def tree_prior_gain(nodes: int) -> float:
     return max(1.0, 1.2 + 0.05 * math.log2((nodes + 1) / 16))
 
 
-TREE = 0  # the choice "verify a token tree" (chain choices are their token counts, >= 2)
+TREE = 0  # the choice "verify a token tree" (chain choices are their token counts)
+PLAIN = 1  # the chain of the anchor alone: a plain decoding step
 
 
-def verify_lengths(block_size: int, policy: str) -> tuple[int, ...]:
+def verify_lengths(block_size: int, policy: str, plain_steps: bool = False) -> tuple[int, ...]:
     """The chain lengths a speculative step may verify: the block ("chain"), also a half, a quarter and an eighth of
     it, down to the anchor and one draft ("auto"; each length has CUDA graphs of its own: under heavy load the
-    first draft alone, accepted most often, may pay where more do not), none ("tree": trees only)."""
+    first draft alone, accepted most often, may pay where more do not), and with `plain_steps` the anchor alone
+    (PLAIN), none ("tree": trees only)."""
     if policy == "tree":
         return ()
     if policy == "chain":
         return (block_size,)
-    return tuple(sorted({block_size} | {q for q in (block_size // 2, block_size // 4, block_size // 8) if q >= 2}))
+    shorter = {q for q in (block_size // 2, block_size // 4, block_size // 8) if q >= 2}
+    return tuple(sorted({block_size} | shorter | ({PLAIN} if plain_steps else set())))
 
 
 @dataclass(frozen=True)
@@ -80,8 +89,8 @@ class StepCosts:
 class VerifyPolicy:
     def __init__(self, block_size: int, lengths: tuple[int, ...], costs: StepCosts | None = None,
                  tree: bool = False):
-        if (lengths and block_size not in lengths) or any(not 2 <= q <= block_size for q in lengths):
-            raise ValueError(f"chain lengths {lengths} must lie in 2..{block_size} and include {block_size}")
+        if (lengths and block_size not in lengths) or any(not 1 <= q <= block_size for q in lengths):
+            raise ValueError(f"chain lengths {lengths} must lie in 1..{block_size} and include {block_size}")
         if not lengths and not tree:
             raise ValueError("a verify policy needs chain lengths or trees")
         self.block_size = block_size
@@ -97,10 +106,11 @@ class VerifyPolicy:
     def options(self) -> tuple[int, ...]:
         return self.lengths + ((TREE,) if self.tree else ())
 
-    def choose(self, batch: int, tree_nodes: int = 0, trees: bool = True) -> int:
+    def choose(self, batch: int, tree_nodes: int = 0, trees: bool = True, plain: bool = True) -> int:
         """The chain length (tokens per request, anchor included), or TREE, for a step of `batch` requests;
-        a tree step would verify `tree_nodes` draft nodes per request (`trees` False: chains only)."""
-        options = [o for o in self.options if trees or o != TREE]
+        a tree step would verify `tree_nodes` draft nodes per request (`trees` False: chains only; `plain` False:
+        not PLAIN, for a step that must speculate)."""
+        options = [o for o in self.options if (trees or o != TREE) and (plain or o != PLAIN)]
         seconds = self.costs.at(batch) if self.costs is not None and len(options) > 1 else None
         if seconds is None:
             return self.block_size if self.lengths or not trees else TREE

@@ -69,4 +69,4 @@ def test_tree_needs_a_drafter_with_candidates(target_dir, tmp_path):
     with pytest.raises(ValueError, match="candidates"):  # refused before anything is built
         spec_engine(target_dir, ScriptedDrafter({}, 4, 64), verify="tree", attention_backend="torch")
     engine = spec_engine(target_dir, ScriptedDrafter({}, 4, 64), verify="auto", attention_backend="torch")
-    assert engine.decoding.policy.options == (2, 4)  # chains only
+    assert engine.decoding.policy.options == (1, 2, 4)  # plain steps and chains, no trees

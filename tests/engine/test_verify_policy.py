@@ -95,8 +95,8 @@ def lengths_by_batch(engine, short_from: int, trees_below: int = 0):
         TREE: {r: 1e-3 if r < trees_below else 1e3 for r in rungs}})
     chosen, choose = [], policy.choose
 
-    def recording(batch, nodes=0, trees=True):
-        chosen.append(choose(batch, nodes, trees))
+    def recording(batch, nodes=0, trees=True, plain=True):
+        chosen.append(choose(batch, nodes, trees, plain))
         return chosen[-1]
 
     policy.choose = recording

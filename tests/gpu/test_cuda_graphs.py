@@ -172,8 +172,12 @@ def test_drafting_ahead_equals_drafting_in_order(model_dirs, kv):
     commit: batch 1 token for token, larger batches with staggered arrivals up to near-ties (a draft flipped by
     the plan's different KV split changes the schedule, not a verified token); about the same acceptance; one
     wait for the GPU per step."""
+    from specdec.engine.verify_policy import PLAIN
+
     ordered = make_engine(model_dirs, True, kv, False, overlap_steps=False)
     ahead = make_engine(model_dirs, True, kv, False, overlap_steps=True)
+    policy = ahead.decoding.policy  # the same options as the engine in order: no plain steps (tested on their own)
+    policy.lengths = tuple(q for q in policy.lengths if q != PLAIN)
     queued = count_calls(ahead.drafter, "settle")
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     for batch, per_step in ((1, 1), (5, 5), (24, 3)):

@@ -108,13 +108,13 @@ def test_batch_one_speculation_is_exact(drafter_dir, kv):
 def test_short_verifies_are_exact_at_batch_one(drafter_dir):
     """verify="auto" measures every chain length's step time after capture; steps verifying 4 tokens (forced
     here through the measured costs) still reproduce decoding one prompt at a time."""
-    from specdec.engine.verify_policy import TREE, StepCosts
+    from specdec.engine.verify_policy import PLAIN, TREE, StepCosts
 
     common = dict(device="cuda", num_kv_pages=2048, attention_backend="flashinfer")
     ar_llm, spec_llm = LLM(MODEL, **common), LLM(MODEL, drafter=drafter_dir, verify="auto", **common)
     policy = spec_llm.engine.decoding.policy
-    assert policy.options == (2, 4, 8, 16, TREE) and set(policy.costs.verify) == {2, 4, 8, 16, TREE}
-    assert set(policy.costs.draft) == {2, 4, 8, 16, TREE}
+    assert policy.options == (PLAIN, 2, 4, 8, 16, TREE) and set(policy.costs.verify) == {PLAIN, 2, 4, 8, 16, TREE}
+    assert set(policy.costs.draft) == {2, 4, 8, 16, TREE}  # a plain step drafts nothing
     for costs in (policy.costs.verify, policy.costs.draft):
         assert all(s > 0 for by_rung in costs.values() for s in by_rung.values())
     rungs = policy.costs.verify[16]
@@ -125,6 +125,27 @@ def test_short_verifies_are_exact_at_batch_one(drafter_dir):
         want = ar_llm.generate([prompt], params, chat=True)[0].token_ids
         assert spec_llm.generate([prompt], params, chat=True)[0].token_ids == want, prompt
     assert spec_llm.last_summary.verified_per_step == 4  # every step verified the short chain
+
+
+def test_plain_steps_between_chains_are_exact_at_batch_one(drafter_dir):
+    """auto's plain steps (PLAIN, forced here for two steps of every three) replay the plain decode step's graph,
+    overlapped, while the drafter's context keeps up; with the chains between them they reproduce plain decoding."""
+    from specdec.engine.verify_policy import PLAIN
+
+    common = dict(device="cuda", num_kv_pages=2048, attention_backend="flashinfer")
+    ar_llm, spec_llm = LLM(MODEL, **common), LLM(MODEL, drafter=drafter_dir, verify="auto", **common)
+    decoding = spec_llm.engine.decoding
+    assert PLAIN in decoding.policy.lengths and decoding.runner.replays(PLAIN, 1)
+    calls = iter(range(10**9))
+    decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True: (
+        PLAIN if plain and next(calls) % 3 else 16)
+    launch, launched = decoding.launch, []
+    decoding.launch = lambda *args, **kwargs: (launched.append(1), launch(*args, **kwargs))[1]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    for prompt in PROMPTS[:BATCH_ONE_PROMPTS]:
+        want = ar_llm.generate([prompt], params, chat=True)[0].token_ids
+        assert spec_llm.generate([prompt], params, chat=True)[0].token_ids == want, prompt
+    assert len(launched) > 10 and spec_llm.last_summary.verify_steps > 10  # both kinds of step ran
 
 
 @pytest.mark.parametrize("verify", ["tree", "auto"])

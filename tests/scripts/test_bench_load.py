@@ -18,6 +18,7 @@ def test_quick_run_reports_every_system_and_concurrency(tmp_path, capsys):
         assert (row["tau"] is None) == (row["system"] == "AR")
         # on CPU nothing is measured, so the policy verifies the whole chain (the tiny drafter's block)
         assert row["verified"] == (None if row["system"] == "AR" else 4.0)
+        assert row["plain_steps"] == (None if row["system"] == "AR" else 0)  # nothing measured: no plain steps
     assert "| DFlash | 4 |" in capsys.readouterr().out
 
 

@@ -1,0 +1,199 @@
+"""Plain decoding steps in a DFlash engine (verify="auto": the policy's PLAIN, where no draft pays): they run overlapped
+as plain decoding's do while the drafter's context keeps up, so that switching between plain steps, chains and token
+trees at any step leaves every output equal to plain decoding's and no page leaked, whatever joins, leaves, is
+preempted or aborted."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.verify_policy import PLAIN, TREE, StepCosts, VerifyPolicy, verify_lengths
+from tests.conftest import VOCAB, build_tiny_model
+from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, spec_engine
+
+EOS = (2, 9)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plain-steps")
+    build_tiny_model("qwen3", path, seed=31)
+    return path
+
+
+def dflash_engine(target_dir, tmp_path, **config):
+    config.setdefault("verify", "auto")
+    return spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4, seed=2), eos=EOS, **config)
+
+
+def plain_outputs(target_dir, prompts, params_list) -> list[list[int]]:
+    """Each prompt decoded alone by plain decoding."""
+    engine = spec_engine(target_dir, None, eos=EOS)
+    return [engine.generate_ids([p], params)[0].output_ids for p, params in zip(prompts, params_list)]
+
+
+def random_choices(engine, seed: int, options: tuple[int, ...]) -> Counter:
+    """The policy's choice replaced by a seeded random one among `options` (of those the call allows); counts the
+    plain steps launched and the speculative steps run."""
+    rng = random.Random(seed)
+    decoding = engine.decoding
+    counts = Counter()
+
+    def choose(batch, nodes=0, trees=True, plain=True):
+        return rng.choice([o for o in options if (trees or o != TREE) and (plain or o != PLAIN)])
+
+    launch, step = decoding.launch, decoding.step
+
+    def counted_launch(*args, **kwargs):
+        counts["plain"] += 1
+        return launch(*args, **kwargs)
+
+    def counted_step(*args, **kwargs):
+        counts["speculative"] += 1
+        return step(*args, **kwargs)
+
+    decoding.policy.choose, decoding.launch, decoding.step = choose, counted_launch, counted_step
+    return counts
+
+
+@pytest.mark.parametrize("options", [(PLAIN, 2, 4), (PLAIN, 4, TREE)], ids=["chains", "trees"])
+def test_switching_between_plain_steps_and_speculation_keeps_plain_decodings_outputs(target_dir, tmp_path, options):
+    """Requests join every other step with chunked prompts riding along, and end at different steps (EOS, limits)."""
+    params_list = [SamplingParams(max_new_tokens=8 + 5 * i) for i in range(len(MANY_PROMPTS))]
+    want = plain_outputs(target_dir, MANY_PROMPTS, params_list)
+    engine = dflash_engine(target_dir, tmp_path, max_num_seqs=4, max_prefill_tokens=9, tree_nodes=6)
+    counts = random_choices(engine, 0, options)
+    requests = []
+    for i, (prompt, params) in enumerate(zip(MANY_PROMPTS, params_list)):
+        requests.append(engine.add_request(prompt, params))
+        engine.step()
+        if i % 2:
+            engine.step()
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert [r.output_ids for r in requests] == want
+    assert counts["plain"] > 5 and counts["speculative"] > 5
+    assert_no_leak(engine)
+
+
+def test_plain_steps_under_a_small_pool_preempt_and_still_match(target_dir, tmp_path):
+    prompts = [[(7 * i + j) % (VOCAB - 3) + 3 for j in range(20 + 9 * i)] for i in range(5)]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    want = plain_outputs(target_dir, prompts, [params] * len(prompts))
+    engine = dflash_engine(target_dir, tmp_path, num_kv_pages=24, max_num_seqs=4, tree_nodes=3)
+    counts = random_choices(engine, 1, (PLAIN, 2, 4))
+    requests = [engine.add_request(p, params) for p in prompts]
+    preempted = []
+    while engine.has_unfinished_requests:
+        preempted += engine.step().preempted
+    assert [r.output_ids for r in requests] == want
+    assert preempted and counts["plain"] > 0 and counts["speculative"] > 0
+    assert_no_leak(engine)
+
+
+def test_aborting_while_a_plain_step_is_in_flight_leaves_the_others_exact(target_dir, tmp_path):
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompts = MANY_PROMPTS[:4]
+    want = plain_outputs(target_dir, prompts, [params] * len(prompts))
+    engine = dflash_engine(target_dir, tmp_path, max_num_seqs=4)
+    random_choices(engine, 2, (PLAIN,))
+    requests = [engine.add_request(p, params) for p in prompts]
+    for _ in range(4):
+        engine.step()
+    assert engine.flight is not None  # a plain step's tokens are on their way
+    engine.abort(requests[1].request_id)
+    random_choices(engine, 3, (PLAIN, 2, 4))
+    while engine.has_unfinished_requests:
+        engine.step()
+    kept = [0, 2, 3]
+    assert [requests[i].output_ids for i in kept] == [want[i] for i in kept]
+    assert requests[1].finish_reason == "abort" and requests[1].output_ids == want[1][:len(requests[1].output_ids)]
+    assert_no_leak(engine)
+
+
+def test_sampled_requests_through_plain_steps_end_clean(target_dir, tmp_path):
+    engine = dflash_engine(target_dir, tmp_path, max_num_seqs=4)
+    counts = random_choices(engine, 4, (PLAIN, 2, 4))
+    requests = engine.generate_ids(MANY_PROMPTS[:6], SamplingParams(max_new_tokens=16, temperature=0.8, seed=5))
+    assert all(r.finished and 1 <= len(r.output_ids) <= 16 for r in requests)
+    assert counts["plain"] > 0
+    assert_no_leak(engine)
+
+
+def test_auto_weighs_a_plain_step_where_the_engine_can_overlap_it():
+    assert verify_lengths(16, "auto", plain_steps=True) == (PLAIN, 2, 4, 8, 16)
+    assert verify_lengths(16, "chain", plain_steps=True) == (16,)
+    # a compute-bound batch: the anchor and one draft cost 1.8x the anchor alone and commit 1.86 tokens
+    policy = VerifyPolicy(16, (PLAIN, 2, 16), StepCosts(draft={2: {64: 0.4, 256: 1.6}},
+                                                         verify={PLAIN: {64: 2.0, 256: 3.0}, 2: {64: 2.2, 256: 5.4},
+                                                                 16: {64: 3.5, 256: 40.0}}))
+    policy.accepted[0], policy.seen[0] = 0.86, 1.0
+    assert policy.choose(256) == PLAIN  # 1 / 3.0 against 1.86 / 7.0
+    assert policy.choose(256, plain=False) == 2
+    assert policy.choose(64) != PLAIN  # 1.86 / 2.6 against 1 / 2.0
+
+
+def test_an_engine_without_drafting_ahead_never_runs_plain_steps(target_dir, tmp_path):
+    engine = dflash_engine(target_dir, tmp_path, overlap_steps=False)
+    assert PLAIN not in engine.decoding.policy.lengths
+
+
+
+def first_draft_logits(engine, prompt, params, plain_at=()):
+    """Run one request, its steps numbered from its prefill (0): plain steps at the numbers `plain_at`, chains
+    otherwise. Returns the draft logits (eager, over the drafter's context then) of its first speculative step after
+    the plain steps (or its first, without any), its tokens at that point, and how many plain steps found context
+    rows a chain step had left pending (no draft was queued for them)."""
+    state = {"step": 0, "plain": not plain_at, "seen": None, "in_step": False, "pending": 0}
+    decoding, drafter = engine.decoding, engine.drafter
+
+    def choose(batch, nodes=0, trees=True, plain=True):
+        # inside a speculative step the policy is asked about the next one (whether to queue its draft)
+        step = state["step"] + state["in_step"]
+        return PLAIN if plain and step in plain_at else 4
+
+    def speculative_step(*args, **kwargs):
+        state["in_step"] = True
+        try:
+            return step(*args, **kwargs)
+        finally:
+            state["in_step"] = False
+
+    def catch_up(requests):
+        state["pending"] += bool(drafter.pending)  # rows a chain step left to the draft that is not coming
+        catching_up(requests)
+
+    propose, launch, step, catching_up = drafter.propose, decoding.launch, decoding.step, drafter.catch_up
+    decoding.policy.choose, decoding.step, drafter.catch_up = choose, speculative_step, catch_up
+
+    def recording(requests, length=None):
+        if state["plain"] and state["seen"] is None:
+            state["seen"] = (drafter.draft_logits(requests).clone(), list(requests[0].output_ids))
+        return propose(requests, length)
+
+    def launched(*args, **kwargs):
+        state["plain"] = True
+        return launch(*args, **kwargs)
+
+    drafter.propose, decoding.launch = recording, launched
+    engine.add_request(prompt, params)
+    while state["seen"] is None:
+        engine.step()
+        state["step"] += 1
+    return (*state["seen"], state["pending"])
+
+
+@pytest.mark.parametrize("plain_at", [range(1, 10), range(4, 9)], ids=["after-prefill", "after-chains"])
+def test_after_plain_steps_the_drafter_drafts_from_the_context_a_prefill_writes(target_dir, tmp_path, plain_at):
+    """The context rows plain steps add (and those a chain step left to its next draft, written before the first
+    plain step) are the target's features at those positions: the first speculative step after them drafts as an
+    engine whose prompt was the whole text so far does."""
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    prompt = MANY_PROMPTS[0]
+    after_plain, tokens, pending = first_draft_logits(dflash_engine(target_dir, tmp_path), prompt, params, plain_at)
+    assert len(tokens) >= len(plain_at) and pending == (plain_at[0] > 1)
+    prefilled, again, _ = first_draft_logits(dflash_engine(target_dir, tmp_path), prompt + tokens[:-1], params)
+    assert again == [tokens[-1]]  # the same anchor: the text's greedy next token
+    assert (after_plain - prefilled).abs().max().item() < 1e-4
