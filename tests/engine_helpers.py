@@ -56,6 +56,20 @@ def failing_at(after: int, error: BaseException):
     return failing
 
 
+def run_staggered(engine, prompts, params_list) -> list:
+    """Requests join every other step (one step after each, a second after every other one) while the earlier
+    ones decode, then the engine steps until all have ended; returns them."""
+    requests = []
+    for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+        requests.append(engine.add_request(prompt, params))
+        engine.step()
+        if i % 2:
+            engine.step()
+    while engine.has_unfinished_requests:
+        engine.step()
+    return requests
+
+
 def assert_no_leak(engine):
     """Every page of the target's and the drafter's pools is free or kept by the prefix cache, none is held."""
     drafter_pool = getattr(engine.drafter, "pool", None)

@@ -11,7 +11,7 @@ import pytest
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import TREE, StepCosts
 from tests.conftest import VOCAB, build_tiny_model
-from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, failing_at, spec_engine
+from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, failing_at, run_staggered, spec_engine
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +56,9 @@ def test_steps_drafted_ahead_commit_what_steps_drafted_in_order_commit(target_di
     def run(ahead):
         engine = engine_for(target_dir, tmp_path, ahead, max_num_seqs=4, max_prefill_tokens=9)
         counts = count_ahead(engine) if ahead else None
-        requests = []
-        for i, prompt in enumerate(MANY_PROMPTS):
-            params = SamplingParams(max_new_tokens=8 + 5 * i, temperature=temperature, seed=i)
-            requests.append(engine.add_request(prompt, params))
-            engine.step()
-            if i % 2:
-                engine.step()
-        while engine.has_unfinished_requests:
-            engine.step()
+        params = [SamplingParams(max_new_tokens=8 + 5 * i, temperature=temperature, seed=i)
+                  for i in range(len(MANY_PROMPTS))]
+        requests = run_staggered(engine, MANY_PROMPTS, params)
         assert_no_leak(engine)
         return requests, counts
 

@@ -11,7 +11,7 @@ import pytest
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import PLAIN, TREE, StepCosts, VerifyPolicy, verify_lengths
 from tests.conftest import VOCAB, build_tiny_model
-from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, spec_engine
+from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, run_staggered, spec_engine
 
 EOS = (2, 9)
 
@@ -65,14 +65,7 @@ def test_switching_between_plain_steps_and_speculation_keeps_plain_decodings_out
     want = plain_outputs(target_dir, MANY_PROMPTS, params_list)
     engine = dflash_engine(target_dir, tmp_path, max_num_seqs=4, max_prefill_tokens=9, tree_nodes=6)
     counts = random_choices(engine, 0, options)
-    requests = []
-    for i, (prompt, params) in enumerate(zip(MANY_PROMPTS, params_list)):
-        requests.append(engine.add_request(prompt, params))
-        engine.step()
-        if i % 2:
-            engine.step()
-    while engine.has_unfinished_requests:
-        engine.step()
+    requests = run_staggered(engine, MANY_PROMPTS, params_list)
     assert [r.output_ids for r in requests] == want
     assert counts["plain"] > 5 and counts["speculative"] > 5
     assert_no_leak(engine)
