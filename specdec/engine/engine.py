@@ -325,6 +325,7 @@ class Engine:
         with prefill chunks for admitted requests in the same forward. Requests join and leave between
         steps."""
         on_commit = on_commit or _ignore
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         if self.drafter is not None:
             for request in plan.preempted:
@@ -345,7 +346,8 @@ class Engine:
         plain = self.drafter is not None and bool(decode) and self.decoding.plain_pays(decode)
         in_order = (self.overlap and any(adjusts_logits(r.params) for r in decode)) or (
             self.drafter is not None and not plain)
-        if in_order and self.flight is not None:
+        landed = in_order and self.flight is not None
+        if landed:
             self._overlapped([], [], commit)
             decode = [r for r in decode if not r.finished]
         if (self.overlap and not in_order) or plain:
@@ -357,6 +359,9 @@ class Engine:
         if self.prefix_cache is not None:
             self._cache_committed_pages(self.scheduler.running)
         out.finished = self._retire()
+        if self.drafter is not None and decode and not (plain or landed or plan.prefill):
+            # a decode-only speculative step: its wall time tells the policy its host overhead
+            self.decoding.policy.observe_seconds(self.decoding.option, len(decode), time.perf_counter() - start)
         return out
 
     def run(self, requests: list[Request], on_commit: OnCommit | None = None) -> None:

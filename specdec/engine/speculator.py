@@ -48,6 +48,7 @@ class SpeculativeDecoding:
         self.tree = tree
         self.plain = PlainDecoding(runner)  # the steps the policy runs without a draft (PLAIN)
         self.verify_length = drafter.block_size  # tokens per request the last step verified
+        self.option = drafter.block_size  # what the last speculative step verified: a chain length, or TREE
         self.logprobs: list[list[TokenLogprob] | None] | None = None  # the last step's, per request (None: none asked)
 
     def _prefilled(self, prefill: PrefillChunks | None) -> torch.Tensor | None:
@@ -73,6 +74,7 @@ class SpeculativeDecoding:
         # one verifies a chain (of the length the policy picks)
         chains_only = wants_logprobs(running) or any(adjusts_logits(r.params) for r in running)
         q = self.policy.choose(batch, nodes, trees=not chains_only, plain=False)
+        self.option = q
         if q == TREE:
             tokens = self.tree.step(running, prefill)
             self.verify_length = self.tree.verify_length

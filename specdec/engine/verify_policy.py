@@ -5,6 +5,7 @@
                                            # q = PLAIN (1): a plain decoding step, no draft
     policy.observe(accepted, q)            # how many drafts each request had accepted (a chain step)
     policy.observe_tree(accepted, nodes)   # the same for a tree step of `nodes` draft nodes per request
+    policy.observe_seconds(q, batch, s)    # a decode-only speculative step's wall time (its host overhead)
 
 The drafter runs the whole block either way (one forward) but scores only the drafts the step verifies (its
 output layer over the vocabulary grows with the batch like the target's); verifying fewer drafts saves target
@@ -24,7 +25,9 @@ tree, if only trees are allowed).
 Under heavy load the target's forward is compute-bound and even the anchor and one draft may cost more than they
 commit; `auto` then also weighs a plain decoding step (PLAIN: the anchor alone, one token per request; its cost the
 target's decode step), which the engine runs overlapped as plain decoding does (specdec/engine/flight.py) while the
-drafter's context keeps up, so speculation resumes when the batch shrinks.
+drafter's context keeps up, so speculation resumes when the batch shrinks. What a speculative step takes beyond
+its measured GPU time (its host work, not hidden behind the GPU as an overlapped plain step's is) is learned from
+the wall time of decode-only speculative steps, per batch rung, and added to every speculative option's cost.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def tree_prior_gain(nodes: int) -> float:
 
 
 TREE = 0  # the choice "verify a token tree" (chain choices are their token counts)
+# the host overhead estimate follows the last ~10 decode-only speculative steps of its batch rung
+OVERHEAD_DECAY = 0.9
 PLAIN = 1  # the chain of the anchor alone: a plain decoding step
 
 
@@ -101,6 +106,7 @@ class VerifyPolicy:
         self.accepted = np.full(n, PRIOR_ACCEPTED)  # position i accepted, given 0..i-1 were
         self.seen = np.full(n, PRIOR_SEEN)  # position i verified with 0..i-1 accepted
         self.tree_tokens: dict[int, tuple[float, float]] = {}  # nodes -> (decayed committed tokens, steps)
+        self.overhead: dict[int, float] = {}  # batch rung -> seconds a speculative step takes beyond its GPU time
 
     @property
     def options(self) -> tuple[int, ...]:
@@ -114,6 +120,8 @@ class VerifyPolicy:
         seconds = self.costs.at(batch) if self.costs is not None and len(options) > 1 else None
         if seconds is None:
             return self.block_size if self.lengths or not trees else TREE
+        extra = self.overhead.get(self._rung(batch), 0.0)  # a plain step's host work is hidden (overlapped)
+        seconds = {o: s + (0.0 if o == PLAIN else extra) for o, s in seconds.items()}
         expected = self.expected_tokens()
 
         def rate(option: int) -> float:
@@ -121,6 +129,24 @@ class VerifyPolicy:
             return tokens / seconds[option]
 
         return max((o for o in options if o in seconds), key=lambda option: (rate(option), option))
+
+    def observe_seconds(self, option: int, batch: int, seconds: float) -> None:
+        """A decode-only speculative step of `batch` requests that chose `option` took `seconds` of wall time: what
+        it took beyond its measured GPU time updates the overhead of its batch rung."""
+        predicted = (self.costs.at(batch) or {}).get(option) if self.costs is not None else None
+        rung = self._rung(batch)
+        if predicted is None or rung is None:
+            return
+        extra = max(seconds - predicted, 0.0)
+        known = self.overhead.get(rung)
+        self.overhead[rung] = extra if known is None else OVERHEAD_DECAY * known + (1 - OVERHEAD_DECAY) * extra
+
+    def _rung(self, batch: int) -> int | None:
+        """The measured batch size a step of `batch` requests runs as (the whole chain's verify rungs)."""
+        if self.costs is None:
+            return None
+        by_rung = self.costs.verify.get(self.block_size) or next(iter(self.costs.verify.values()), {})
+        return next((r for r in sorted(by_rung) if r >= batch), None)
 
     def expected_tree_tokens(self, nodes: int) -> float:
         """Expected committed tokens per request of a tree step with `nodes` draft nodes."""

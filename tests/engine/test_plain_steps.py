@@ -190,3 +190,25 @@ def test_after_plain_steps_the_drafter_drafts_from_the_context_a_prefill_writes(
     prefilled, again, _ = first_draft_logits(dflash_engine(target_dir, tmp_path), prompt + tokens[:-1], params)
     assert again == [tokens[-1]]  # the same anchor: the text's greedy next token
     assert (after_plain - prefilled).abs().max().item() < 1e-4
+
+
+def test_decode_only_speculative_steps_teach_the_policy_their_overhead(target_dir, tmp_path):
+    """With costs far below what a CPU step takes, the wall time of decode-only speculative steps gives each rung an
+    overhead, which then makes plain steps pay: the engine switches to them, and outputs stay plain decoding's."""
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    prompts = MANY_PROMPTS[:4]
+    want = plain_outputs(target_dir, prompts, [params] * len(prompts))
+    engine = dflash_engine(target_dir, tmp_path, max_num_seqs=4, tree_nodes=3)
+    policy = engine.decoding.policy
+    rungs = {1: 1e-6, 2: 1e-6, 4: 1e-6}
+    # before any overhead is known the chain pays (4 tokens in 1 us against 1 in 1.5 us); a CPU step takes far longer
+    policy.costs = StepCosts(draft={}, verify={PLAIN: dict.fromkeys(rungs, 1.5e-6), 2: dict(rungs), 4: dict(rungs)})
+    policy.accepted[:] = policy.seen[:] = 1.0
+    launched = []
+    launch = engine.decoding.launch
+    engine.decoding.launch = lambda *args, **kwargs: (launched.append(1), launch(*args, **kwargs))[1]
+    requests = engine.generate_ids(prompts, params)
+    assert [r.output_ids for r in requests] == want
+    assert policy.overhead and all(seconds > 1e-4 for seconds in policy.overhead.values())
+    assert launched  # the learned overhead made plain steps pay
+    assert_no_leak(engine)

@@ -156,3 +156,21 @@ def test_the_drafter_reads_each_requests_features_after_a_short_verify(target_di
     assert short.shape[1] == 1 and block.shape[1] == 3  # a step scores only the drafts it verifies
     for i in same:  # the first draft, scored by both
         assert block[i, :1].tolist() == short[i].tolist(), i
+
+
+def test_a_speculative_steps_host_overhead_is_learned_from_its_wall_time():
+    """Decode-only speculative steps that take longer than their measured GPU time teach the policy their rung's
+    overhead, added to every speculative option and not to a plain step (overlapped: its host work is hidden)."""
+    from specdec.engine.verify_policy import PLAIN
+
+    costs = StepCosts(draft={2: {64: 0.5, 256: 1.0}}, verify={PLAIN: {64: 2.0, 256: 3.0}, 2: {64: 2.2, 256: 4.0},
+                                                              16: {64: 3.5, 256: 30.0}})
+    policy = VerifyPolicy(16, (PLAIN, 2, 16), costs)
+    policy.accepted[0], policy.seen[0] = 0.86, 1.0
+    assert policy.choose(200) == 2  # 1.86 / 5.0 against 1 / 3.0, with no overhead known
+    for _ in range(30):
+        policy.observe_seconds(2, 200, 7.0)  # 2 s beyond the measured 5 s
+    assert policy.overhead == {256: pytest.approx(2.0)} and policy.choose(200) == PLAIN  # 1.86 / 7.0 < 1 / 3.0
+    assert policy.choose(40) == 16  # another rung: nothing learned there
+    policy.observe_seconds(2, 300, 9.0)  # above the measured ladder: nothing to compare with
+    assert set(policy.overhead) == {256}
