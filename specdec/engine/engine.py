@@ -359,7 +359,9 @@ class Engine:
         if self.prefix_cache is not None:
             self._cache_committed_pages(self.scheduler.running)
         out.finished = self._retire()
-        if self.drafter is not None and decode and not (plain or landed or plan.prefill):
+        if plain:
+            self.decoding.policy.observe_plain(len(decode))
+        elif self.drafter is not None and decode and not (landed or plan.prefill):
             # a decode-only speculative step: its wall time tells the policy its host overhead
             self.decoding.policy.observe_seconds(self.decoding.option, len(decode), time.perf_counter() - start)
         return out

@@ -6,6 +6,7 @@
     policy.observe(accepted, q)            # how many drafts each request had accepted (a chain step)
     policy.observe_tree(accepted, nodes)   # the same for a tree step of `nodes` draft nodes per request
     policy.observe_seconds(q, batch, s)    # a decode-only speculative step's wall time (its host overhead)
+    policy.observe_plain(batch)            # a plain step ran: the overhead estimate fades
 
 The drafter runs the whole block either way (one forward) but scores only the drafts the step verifies (its
 output layer over the vocabulary grows with the batch like the target's); verifying fewer drafts saves target
@@ -52,6 +53,9 @@ def tree_prior_gain(nodes: int) -> float:
 TREE = 0  # the choice "verify a token tree" (chain choices are their token counts)
 # the host overhead estimate follows the last ~10 decode-only speculative steps of its batch rung
 OVERHEAD_DECAY = 0.9
+# a plain step measures no overhead: the estimate fades by 1% each, so that after some dozens of plain steps a
+# speculative step is tried again and measures it anew (an estimate never stays stuck on an early outlier)
+PLAIN_STEP_FADE = 0.99
 PLAIN = 1  # the chain of the anchor alone: a plain decoding step
 
 
@@ -140,6 +144,11 @@ class VerifyPolicy:
         extra = max(seconds - predicted, 0.0)
         known = self.overhead.get(rung)
         self.overhead[rung] = extra if known is None else OVERHEAD_DECAY * known + (1 - OVERHEAD_DECAY) * extra
+
+    def observe_plain(self, batch: int) -> None:
+        rung = self._rung(batch)
+        if rung in self.overhead:
+            self.overhead[rung] *= PLAIN_STEP_FADE
 
     def _rung(self, batch: int) -> int | None:
         """The measured batch size a step of `batch` requests runs as (the whole chain's verify rungs)."""

@@ -174,3 +174,8 @@ def test_a_speculative_steps_host_overhead_is_learned_from_its_wall_time():
     assert policy.choose(40) == 16  # another rung: nothing learned there
     policy.observe_seconds(2, 300, 9.0)  # above the measured ladder: nothing to compare with
     assert set(policy.overhead) == {256}
+    plain_steps = 0
+    while policy.choose(200) == PLAIN:  # plain steps measure nothing: the estimate fades until speculation is tried
+        policy.observe_plain(200)
+        plain_steps += 1
+    assert 20 < plain_steps < 200
