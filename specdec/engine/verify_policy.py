@@ -28,7 +28,8 @@ commit; `auto` then also weighs a plain decoding step (PLAIN: the anchor alone, 
 target's decode step), which the engine runs overlapped as plain decoding does (specdec/engine/flight.py) while the
 drafter's context keeps up, so speculation resumes when the batch shrinks. What a speculative step takes beyond
 its measured GPU time (its host work, not hidden behind the GPU as an overlapped plain step's is) is learned from
-the wall time of decode-only speculative steps, per batch rung, and added to every speculative option's cost.
+the wall time of decode-only speculative steps, per batch rung, and added to the best speculative option's cost
+when it is weighed against a plain step (the speculative options are compared among themselves as before).
 """
 
 from __future__ import annotations
@@ -124,15 +125,20 @@ class VerifyPolicy:
         seconds = self.costs.at(batch) if self.costs is not None and len(options) > 1 else None
         if seconds is None:
             return self.block_size if self.lengths or not trees else TREE
-        extra = self.overhead.get(self._rung(batch), 0.0)  # a plain step's host work is hidden (overlapped)
-        seconds = {o: s + (0.0 if o == PLAIN else extra) for o, s in seconds.items()}
         expected = self.expected_tokens()
 
-        def rate(option: int) -> float:
+        def rate(option: int, extra: float = 0.0) -> float:
             tokens = self.expected_tree_tokens(tree_nodes) if option == TREE else expected[option - 1]
-            return tokens / seconds[option]
+            return tokens / (seconds[option] + extra)
 
-        return max((o for o in options if o in seconds), key=lambda option: (rate(option), option))
+        # the speculative options compared by their GPU times; the best of them against a plain step with its host
+        # overhead added (a plain step's is hidden: it runs overlapped)
+        speculative = [o for o in options if o in seconds and o != PLAIN]
+        best = max(speculative, key=lambda option: (rate(option), option)) if speculative else PLAIN
+        if PLAIN in options and PLAIN in seconds and (
+                best == PLAIN or 1.0 / seconds[PLAIN] > rate(best, self.overhead.get(self._rung(batch), 0.0))):
+            return PLAIN
+        return best
 
     def observe_seconds(self, option: int, batch: int, seconds: float) -> None:
         """A decode-only speculative step of `batch` requests that chose `option` took `seconds` of wall time: what
