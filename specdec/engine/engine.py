@@ -344,6 +344,7 @@ class Engine:
         # after the step in flight has landed. With a drafter, the policy's plain steps (no draft pays at this
         # batch) run overlapped as well; a speculative step needs the tokens in flight on the host first
         plain = self.drafter is not None and bool(decode) and self.decoding.plain_pays(decode)
+        steady = self.flight is not None
         in_order = (self.overlap and any(adjusts_logits(r.params) for r in decode)) or (
             self.drafter is not None and not plain)
         landed = in_order and self.flight is not None
@@ -359,11 +360,11 @@ class Engine:
         if self.prefix_cache is not None:
             self._cache_committed_pages(self.scheduler.running)
         out.finished = self._retire()
-        if plain:
-            self.decoding.policy.observe_plain(len(decode))
-        elif self.drafter is not None and decode and not (landed or plan.prefill):
-            # a decode-only speculative step: its wall time tells the policy its host overhead
-            self.decoding.policy.observe_seconds(self.decoding.option, len(decode), time.perf_counter() - start)
+        if self.drafter is not None and decode and not (landed or plan.prefill) and (steady or not plain):
+            # a decode-only step's wall time tells the policy what its kind takes beyond its measured cost (an
+            # overlapped plain step's once one was in flight before it: then it waits for its predecessor's GPU work)
+            option = PLAIN if plain else self.decoding.option
+            self.decoding.policy.observe_seconds(option, len(decode), time.perf_counter() - start)
         return out
 
     def run(self, requests: list[Request], on_commit: OnCommit | None = None) -> None:

@@ -5,8 +5,7 @@
                                            # q = PLAIN (1): a plain decoding step, no draft
     policy.observe(accepted, q)            # how many drafts each request had accepted (a chain step)
     policy.observe_tree(accepted, nodes)   # the same for a tree step of `nodes` draft nodes per request
-    policy.observe_seconds(q, batch, s)    # a decode-only speculative step's wall time (its host overhead)
-    policy.observe_plain(batch)            # a plain step ran: the overhead estimate fades
+    policy.observe_seconds(q, batch, s)    # a decode-only step's wall time: what it takes beyond its measured cost
 
 The drafter runs the whole block either way (one forward) but scores only the drafts the step verifies (its
 output layer over the vocabulary grows with the batch like the target's); verifying fewer drafts saves target
@@ -26,10 +25,13 @@ tree, if only trees are allowed).
 Under heavy load the target's forward is compute-bound and even the anchor and one draft may cost more than they
 commit; `auto` then also weighs a plain decoding step (PLAIN: the anchor alone, one token per request; its cost the
 target's decode step), which the engine runs overlapped as plain decoding does (specdec/engine/flight.py) while the
-drafter's context keeps up, so speculation resumes when the batch shrinks. What a speculative step takes beyond
-its measured GPU time (its host work, not hidden behind the GPU as an overlapped plain step's is) is learned from
-the wall time of decode-only speculative steps, per batch rung, and added to the best speculative option's cost
-when it is weighed against a plain step (the speculative options are compared among themselves as before).
+drafter's context keeps up, so speculation resumes when the batch shrinks. The start-up costs are measured on
+short contexts: under load both kinds of step take longer, by different amounts (a speculative step's host work is
+not hidden behind the GPU as an overlapped plain step's is; its verify attends over the context with q tokens per
+request, a plain step's with one; a plain step also writes the drafter's context). So what each kind takes beyond
+its measured cost is learned from the wall time of decode-only steps, per batch rung, and added when the best
+speculative option is weighed against a plain step (the speculative options are compared among themselves by their
+measured costs, as before).
 """
 
 from __future__ import annotations
@@ -52,11 +54,11 @@ def tree_prior_gain(nodes: int) -> float:
 
 
 TREE = 0  # the choice "verify a token tree" (chain choices are their token counts)
-# the host overhead estimate follows the last ~10 decode-only speculative steps of its batch rung
+# an overhead estimate follows the last ~10 decode-only steps of its kind (speculative or plain) and batch rung
 OVERHEAD_DECAY = 0.9
-# a plain step measures no overhead: the estimate fades by 1% each, so that after some dozens of plain steps a
-# speculative step is tried again and measures it anew (an estimate never stays stuck on an early outlier)
-PLAIN_STEP_FADE = 0.99
+# a step of one kind measures nothing of the other: the other's estimate fades by 1% each, so that after some
+# dozens of steps of one kind the other is tried again and measured anew (no estimate stays stuck on an outlier)
+OTHER_KIND_FADE = 0.99
 PLAIN = 1  # the chain of the anchor alone: a plain decoding step
 
 
@@ -111,7 +113,8 @@ class VerifyPolicy:
         self.accepted = np.full(n, PRIOR_ACCEPTED)  # position i accepted, given 0..i-1 were
         self.seen = np.full(n, PRIOR_SEEN)  # position i verified with 0..i-1 accepted
         self.tree_tokens: dict[int, tuple[float, float]] = {}  # nodes -> (decayed committed tokens, steps)
-        self.overhead: dict[int, float] = {}  # batch rung -> seconds a speculative step takes beyond its GPU time
+        # (batch rung, plain step?) -> seconds a step of that kind takes beyond its measured cost
+        self.overhead: dict[tuple[int, bool], float] = {}
 
     @property
     def options(self) -> tuple[int, ...]:
@@ -131,30 +134,32 @@ class VerifyPolicy:
             tokens = self.expected_tree_tokens(tree_nodes) if option == TREE else expected[option - 1]
             return tokens / (seconds[option] + extra)
 
-        # the speculative options compared by their GPU times; the best of them against a plain step with its host
-        # overhead added (a plain step's is hidden: it runs overlapped)
+        # the speculative options compared by their measured costs; the best of them against a plain step, each
+        # with the overhead learned for its kind at this rung
         speculative = [o for o in options if o in seconds and o != PLAIN]
         best = max(speculative, key=lambda option: (rate(option), option)) if speculative else PLAIN
-        if PLAIN in options and PLAIN in seconds and (
-                best == PLAIN or 1.0 / seconds[PLAIN] > rate(best, self.overhead.get(self._rung(batch), 0.0))):
+        if PLAIN in options and PLAIN in seconds and (best == PLAIN or rate(PLAIN, self._overhead(batch, True))
+                                                      > rate(best, self._overhead(batch, False))):
             return PLAIN
         return best
 
     def observe_seconds(self, option: int, batch: int, seconds: float) -> None:
-        """A decode-only speculative step of `batch` requests that chose `option` took `seconds` of wall time: what
-        it took beyond its measured GPU time updates the overhead of its batch rung."""
+        """A decode-only step of `batch` requests that chose `option` (PLAIN: a plain step, overlapped) took `seconds`
+        of wall time: what it took beyond its measured cost updates the overhead of its kind at its batch rung, and
+        the other kind's estimate there fades."""
         predicted = (self.costs.at(batch) or {}).get(option) if self.costs is not None else None
         rung = self._rung(batch)
         if predicted is None or rung is None:
             return
+        plain = option == PLAIN
         extra = max(seconds - predicted, 0.0)
-        known = self.overhead.get(rung)
-        self.overhead[rung] = extra if known is None else OVERHEAD_DECAY * known + (1 - OVERHEAD_DECAY) * extra
+        known = self.overhead.get((rung, plain))
+        self.overhead[rung, plain] = extra if known is None else OVERHEAD_DECAY * known + (1 - OVERHEAD_DECAY) * extra
+        if (rung, not plain) in self.overhead:
+            self.overhead[rung, not plain] *= OTHER_KIND_FADE
 
-    def observe_plain(self, batch: int) -> None:
-        rung = self._rung(batch)
-        if rung in self.overhead:
-            self.overhead[rung] *= PLAIN_STEP_FADE
+    def _overhead(self, batch: int, plain: bool) -> float:
+        return self.overhead.get((self._rung(batch), plain), 0.0)
 
     def _rung(self, batch: int) -> int | None:
         """The measured batch size a step of `batch` requests runs as (the whole chain's verify rungs)."""

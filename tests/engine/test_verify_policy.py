@@ -158,9 +158,9 @@ def test_the_drafter_reads_each_requests_features_after_a_short_verify(target_di
         assert block[i, :1].tolist() == short[i].tolist(), i
 
 
-def test_a_speculative_steps_host_overhead_is_learned_from_its_wall_time():
-    """Decode-only speculative steps that take longer than their measured GPU time teach the policy their rung's
-    overhead, added to every speculative option and not to a plain step (overlapped: its host work is hidden)."""
+def test_what_each_kind_of_step_takes_beyond_its_measured_cost_is_learned_from_its_wall_time():
+    """Decode-only steps that take longer than their measured cost teach the policy their rung's overhead, one per
+    kind: the best speculative option carries the speculative steps', a plain step the plain steps'."""
     from specdec.engine.verify_policy import PLAIN
 
     costs = StepCosts(draft={2: {64: 0.5, 256: 1.0}}, verify={PLAIN: {64: 2.0, 256: 3.0}, 2: {64: 2.2, 256: 4.0},
@@ -170,12 +170,29 @@ def test_a_speculative_steps_host_overhead_is_learned_from_its_wall_time():
     assert policy.choose(200) == 2  # 1.86 / 5.0 against 1 / 3.0, with no overhead known
     for _ in range(30):
         policy.observe_seconds(2, 200, 7.0)  # 2 s beyond the measured 5 s
-    assert policy.overhead == {256: pytest.approx(2.0)} and policy.choose(200) == PLAIN  # 1.86 / 7.0 < 1 / 3.0
+    assert policy.overhead == {(256, False): pytest.approx(2.0, rel=0.01)}
+    assert policy.choose(200) == PLAIN  # 1.86 / 7.0 < 1 / 3.0
     assert policy.choose(40) == 16  # another rung: nothing learned there
     policy.observe_seconds(2, 300, 9.0)  # above the measured ladder: nothing to compare with
-    assert set(policy.overhead) == {256}
-    plain_steps = 0
-    while policy.choose(200) == PLAIN:  # plain steps measure nothing: the estimate fades until speculation is tried
-        policy.observe_plain(200)
-        plain_steps += 1
-    assert 20 < plain_steps < 200
+    assert set(policy.overhead) == {(256, False)}
+    for _ in range(30):
+        policy.observe_seconds(PLAIN, 200, 4.0)  # plain steps take 1 s beyond their measured 3 s
+    assert policy.overhead[256, True] == pytest.approx(1.0, rel=0.01)
+    assert policy.choose(200) == 2  # 1 / 4.0 < 1.86 / (5.0 + the faded 2 * 0.99 ** 30)
+
+
+def test_an_estimate_the_running_kind_cannot_refresh_fades_until_the_other_kind_is_tried():
+    """Steps of one kind measure nothing of the other: its estimate fades by 1% a step, so the other kind is tried
+    again after some dozens of steps, whichever kind an early outlier had ruled out."""
+    from specdec.engine.verify_policy import PLAIN
+
+    costs = StepCosts(draft={2: {256: 1.0}}, verify={PLAIN: {256: 3.0}, 2: {256: 4.0}})
+    for outlier, running in ((PLAIN, 2), (2, PLAIN)):
+        policy = VerifyPolicy(16, (PLAIN, 2, 16), costs)
+        policy.accepted[0], policy.seen[0] = 0.86, 1.0
+        policy.observe_seconds(outlier, 200, 20.0)  # one slow step of the kind not running now
+        steps = 0
+        while policy.choose(200) == running and steps < 1000:
+            policy.observe_seconds(running, 200, costs.at(200)[running] + (1.0 if running == PLAIN else 2.0))
+            steps += 1
+        assert 20 < steps < 400, (outlier, steps)
