@@ -140,8 +140,8 @@ class SpeculativeDecoding:
     def plain_pays(self, running: list[Request]) -> bool:
         """Whether the policy runs the step of `running` as a plain decoding step (PLAIN): no draft pays at this
         batch. Not for requests whose tokens the host must follow one by one (penalties, grammars)."""
-        return (PLAIN in self.policy.lengths and not any(adjusts_logits(r.params) for r in running)
-                and self.policy.choose(len(running), trees=False) == PLAIN)
+        return (PLAIN in self.policy.lengths and self.policy.choose(len(running), trees=False) == PLAIN
+                and not any(adjusts_logits(r.params) for r in running))
 
     @torch.no_grad()
     def launch(self, running: list[Request], prefill: PrefillChunks | None, carried: Carried | None,

@@ -37,7 +37,7 @@ measured costs, as before).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -82,12 +82,19 @@ class StepCosts:
 
     draft: dict[int, dict[int, float]]  # option -> {rung: seconds} (an option missing: a drafter not measured)
     verify: dict[int, dict[int, float]]  # option -> {rung: seconds}
+    # batch -> at(batch): the policy asks several times a step, and the costs never change once measured
+    _at: dict[int, dict[int, float] | None] = field(default_factory=dict, compare=False, repr=False)
 
     def at(self, batch: int) -> dict[int, float] | None:
         """{option: seconds of a whole step} for a step of `batch` requests, each part at the smallest of its
         measured rungs that holds the batch; options whose verify is measured at none are left out (trees
         above the batches they are measured for). None when no chain length is measured there (above the
         ladder: an eager step, not measured)."""
+        if batch not in self._at:
+            self._at[batch] = self._measured_at(batch)
+        return self._at[batch]
+
+    def _measured_at(self, batch: int) -> dict[int, float] | None:
         def at_rung(by_rung: dict[int, float]) -> float | None:
             rung = next((r for r in sorted(by_rung) if r >= batch), None)
             return None if rung is None else by_rung[rung]
