@@ -38,8 +38,9 @@ if wanted vllm; then  # the same multiturn levels against vLLM's server: DFlash,
   bash scripts/peers/install.sh vllm || exit 1
   stage "vLLM's server (DFlash, prefix caching), starting"
   model_dir=$(python3 -c "from specdec.weights.demo_models import resolve_model; print(resolve_model('$target'))")
-  MAX_NUM_SEQS=32 bash scripts/peers/vllm_server.sh "$model_dir" \
-    "$(pwd)/drafters/checkpoints/qwen2.5-coder-1.5b-dflash-b16" 8123 || exit 1
+  # vLLM reads plain bf16 weights, not the shipped drafter's compact storage
+  python3 scripts/export_drafter.py qwen2.5-coder-1.5b-dflash-b16 /tmp/drafter-bf16 || exit 1
+  MAX_NUM_SEQS=32 bash scripts/peers/vllm_server.sh "$model_dir" /tmp/drafter-bf16 8123 || exit 1
   for levels in ${LEVELS:-1 8,32}; do
     n=$([ "$levels" = 1 ] && echo 6 || echo 64)
     stage "vLLM, multiturn, concurrency $levels, $n conversations"

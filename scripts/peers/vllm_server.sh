@@ -3,6 +3,8 @@
 # first), the shipped drafter as its DFlash speculator with the settings scripts/bench/peer_worker.py gives it, and
 # vLLM's prefix caching on, for `scripts/bench_serve.py --base-url http://127.0.0.1:PORT`.
 #   bash scripts/peers/vllm_server.sh MODEL_DIR DRAFTER_DIR PORT [more vLLM server args]
+# DRAFTER_DIR in plain bf16 weights (`python scripts/export_drafter.py NAME DIR`): vLLM cannot read the shipped
+# drafters' compact storage.
 # Returns once /health answers (or fails after 900 s: DFlash's engine build alone takes ~210 s); the server's pid is
 # in /tmp/vllm-server.pid, its log in /tmp/vllm-server.log. Stop it with `kill $(cat /tmp/vllm-server.pid)`.
 set -euo pipefail
