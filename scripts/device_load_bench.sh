@@ -7,7 +7,7 @@
 #   profile  where a step's time goes (wall against GPU busy time): steps with and without arrivals at 64 on the
 #            mixed set, and at 256 on the coding requests
 #   ab       this checkout against BASELINE on math500 and the coding requests at AB_LEVELS (64 128 256),
-#            alternating, twice
+#            alternating, twice (the second time the baseline first)
 #   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_load_bench.sh > /tmp/load/run.log 2>&1 &
 #   watch:  tail /tmp/load/run.log; results in /tmp/load/*.json, *.md
 # The GGUFs as for scripts/device_job.sh. BASELINE: a directory holding the baseline's packages (e.g. `git archive
@@ -38,12 +38,17 @@ if wanted profile; then
   load profile-code-256 "$here" --dataset code --concurrency 256 --profile 256
 fi
 if wanted ab && [ -n "${BASELINE:-}" ]; then
+  # the second round runs the baseline first: a machine that drifts during the job favours neither side
   for round in 1 2; do
     for dataset in math500 code; do
-      # shellcheck disable=SC2086
-      load "new-$dataset-$round" "$here" --dataset "$dataset" --concurrency ${AB_LEVELS:-64 128 256}
-      # shellcheck disable=SC2086
-      load "old-$dataset-$round" "$BASELINE" --dataset "$dataset" --concurrency ${AB_LEVELS:-64 128 256}
+      sides="new old"
+      [ "$round" = 2 ] && sides="old new"
+      for side in $sides; do
+        dir=$here
+        [ "$side" = old ] && dir=$BASELINE
+        # shellcheck disable=SC2086
+        load "$side-$dataset-$round" "$dir" --dataset "$dataset" --concurrency ${AB_LEVELS:-64 128 256}
+      done
     done
   done
 fi
