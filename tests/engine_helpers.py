@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from drafters import load_drafter
@@ -68,6 +69,15 @@ def run_staggered(engine, prompts, params_list) -> list:
     while engine.has_unfinished_requests:
         engine.step()
     return requests
+
+
+def assert_logprobs_close(got, want, atol=1e-4):
+    """Two requests' output logprobs: the same tokens, their logprobs and the top alternatives' within atol."""
+    assert [t.token for t in got] == [t.token for t in want]
+    for a, b in zip(got, want):
+        assert a.logprob == pytest.approx(b.logprob, abs=atol)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top] or all(
+            x == pytest.approx(y, abs=atol) for (_, x), (_, y) in zip(a.top, b.top))  # ties may swap places
 
 
 def assert_no_leak(engine):

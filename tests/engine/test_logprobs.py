@@ -6,7 +6,8 @@ import torch
 
 from specdec.engine.sampling_params import SamplingParams
 from tests.conftest import build_tiny_model
-from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, spec_engine, tiny_engine
+from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, dflash_drafter, spec_engine,
+                                  tiny_engine)
 
 ASK = SamplingParams(max_new_tokens=11, logprobs=4)
 
@@ -25,14 +26,6 @@ def direct_logprobs(engine, prompt: list[int], output: list[int]) -> torch.Tenso
     for n in range(len(prompt), len(ids)):  # the logits that chose ids[n]
         rows.append(torch.log_softmax(engine.next_token_logits(ids[:n]), dim=-1))
     return torch.stack(rows)
-
-
-def assert_logprobs_close(got, want, atol=1e-4):
-    assert [t.token for t in got] == [t.token for t in want]
-    for a, b in zip(got, want):
-        assert a.logprob == pytest.approx(b.logprob, abs=atol)
-        assert [t for t, _ in a.top] == [t for t, _ in b.top] or all(
-            x == pytest.approx(y, abs=atol) for (_, x), (_, y) in zip(a.top, b.top))  # ties may swap places
 
 
 @pytest.mark.parametrize("overlap", [True, False])

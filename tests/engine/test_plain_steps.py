@@ -11,7 +11,8 @@ import pytest
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import PLAIN, TREE, StepCosts, VerifyPolicy, verify_lengths
 from tests.conftest import VOCAB, build_tiny_model
-from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, run_staggered, spec_engine
+from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, dflash_drafter, run_staggered,
+                                  spec_engine)
 
 EOS = (2, 9)
 
@@ -68,6 +69,22 @@ def test_switching_between_plain_steps_and_speculation_keeps_plain_decodings_out
     requests = run_staggered(engine, MANY_PROMPTS, params_list)
     assert [r.output_ids for r in requests] == want
     assert counts["plain"] > 5 and counts["speculative"] > 5
+    assert_no_leak(engine)
+
+
+def test_logprobs_through_plain_steps_and_chains_are_plain_decodings(target_dir, tmp_path):
+    """Requests that ask for logprobs run plain steps too (only penalties and grammars keep to speculation): each
+    token's logprob and top alternatives are plain decoding's, whichever kind of step committed it."""
+    params_list = [SamplingParams(max_new_tokens=8 + 3 * i, logprobs=3) for i in range(len(MANY_PROMPTS))]
+    plain = spec_engine(target_dir, None, eos=EOS)
+    want = [plain.generate_ids([p], params)[0] for p, params in zip(MANY_PROMPTS, params_list)]
+    engine = dflash_engine(target_dir, tmp_path, max_num_seqs=4, max_prefill_tokens=9)
+    counts = random_choices(engine, 1, (PLAIN, 2, 4))
+    requests = run_staggered(engine, MANY_PROMPTS, params_list)
+    assert counts["plain"] > 5 and counts["speculative"] > 5
+    for got, expected in zip(requests, want):
+        assert got.output_ids == expected.output_ids
+        assert_logprobs_close(got.output_logprobs, expected.output_logprobs)
     assert_no_leak(engine)
 
 
