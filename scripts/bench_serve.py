@@ -34,8 +34,9 @@ content chunks (ITL per chunk; a speculative server sends several tokens per chu
 divides each gap by the request's tokens per chunk), TPOT = (e2e - TTFT) / (completion tokens - 1)
 from the server's usage, e2e latency. Per server and level (`scripts/bench/latency_summary.py`):
 requests/s, output and total tokens/s (also as a ratio to the first server's at the same level),
-mean / median / p90 / p99 of each latency, failures, and the server's mean acceptance length over the
-level where its /metrics has a `specdec_acceptance_length` histogram (`scripts/bench/acceptance_metrics.py`).
+mean / median / p90 / p99 of each latency, failures, and, where the server's /metrics has them, its mean
+acceptance length over the level and its mean time from a request's arrival in the engine to the first token
+(`scripts/bench/server_metrics.py`).
 The load generator's own CPU use per level is recorded too, with a warning when it nears one core.
 
 Prints two Markdown tables and writes --output (default results/bench-serve-<date>.json: command line,
@@ -67,7 +68,7 @@ if str(ROOT) not in sys.path:  # run as `python scripts/bench_serve.py`: the rep
 import httpx  # noqa: E402
 
 from scripts.bench import serving_report  # noqa: E402
-from scripts.bench.acceptance_metrics import acceptance_between, read_acceptance_totals  # noqa: E402
+from scripts.bench.server_metrics import ACCEPTANCE_LENGTH, TIME_TO_FIRST_TOKEN, mean_between, read_totals  # noqa: E402
 from scripts.bench.chat_prompts import DATASETS, ChatPrompt, load_prompts, take  # noqa: E402
 from scripts.bench.chat_request import SamplingSettings, send_chat_request, send_conversation  # noqa: E402
 from scripts.bench.host_environment import environment  # noqa: E402
@@ -231,15 +232,17 @@ async def measure_level(client, http: httpx.AsyncClient, base_url: str, model: s
             return send_conversation(client, model, prompt, sampling, args.request_timeout_s)
         return send_chat_request(client, model, prompt, sampling, args.request_timeout_s)
 
-    before = await read_acceptance_totals(http, base_url)
+    before = await read_totals(http, base_url)
     cpu_before = time.process_time()
     run = await run_level(send, take(prompts, level.num_prompts), level, args.seed, deadline.left())
     client_cpu_s = time.process_time() - cpu_before
-    after = await read_acceptance_totals(http, base_url)
+    after = await read_totals(http, base_url)
     summary = summarize(run.records, run.duration_s)
     # near 1, the load generator's one event loop was saturated: the numbers may measure the client
     client_cpu_share = client_cpu_s / run.duration_s if run.duration_s > 0 else None
-    summary.update(unfinished=run.unfinished, acceptance_length=acceptance_between(before, after),
+    engine_ttft_s = mean_between(before, after, TIME_TO_FIRST_TOKEN)
+    summary.update(unfinished=run.unfinished, acceptance_length=mean_between(before, after, ACCEPTANCE_LENGTH),
+                   engine_ttft_ms=None if engine_ttft_s is None else engine_ttft_s * 1e3,
                    client_cpu_share=client_cpu_share)
     return {"level": level.as_dict(), "summary": summary, "requests": [r.as_dict() for r in run.records]}
 

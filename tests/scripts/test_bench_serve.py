@@ -1,6 +1,7 @@
 """scripts/bench_serve.py without the real engine: the statistics on hand-made records (exact values),
 the prompt sets, the Poisson schedule, and whole runs against a stand-in OpenAI-compatible server defined
-here (streamed fixed chunks, a usage chunk, a Prometheus acceptance histogram), in a thread and, for
+here (streamed fixed chunks, a usage chunk, Prometheus acceptance and time-to-first-token histograms), in a
+thread and, for
 --serve, launched as `python -m tests.scripts.test_bench_serve --port N`."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ COMPLETION_TOKENS = 7  # what the usage chunk says: several tokens per chunk, as
 PROMPT_TOKENS = 11
 CHUNK_DELAY_S = 0.01
 ACCEPTANCE_STEPS = (3.0, 1.0)  # observed per answer: the acceptance length mean is 2.0
+ENGINE_TTFT_S = 0.003  # the engine's time to first token the stand-in reports per answer
 STALL_MARKER = "__stall__"  # a prompt holding this gets no answer for STALL_S
 STALL_S = 5.0
 FAIL_MARKER = "__fail__"  # a prompt holding this gets an error event after its first chunk
@@ -40,6 +42,8 @@ def stand_in_app() -> FastAPI:
     registry = CollectorRegistry()
     acceptance = Histogram("specdec_acceptance_length", "tokens per verify step", buckets=(1, 2, 3, 4),
                            registry=registry)
+    engine_ttft = Histogram("specdec_time_to_first_token_seconds", "arrival to first token", buckets=(0.01, 0.1),
+                            registry=registry)
 
     def chunk(**fields) -> str:
         body = {"id": "cmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL, **fields}
@@ -85,6 +89,7 @@ def stand_in_app() -> FastAPI:
             yield chunk(choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}])
             for length in ACCEPTANCE_STEPS:
                 acceptance.observe(length)
+            engine_ttft.observe(ENGINE_TTFT_S)
             if (body.get("stream_options") or {}).get("include_usage"):
                 cached = CACHED_TOKENS if len(body["messages"]) > 2 else 0
                 yield chunk(choices=[], usage={"prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS,
@@ -174,23 +179,35 @@ def test_tpot_needs_two_tokens_and_no_duration_gives_no_rate():
     assert s["tpot_ms"]["mean"] is None and s["request_throughput"] is None
 
 
-def test_acceptance_length_from_metrics_deltas():
+def test_the_servers_own_means_over_a_level_from_metrics_deltas():
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from scripts.bench.acceptance_metrics import ACCEPTANCE_LENGTH, acceptance_between, histogram_totals
+    from scripts.bench.server_metrics import ACCEPTANCE_LENGTH, TIME_TO_FIRST_TOKEN, histogram_totals, mean_between
 
     registry = CollectorRegistry()
-    histogram = Histogram(ACCEPTANCE_LENGTH, "x", buckets=(1, 2, 4, 8), registry=registry)
-    histogram.observe(8)  # before the level: must not count
-    before = histogram_totals(generate_latest(registry).decode(), ACCEPTANCE_LENGTH)
+    acceptance = Histogram(ACCEPTANCE_LENGTH, "x", buckets=(1, 2, 4, 8), registry=registry)
+    ttft = Histogram(TIME_TO_FIRST_TOKEN, "x", buckets=(0.01, 0.1), registry=registry)
+
+    def read() -> dict:
+        text = generate_latest(registry).decode()
+        return {name: histogram_totals(text, name) for name in (ACCEPTANCE_LENGTH, TIME_TO_FIRST_TOKEN)}
+
+    acceptance.observe(8)  # before the level: must not count
+    ttft.observe(1.0)
+    before = read()
     for length in (2, 3, 4):
-        histogram.observe(length)
-    after = histogram_totals(generate_latest(registry).decode(), ACCEPTANCE_LENGTH)
-    assert before == (8.0, 1.0) and after == (17.0, 4.0)
-    assert acceptance_between(before, after) == pytest.approx(3.0)
-    assert acceptance_between(after, after) is None  # no verify step (plain decoding)
+        acceptance.observe(length)
+    after = read()
+    assert before[ACCEPTANCE_LENGTH] == (8.0, 1.0) and after[ACCEPTANCE_LENGTH] == (17.0, 4.0)
+    assert mean_between(before, after, ACCEPTANCE_LENGTH) == pytest.approx(3.0)
+    assert mean_between(before, after, TIME_TO_FIRST_TOKEN) is None  # no request arrived in the level
+    ttft.observe(0.004)
+    ttft.observe(0.006)
+    assert mean_between(before, read(), TIME_TO_FIRST_TOKEN) == pytest.approx(0.005)
+    assert mean_between(after, after, ACCEPTANCE_LENGTH) is None  # no verify step (plain decoding)
     assert histogram_totals("# TYPE other counter\nother_total 1\n", ACCEPTANCE_LENGTH) is None
-    assert acceptance_between(None, after) is None
+    assert mean_between(None, after, ACCEPTANCE_LENGTH) is None
+    assert mean_between({}, after, ACCEPTANCE_LENGTH) is None  # a server without the histogram
 
 
 # ---- prompts and arrivals --------------------------------------------------------------------------
@@ -342,12 +359,13 @@ def test_concurrency_levels_end_to_end(stand_in, tmp_path, capsys):
         assert s["output_tokens"] == 6 * COMPLETION_TOKENS and s["prompt_tokens"] == 6 * PROMPT_TOKENS
         assert s["tokens_per_chunk"] == pytest.approx(COMPLETION_TOKENS / len(CHUNKS))
         assert s["acceptance_length"] == pytest.approx(2.0)  # this level's steps only, not the warm-up's
+        assert s["engine_ttft_ms"] == pytest.approx(ENGINE_TTFT_S * 1e3)
         assert s["output_throughput"] == pytest.approx(s["output_tokens"] / s["duration_s"])
         assert len(level["requests"]) == 6 and all(r["ok"] for r in level["requests"])
     c1, c4 = (level["summary"]["duration_s"] for level in server["levels"])
     assert c4 < c1  # four in flight at once finish sooner than one at a time
     markdown = out.with_suffix(".md").read_text()
-    assert "| C=4 | stand-in | 6 | 0 | 0 |" in markdown and "2.00 |" in markdown
+    assert "| C=4 | stand-in | 6 | 0 | 0 |" in markdown and "2.00 |" in markdown and "| 3.0 |" in markdown
     printed = capsys.readouterr().out
     assert "## Throughput" in printed and "| C=1 | stand-in |" in printed
 
