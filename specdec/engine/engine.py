@@ -347,7 +347,7 @@ class Engine:
         steady = self.flight is not None
         in_order = (self.overlap and any(adjusts_logits(r.params) for r in decode)) or (
             self.drafter is not None and not plain)
-        landed = in_order and self.flight is not None
+        landed = in_order and steady
         if landed:
             self._overlapped([], [], commit)
             decode = [r for r in decode if not r.finished]
