@@ -85,7 +85,7 @@ class SpeculativeDecoding:
         queued = self.drafter.queued_length  # a draft queued ahead, chosen for the batch of its time
         if queued is not None:
             q = min(q, queued + 1)
-        self.verify_length = q
+        self.option = self.verify_length = q  # the chain that runs: its wall time is weighed against its cost
         starts = [r.num_cached for r in running]
         drafts = self.drafter.propose(running, q - 1)[:, :q - 1]  # [B, q-1] on the device
         # grammars walk the drafts on the host: their copy is queued before the verify, which runs while the
