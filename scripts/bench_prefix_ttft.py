@@ -57,8 +57,8 @@ def word_ids(text: str) -> list[int]:
 def turns(encode, repeat: int, assistant_words: int, count: int) -> list[tuple[list[int], list[int]]]:
     """(turn 1, turn 2) token ids of `count` conversations, through `encode` (text -> ids)."""
     out = []
-    for conversation in load_prompts("multiturn", 0)[:count]:
-        first = encode(conversation.system * repeat) + encode(conversation.text)
+    for conversation in load_prompts("multiturn", 0, repeat)[:count]:
+        first = encode(conversation.system) + encode(conversation.text)
         out.append((first, first + encode("x " * assistant_words) + encode(conversation.follow_ups[0])))
     return out
 

@@ -1,7 +1,7 @@
 """Load generator for OpenAI-compatible servers, in the spirit of `vllm bench serve`.
 
     python scripts/bench_serve.py (--base-url URL [--label NAME] | --serve [LABEL=]"SERVER ARGS" ...)
-        [--model NAME] [--dataset math500|code|mixed|multiturn]
+        [--model NAME] [--dataset math500|code|mixed|multiturn] [--system-repeat 1]
         [--concurrency 1,8,32,64 | --request-rate R[,R...] [--max-concurrency C]]
         [--num-prompts N] [--max-tokens 512] [--temperature 0] [--seed 0] [--ignore-eos]
         [--warmup-requests 4] [--warmup-tokens 16] [--request-timeout-s 600] [--time-limit-s 3600]
@@ -23,7 +23,8 @@ tokens each), not measured.
 Prompts (`scripts/bench/chat_prompts.py`): math500 (eval/data, with the eval's instruction), code
 (everyday coding requests, scripts/bench/code_requests.jsonl), mixed (both, equally) or multiturn
 (conversations of 3-5 turns under a shared system prompt, each turn sent with the conversation so far
-once the previous answer arrived; the level's concurrency and --num-prompts count conversations). Every
+once the previous answer arrived; the level's concurrency and --num-prompts count conversations;
+--system-repeat N sends N copies of the system prompt, ~500 tokens each). Every
 server and level gets the same prompts in the same seeded order. Each request is one user turn through
 /v1/chat/completions with the official `openai` client, streamed with usage included, no retries.
 With conversations the report adds TTFT of first and later turns and the share of later turns' prompt
@@ -68,7 +69,8 @@ if str(ROOT) not in sys.path:  # run as `python scripts/bench_serve.py`: the rep
 import httpx  # noqa: E402
 
 from scripts.bench import serving_report  # noqa: E402
-from scripts.bench.server_metrics import ACCEPTANCE_LENGTH, TIME_TO_FIRST_TOKEN, mean_between, read_totals  # noqa: E402
+from scripts.bench.server_metrics import (  # noqa: E402
+    ACCEPTANCE_LENGTH, SERVER_TIME_TO_FIRST_TOKEN, TIME_TO_FIRST_TOKEN, mean_between, read_totals)
 from scripts.bench.chat_prompts import DATASETS, ChatPrompt, load_prompts, take  # noqa: E402
 from scripts.bench.chat_request import SamplingSettings, send_chat_request, send_conversation  # noqa: E402
 from scripts.bench.host_environment import environment  # noqa: E402
@@ -139,6 +141,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--label", default="server", help="the --base-url server's name in the report")
     p.add_argument("--model", default=None, help="model name sent (default: the first of the server's /v1/models)")
     p.add_argument("--dataset", choices=DATASETS, default="math500")
+    p.add_argument("--system-repeat", type=int, default=1,
+                   help="multiturn: copies of the shared system prompt (long ones, as agents and retrieval send)")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int_list, default=None,
                       help="requests in flight, a comma-separated list of levels (default 1,8,32,64)")
@@ -164,6 +168,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     positive = {"--num-prompts": args.num_prompts, "--max-tokens": args.max_tokens,
                 "--max-concurrency": args.max_concurrency, "--warmup-tokens": args.warmup_tokens}
     bad = [name for name, value in positive.items() if value is not None and value < 1]
+    if args.system_repeat < 1:
+        bad.append("--system-repeat")
+    if args.system_repeat > 1 and args.dataset != "multiturn":
+        p.error("--system-repeat lengthens the multiturn set's system prompt; add --dataset multiturn")
     if bad or args.warmup_requests < 0:
         p.error(f"{', '.join(bad) or '--warmup-requests'} must be positive (--warmup-requests may be 0)")
     if min(args.request_timeout_s, args.time_limit_s, args.server_start_timeout_s, args.server_stop_timeout_s) <= 0:
@@ -240,9 +248,9 @@ async def measure_level(client, http: httpx.AsyncClient, base_url: str, model: s
     summary = summarize(run.records, run.duration_s)
     # near 1, the load generator's one event loop was saturated: the numbers may measure the client
     client_cpu_share = client_cpu_s / run.duration_s if run.duration_s > 0 else None
-    engine_ttft_s = mean_between(before, after, TIME_TO_FIRST_TOKEN)
+    mean_ms = lambda name: None if (s := mean_between(before, after, name)) is None else s * 1e3  # noqa: E731
     summary.update(unfinished=run.unfinished, acceptance_length=mean_between(before, after, ACCEPTANCE_LENGTH),
-                   engine_ttft_ms=None if engine_ttft_s is None else engine_ttft_s * 1e3,
+                   server_ttft_ms=mean_ms(SERVER_TIME_TO_FIRST_TOKEN), engine_ttft_ms=mean_ms(TIME_TO_FIRST_TOKEN),
                    client_cpu_share=client_cpu_share)
     return {"level": level.as_dict(), "summary": summary, "requests": [r.as_dict() for r in run.records]}
 
@@ -310,14 +318,14 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     deadline = Deadline(args.time_limit_s)
-    prompts = load_prompts(args.dataset, args.seed)
+    prompts = load_prompts(args.dataset, args.seed, args.system_repeat)
     levels = load_levels(args)
     out = Path(args.output or f"results/bench-serve-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "command_line": shlex.join([Path(sys.executable).name, "scripts/bench_serve.py", *argv]),
         "environment": environment(),
-        "config": {"dataset": args.dataset, "prompts_in_dataset": len(prompts),
+        "config": {"dataset": args.dataset, "system_repeat": args.system_repeat, "prompts_in_dataset": len(prompts),
                    "levels": [level.as_dict() for level in levels],
                    "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
                    "ignore_eos": args.ignore_eos, "model": args.model, "warmup_requests": args.warmup_requests,

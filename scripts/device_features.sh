@@ -7,7 +7,7 @@
 # The GGUFs as for scripts/device_job.sh; the server's packages in .gpu/wheels. Env: STAGES (default "tests
 # ttft features"; "serve" adds the serving benchmark, "vllm" the same levels against vLLM's server with DFlash and prefix
 # caching, scripts/peers/vllm_server.sh: its wheel pieces in /tmp/xfer), LEVELS (serve, vllm: default "1 8,32"),
-# MAX_TOKENS (256).
+# MAX_TOKENS (256), SYSTEM_REPEATS (serve, vllm: copies of the shared system prompt, one run each; default "1").
 set -uo pipefail
 out=${FEATURES_OUT:-/tmp/features}
 default_stages="tests ttft features"
@@ -25,13 +25,15 @@ if wanted features; then
 fi
 if wanted serve; then
   # levels: "1 8,32" runs concurrency 1 with 6 conversations, then 8 and 32 with 64 conversations each
-  for levels in ${LEVELS:-1 8,32}; do
-    n=$([ "$levels" = 1 ] && echo 6 || echo 64)
-    stage "multiturn, concurrency $levels, $n conversations, prefix cache on and off"
-    python3 scripts/bench_serve.py --serve cache="--target $target" \
-      --serve no-cache="--target $target --no-prefix-caching" --dataset multiturn --concurrency "$levels" \
-      --num-prompts "$n" --max-tokens "${MAX_TOKENS:-256}" --time-limit-s 900 \
-      --output "$out/multiturn-c${levels//,/-}.json" 2>&1 | grep -v "Loading weights" | tail -40
+  for repeat in ${SYSTEM_REPEATS:-1}; do
+    for levels in ${LEVELS:-1 8,32}; do
+      n=$([ "$levels" = 1 ] && echo 6 || echo 64)
+      stage "multiturn, system prompt x$repeat, concurrency $levels, $n conversations, prefix cache on and off"
+      python3 scripts/bench_serve.py --serve cache="--target $target" \
+        --serve no-cache="--target $target --no-prefix-caching" --dataset multiturn --system-repeat "$repeat" \
+        --concurrency "$levels" --num-prompts "$n" --max-tokens "${MAX_TOKENS:-256}" --time-limit-s 900 \
+        --output "$out/multiturn-s$repeat-c${levels//,/-}.json" 2>&1 | grep -v "Loading weights" | tail -40
+    done
   done
 fi
 if wanted vllm; then  # the same multiturn levels against vLLM's server: DFlash, its prefix caching on
@@ -41,12 +43,14 @@ if wanted vllm; then  # the same multiturn levels against vLLM's server: DFlash,
   # vLLM reads plain bf16 weights, not the shipped drafter's compact storage
   python3 scripts/export_drafter.py qwen2.5-coder-1.5b-dflash-b16 /tmp/drafter-bf16 || exit 1
   MAX_NUM_SEQS=32 bash scripts/peers/vllm_server.sh "$model_dir" /tmp/drafter-bf16 8123 || exit 1
-  for levels in ${LEVELS:-1 8,32}; do
-    n=$([ "$levels" = 1 ] && echo 6 || echo 64)
-    stage "vLLM, multiturn, concurrency $levels, $n conversations"
-    python3 scripts/bench_serve.py --base-url http://127.0.0.1:8123 --label vllm-dflash-cache --dataset multiturn \
-      --concurrency "$levels" --num-prompts "$n" --max-tokens "${MAX_TOKENS:-256}" --time-limit-s 900 \
-      --output "$out/vllm-multiturn-c${levels//,/-}.json" 2>&1 | tail -20
+  for repeat in ${SYSTEM_REPEATS:-1}; do
+    for levels in ${LEVELS:-1 8,32}; do
+      n=$([ "$levels" = 1 ] && echo 6 || echo 64)
+      stage "vLLM, multiturn, system prompt x$repeat, concurrency $levels, $n conversations"
+      python3 scripts/bench_serve.py --base-url http://127.0.0.1:8123 --label vllm-dflash-cache --dataset multiturn \
+        --system-repeat "$repeat" --concurrency "$levels" --num-prompts "$n" --max-tokens "${MAX_TOKENS:-256}" \
+        --time-limit-s 900 --output "$out/vllm-multiturn-s$repeat-c${levels//,/-}.json" 2>&1 | tail -20
+    done
   done
   kill "$(cat /tmp/vllm-server.pid)"
 fi

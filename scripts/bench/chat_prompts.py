@@ -58,15 +58,16 @@ def code_prompts(path: Path = CODE_REQUESTS) -> list[ChatPrompt]:
     return [ChatPrompt(f"code/{row['id']}", row["request"]) for row in rows]
 
 
-def conversations(first_turns: list[ChatPrompt], rng: random.Random) -> list[ChatPrompt]:
-    """Each first turn as a conversation of 3-5 turns under the shared system prompt."""
-    system = SYSTEM_PROMPT.read_text(encoding="utf-8").strip()
+def conversations(first_turns: list[ChatPrompt], rng: random.Random, system_repeat: int = 1) -> list[ChatPrompt]:
+    """Each first turn as a conversation of 3-5 turns under the shared system prompt (`system_repeat` copies of
+    it, for the long system prompts of agents and retrieval)."""
+    system = "\n\n".join([SYSTEM_PROMPT.read_text(encoding="utf-8").strip()] * system_repeat)
     return [ChatPrompt(f"multiturn/{n}/{p.id}", p.text, tuple(rng.sample(FOLLOW_UPS, rng.randint(2, 4))), system)
             for n, p in enumerate(first_turns)]
 
 
-def load_prompts(dataset: str, seed: int) -> list[ChatPrompt]:
-    """The dataset's prompts in its seeded order."""
+def load_prompts(dataset: str, seed: int, system_repeat: int = 1) -> list[ChatPrompt]:
+    """The dataset's prompts in its seeded order (multiturn: under `system_repeat` copies of the system prompt)."""
     rng = random.Random(seed)
     if dataset == "math500":
         prompts = math500_prompts()
@@ -74,7 +75,7 @@ def load_prompts(dataset: str, seed: int) -> list[ChatPrompt]:
         code = code_prompts()
         prompts = code + rng.sample(math500_prompts(), len(code))
         if dataset == "multiturn":
-            prompts = conversations(prompts, rng)
+            prompts = conversations(prompts, rng, system_repeat)
     elif dataset == "code":
         prompts = code_prompts()
     else:

@@ -1,12 +1,14 @@
 """The server's own measures over one load level, from its Prometheus `/metrics`.
 
 The specdec server exports histograms of the acceptance length (`specdec_acceptance_length`: tokens
-committed per verify step, bonus included) and of the time from a request's arrival in the engine to its
-first token (`specdec_time_to_first_token_seconds`). Reading their _sum and _count before and after a
-level and dividing the differences gives the level's means, without the warm-up or earlier levels. The
-engine's time to first token beside the client's tells how much of it the engine takes and how much the
-way there and back (HTTP, the API process, the hop between processes). A server without /metrics or
-without a histogram (a peer; plain decoding never verifies) gives None for it.
+committed per verify step, bonus included), of the time from a request's arrival in the engine to its
+first token (`specdec_time_to_first_token_seconds`) and of the time from a streamed request's arrival at
+its HTTP handler to its first text sent (`specdec_server_time_to_first_token_seconds`). Reading their _sum
+and _count before and after a level and dividing the differences gives the level's means, without the
+warm-up or earlier levels. The three times to first token side by side (the client's, the server's, the
+engine's) tell where it goes: the engine; the API process (tokenizing, the hops between processes, making
+text); HTTP and the client. A server without /metrics or without a histogram (a peer; plain decoding never
+verifies) gives None for it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ACCEPTANCE_LENGTH = "specdec_acceptance_length"
 TIME_TO_FIRST_TOKEN = "specdec_time_to_first_token_seconds"
-HISTOGRAMS = (ACCEPTANCE_LENGTH, TIME_TO_FIRST_TOKEN)
+SERVER_TIME_TO_FIRST_TOKEN = "specdec_server_time_to_first_token_seconds"
+HISTOGRAMS = (ACCEPTANCE_LENGTH, TIME_TO_FIRST_TOKEN, SERVER_TIME_TO_FIRST_TOKEN)
 
 Totals = dict[str, tuple[float, float]]  # histogram name -> (sum, count)
 

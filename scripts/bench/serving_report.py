@@ -54,13 +54,14 @@ def throughput_table(result: dict) -> str:
 
 
 def latency_table(result: dict) -> str:
-    # the engine's own time to first token (mean, from its /metrics): the rest of the TTFT is the way there and back
-    lines = ["| level | server | TTFT ms | TTFT in the engine, mean ms | TPOT ms | ITL ms (per chunk) "
+    # the server's and the engine's own times to first token (means, from /metrics): where the client's goes
+    lines = ["| level | server | TTFT ms | TTFT in the server / the engine, mean ms | TPOT ms | ITL ms (per chunk) "
              "| ITL ms (per token) | E2E s |",
              "|---|---|---|---|---|---|---|---|"]
     for label, server, level in rows_by_level(result):
         s = level["summary"]
-        lines.append(f"| {label} | {server['label']} | {spread(s['ttft_ms'])} | {fmt(s.get('engine_ttft_ms'), '.1f')} "
+        own = f"{fmt(s.get('server_ttft_ms'), '.1f')} / {fmt(s.get('engine_ttft_ms'), '.1f')}"
+        lines.append(f"| {label} | {server['label']} | {spread(s['ttft_ms'])} | {own} "
                      f"| {spread(s['tpot_ms'], spec='.2f')} "
                      f"| {spread(s['itl_ms'], spec='.2f')} | {spread(s['itl_per_token_ms'], spec='.2f')} "
                      f"| {spread(s['e2e_ms'], 1e-3, '.2f')} |")
@@ -104,10 +105,15 @@ def notes(result: dict) -> list[str]:
     return lines
 
 
+def system_copies(config: dict) -> str:
+    repeat = config.get("system_repeat", 1)
+    return f" (system prompt x{repeat})" if repeat > 1 else ""
+
+
 def markdown(result: dict) -> str:
     config = result["config"]
     parts = [f"# Serving benchmark\n\n`{result['command_line']}`\n",
-             f"dataset {config['dataset']}, max_tokens {config['max_tokens']}, temperature {config['temperature']}, "
+             f"dataset {config['dataset']}{system_copies(config)}, max_tokens {config['max_tokens']}, temperature {config['temperature']}, "
              f"seed {config['seed']}, git {result['environment'].get('git_commit') or '-'}, "
              f"GPUs {', '.join(result['environment'].get('gpus') or []) or 'none'}\n",
              "## Throughput\n", throughput_table(result),

@@ -16,13 +16,13 @@ import asyncio
 import json
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from specdec.engine.prompts import encode_chat, token_ids
 from specdec.engine.request_limits import RequestLimits
@@ -30,6 +30,7 @@ from specdec.engine.sampling_params import SamplingParams
 from specdec.server.async_engine import AsyncEngine
 from specdec.server.body_limit import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from specdec.server.engine_loop import RequestOutput
+from specdec.server.metrics import LATENCY_BUCKETS
 from specdec.server.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -55,6 +56,11 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
     registry = CollectorRegistry()  # what only the HTTP side sees; the engine's own metrics come from it
     invalid_requests = Counter("specdec_invalid_requests", "Requests refused before any work, by status", ["status"],
                                registry=registry)
+    # beside the engine's own (arrival in the engine to first token): the difference is this process's share
+    # (tokenizing, the hops to the engine and back, making text)
+    first_text = Histogram("specdec_server_time_to_first_token_seconds",
+                           "A streamed request's arrival at its handler to its first text sent", buckets=LATENCY_BUCKETS,
+                           registry=registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -98,22 +104,24 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
     # (other requests' streams, /health)
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        arrived = time.perf_counter()
         prompt_ids = await asyncio.to_thread(completion_prompt_ids, engine.tokenizer, body.prompt)
         prepared = prepare(body, prompt_ids, body.max_tokens)
         shape = ResponseShape(False, model_name, token_text(prepared[1]))
         if body.echo:  # the answer starts with the prompt (and its logprobs, when asked)
             shape.echo = (await asyncio.to_thread(engine.tokenizer.decode, prompt_ids), prompt_ids)
-        return await answer(request, body, shape, *prepared)
+        return await answer(request, body, shape, *prepared, arrived)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        arrived = time.perf_counter()
         prompt_ids = await asyncio.to_thread(chat_prompt_ids, engine.tokenizer, body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prepared = prepare(body, prompt_ids, max_tokens)
         shape = ResponseShape(True, model_name, token_text(prepared[1]))
         if body.tool_dicts:  # the answer's tool calls are parsed out of its text
             shape.tool_texts = {}
-        return await answer(request, body, shape, *prepared)
+        return await answer(request, body, shape, *prepared, arrived)
 
     def token_text(params: SamplingParams):
         """A token id's text for answers with logprobs (None when the request asked for none)."""
@@ -139,12 +147,14 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
             raise APIError(400, problem)
         return prompt_ids, params
 
-    async def answer(request: Request, body: GenerationFields, shape: ResponseShape, prompt_ids, params):
+    async def answer(request: Request, body: GenerationFields, shape: ResponseShape, prompt_ids, params,
+                     arrived: float):
         if not engine.healthy:
             raise APIError(503, "the engine is not running", kind="service_unavailable")
         outputs = merged(engine.generate_samples(prompt_ids, params))  # (choice index, output), n choices
         if body.stream:
-            return StreamingResponse(stream_events(outputs, shape, body.include_usage, params.n),
+            first = lambda: first_text.observe(time.perf_counter() - arrived)  # noqa: E731
+            return StreamingResponse(stream_events(outputs, shape, body.include_usage, params.n, first),
                                      media_type="text/event-stream")
         return await whole_answer(request, outputs, shape, params.n)
 
@@ -242,10 +252,11 @@ def total_usage(finals: list[RequestOutput]) -> dict:
     return usage(finals[0].prompt_tokens, sum(f.completion_tokens for f in finals), finals[0].cached_tokens)
 
 
-async def stream_events(outputs, shape: ResponseShape, include_usage: bool, choices: int = 1):
+async def stream_events(outputs, shape: ResponseShape, include_usage: bool, choices: int = 1,
+                        on_first_text: Callable[[], None] | None = None):
     """Server-sent events: chunks as text comes (each with its choice's index), each choice's finish reason,
-    usage if asked, then [DONE]. Leaving early (the client went away) closes `outputs`, which aborts the
-    requests."""
+    usage if asked, then [DONE]; `on_first_text` is called as the first chunk with text goes out. Leaving early
+    (the client went away) closes `outputs`, which aborts the requests."""
     try:
         for index in range(choices):
             first = shape.first_chunk(index)
@@ -259,6 +270,9 @@ async def stream_events(outputs, shape: ResponseShape, include_usage: bool, choi
                 break
             text, logprobs = shape.echoed(out, index not in started)
             started.add(index)
+            if text and on_first_text is not None:
+                on_first_text()
+                on_first_text = None
             if text or out.finished or logprobs:
                 yield sse(shape.chunk(text, out.finish_reason if out.finished else None, logprobs, index))
             if out.finished:

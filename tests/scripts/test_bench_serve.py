@@ -26,6 +26,7 @@ PROMPT_TOKENS = 11
 CHUNK_DELAY_S = 0.01
 ACCEPTANCE_STEPS = (3.0, 1.0)  # observed per answer: the acceptance length mean is 2.0
 ENGINE_TTFT_S = 0.003  # the engine's time to first token the stand-in reports per answer
+SERVER_TTFT_S = 0.004  # ... and the server's, from its HTTP handler
 STALL_MARKER = "__stall__"  # a prompt holding this gets no answer for STALL_S
 STALL_S = 5.0
 FAIL_MARKER = "__fail__"  # a prompt holding this gets an error event after its first chunk
@@ -44,6 +45,8 @@ def stand_in_app() -> FastAPI:
                            registry=registry)
     engine_ttft = Histogram("specdec_time_to_first_token_seconds", "arrival to first token", buckets=(0.01, 0.1),
                             registry=registry)
+    server_ttft = Histogram("specdec_server_time_to_first_token_seconds", "handler to first text",
+                            buckets=(0.01, 0.1), registry=registry)
 
     def chunk(**fields) -> str:
         body = {"id": "cmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL, **fields}
@@ -90,6 +93,7 @@ def stand_in_app() -> FastAPI:
             for length in ACCEPTANCE_STEPS:
                 acceptance.observe(length)
             engine_ttft.observe(ENGINE_TTFT_S)
+            server_ttft.observe(SERVER_TTFT_S)
             if (body.get("stream_options") or {}).get("include_usage"):
                 cached = CACHED_TOKENS if len(body["messages"]) > 2 else 0
                 yield chunk(choices=[], usage={"prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS,
@@ -360,12 +364,13 @@ def test_concurrency_levels_end_to_end(stand_in, tmp_path, capsys):
         assert s["tokens_per_chunk"] == pytest.approx(COMPLETION_TOKENS / len(CHUNKS))
         assert s["acceptance_length"] == pytest.approx(2.0)  # this level's steps only, not the warm-up's
         assert s["engine_ttft_ms"] == pytest.approx(ENGINE_TTFT_S * 1e3)
+        assert s["server_ttft_ms"] == pytest.approx(SERVER_TTFT_S * 1e3)
         assert s["output_throughput"] == pytest.approx(s["output_tokens"] / s["duration_s"])
         assert len(level["requests"]) == 6 and all(r["ok"] for r in level["requests"])
     c1, c4 = (level["summary"]["duration_s"] for level in server["levels"])
     assert c4 < c1  # four in flight at once finish sooner than one at a time
     markdown = out.with_suffix(".md").read_text()
-    assert "| C=4 | stand-in | 6 | 0 | 0 |" in markdown and "2.00 |" in markdown and "| 3.0 |" in markdown
+    assert "| C=4 | stand-in | 6 | 0 | 0 |" in markdown and "2.00 |" in markdown and "| 4.0 / 3.0 |" in markdown
     printed = capsys.readouterr().out
     assert "## Throughput" in printed and "| C=1 | stand-in |" in printed
 
@@ -400,6 +405,18 @@ def test_multiturn_prompts_share_one_system_prompt():
     assert len({c.system for c in conversations}) == 1 and len(conversations[0].system) > 1000
     assert all(2 <= len(c.follow_ups) <= 4 and c.text for c in conversations)
     assert [c.id for c in conversations] == [c.id for c in load_prompts("multiturn", 0)]
+    long = load_prompts("multiturn", 0, system_repeat=3)  # the same conversations under a longer system prompt
+    assert [(c.id, c.text) for c in long] == [(c.id, c.text) for c in conversations]
+    assert long[0].system == "\n\n".join([conversations[0].system] * 3)
+
+
+def test_system_repeat_needs_the_multiturn_set(capsys):
+    from scripts import bench_serve
+
+    for extra in (["--dataset", "math500", "--system-repeat", "2"], ["--dataset", "multiturn", "--system-repeat", "0"]):
+        with pytest.raises(SystemExit):
+            bench_serve.parse_args(["--base-url", "http://127.0.0.1:1", *extra])
+    assert "--system-repeat" in capsys.readouterr().err
 
 
 def test_request_rate_level_with_a_cap(stand_in, tmp_path):
@@ -417,7 +434,7 @@ def test_time_limit_cancels_what_is_left(stand_in, tmp_path, monkeypatch):
     from scripts.bench.chat_prompts import ChatPrompt
 
     stalled = [ChatPrompt("t/stall", f"{STALL_MARKER} wait")]
-    monkeypatch.setattr(bench_serve, "load_prompts", lambda dataset, seed: stalled)
+    monkeypatch.setattr(bench_serve, "load_prompts", lambda dataset, seed, system_repeat: stalled)
     out = tmp_path / "limit.json"
     started = time.monotonic()
     status = run_bench("--base-url", stand_in, "--concurrency", "2,8", "--num-prompts", "3", "--warmup-requests", "0",

@@ -348,6 +348,24 @@ def test_models_health_and_metrics(server, client):
     assert 'specdec_requests_total{finish_reason="length"}' in text
 
 
+
+def test_a_streamed_answer_counts_the_servers_time_to_first_token(server, client):
+    """/metrics has the time from a streamed request's handler to its first text, beside the engine's own: one
+    observation per streamed answer, never shorter than the engine's for the same request."""
+    def totals():
+        return {name: (metric_value(server, f"{name}_sum"), metric_value(server, f"{name}_count"))
+                for name in ("specdec_server_time_to_first_token_seconds", "specdec_time_to_first_token_seconds")}
+
+    before = totals()
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                 max_tokens=8, temperature=0, stream=True))
+    assert any(c.choices and c.choices[0].delta.content for c in chunks)
+    after = totals()
+    (server_s, server_n), (engine_s, engine_n) = ((after[k][0] - before[k][0], after[k][1] - before[k][1])
+                                                  for k in after)
+    assert server_n == engine_n == 1
+    assert server_s >= engine_s > 0
+
 # ---- bad input: 4xx with an OpenAI error, never a 5xx --------------------------------------------------
 LONG_PROMPT = " ".join(["tokens"] * 600)  # over the tiny model's 512-token context
 
