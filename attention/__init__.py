@@ -76,11 +76,11 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 def make_backend(name: str, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float,
                  device: torch.device, kv_dtypes: tuple[torch.dtype, ...], q_dtype: torch.dtype,
-                 device_lengths: bool = False):
+                 device_lengths: bool = False, window_left: int = -1):
     """Build the backend `name` (already resolved) for one model whose cache layers use `kv_dtypes`.
     device_lengths: its graph steps may be planned for upper bounds of the KV lengths, the real ones given on
-    the device (`AttentionBackend.use_device_lengths`)."""
+    the device (`AttentionBackend.use_device_lengths`); window_left: a sliding window (`AttentionBackend`)."""
     entry = _REGISTRY[name]
     backend_class = getattr(importlib.import_module(entry.module), entry.class_name)
     return backend_class(num_qo_heads, num_kv_heads, head_dim, sm_scale, device=device, kv_dtypes=kv_dtypes,
-                         q_dtype=q_dtype, device_lengths=device_lengths)
+                         q_dtype=q_dtype, device_lengths=device_lengths, window_left=window_left)

@@ -27,11 +27,14 @@ class AttentionBackend(ABC):
     supports_graphs = False
     plans_upper_bounds = False  # whether a graph step may be planned for upper bounds of its KV lengths
 
-    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float):
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float, window_left: int = -1):
+        """window_left >= 0: a query at position p sees only the keys at p - window_left and later (a sliding
+        window, as FlashInfer's `window_left`; with causal=False the step's later keys stay visible); -1: all."""
         self.num_qo_heads = num_qo_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.sm_scale = sm_scale
+        self.window_left = window_left
         self.layout: BatchLayout | None = None
         self.kv_indices: torch.Tensor | None = None  # [pages used] int32, the planned step's pages
         self.kv_indptr: torch.Tensor | None = None  # [batch + 1] int32

@@ -115,8 +115,8 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float, *,
                  device: torch.device, kv_dtypes: tuple[torch.dtype, ...], q_dtype: torch.dtype = torch.bfloat16,
-                 device_lengths: bool = False):
-        super().__init__(num_qo_heads, num_kv_heads, head_dim, sm_scale)
+                 device_lengths: bool = False, window_left: int = -1):
+        super().__init__(num_qo_heads, num_kv_heads, head_dim, sm_scale, window_left)
         self.device = device
         self.plans_upper_bounds = device_lengths
         self.slot: GraphSlot | None = None  # the planned step's graph rung (None: an eager plan)
@@ -223,7 +223,7 @@ class FlashInferBackend(AttentionBackend):
                          self.head_dim, layout.page_size, causal=layout.causal, sm_scale=self.sm_scale,
                          q_data_type=self.q_dtype, kv_data_type=kv_dtype, non_blocking=True,
                          uniform_q_len=uniform_q_len, packed_custom_mask=packed_mask,
-                         disable_split_kv=self.plans_upper_bounds, **lengths)
+                         disable_split_kv=self.plans_upper_bounds, window_left=self.window_left, **lengths)
 
     def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
         layer.write(self.write_pages, self.write_offsets, k, v)

@@ -16,10 +16,10 @@ from attention.kv_cache import LayerKV
 class TorchBackend(AttentionBackend):
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float, device="cpu",
                  kv_dtypes: tuple[torch.dtype, ...] = (), q_dtype: torch.dtype | None = None,
-                 device_lengths: bool = False):
+                 device_lengths: bool = False, window_left: int = -1):
         # computes in the dtypes it is given, and plans every step exactly: kv_dtypes, q_dtype and
         # device_lengths are accepted for the common signature
-        super().__init__(num_qo_heads, num_kv_heads, head_dim, sm_scale)
+        super().__init__(num_qo_heads, num_kv_heads, head_dim, sm_scale, window_left)
         self.device = torch.device(device)
 
     def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
@@ -49,6 +49,9 @@ class TorchBackend(AttentionBackend):
         elif layout.causal:
             last_visible = (kv_lens - q_lens)[:, None] + q_idx[None, :]  # [B, max_q]
             visible = visible & (kv_pos[None, None, :] <= last_visible[:, :, None])
+        if self.window_left >= 0:  # a query at position p sees p - window_left onwards
+            position = (kv_lens - q_lens)[:, None] + q_idx[None, :]  # [B, max_q]
+            visible = visible & (kv_pos[None, None, :] >= position[:, :, None] - self.window_left)
         self.visible = visible.expand(batch, max_q, max_kv).to(dev)
         # flat query t of request i <-> padded (i, j)
         self.q_batch = torch.repeat_interleave(torch.arange(batch), q_lens).to(dev)

@@ -66,7 +66,8 @@ class DFlashDrafter(ModelRunner, Drafter):
         # the runner is set up here, not at load time: device, page size and KV dtype are the engine's
         ModelRunner.__init__(self, self.model, backend_name=context.backend_name, kv_dtype=context.kv_dtype,
                              q_dtype=context.dtype, page_size=context.page_size, max_batch=context.max_batch,
-                             device=context.device, device_lengths=True)
+                             device=context.device, device_lengths=True,
+                             window_left=context.window if context.window > 0 else -1)
         # block positions run up to the target's context plus one block
         self.model.rotary.max_positions = context.max_context + bs
         batch = context.max_batch

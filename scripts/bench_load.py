@@ -86,6 +86,9 @@ def parse_args(argv):
                    help="the DFlash rows' verify policies (a row each)")
     p.add_argument("--dataset", default="chat", choices=("chat", "mixed", "math500", "code"),
                    help="chat: math500 and coding requests alternating; the others: bench_serve.py's prompts")
+    p.add_argument("--system-repeat", type=int, default=0,
+                   help="each prompt under this many copies of the multiturn set's system prompt (~500 tokens each)")
+    p.add_argument("--draft-window", type=int, default=0, help="the DFlash rows' draft_window (0: whole context)")
     p.add_argument("--overlap-steps", nargs="?", const="both", default="off", choices=("off", "both", "on"),
                    help="plain decoding with overlapped steps (rows 'AR overlapped') and DFlash drafting ahead "
                         "(rows 'DFlash ..., drafted ahead'), the engine's defaults: beside the in-order rows "
@@ -97,20 +100,25 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.system_repeat < 0 or args.draft_window < 0:
+        p.error("--system-repeat and --draft-window must not be negative")
     if args.quick:
         args.concurrency, args.requests, args.max_new_tokens, args.device = [1, 4], 6, 8, "cpu"
     return args
 
 
-def chat_prompts(llm: LLM, count: int, dataset: str = "chat") -> list[list[int]]:
+def chat_prompts(llm: LLM, count: int, dataset: str = "chat", system_repeat: int = 0) -> list[list[int]]:
     """`count` prompts through the model's chat template: alternating math500 and coding requests ("chat"), or
-    the first `count` of scripts/bench_serve.py's dataset (its seed 0, one user turn each)."""
+    the first `count` of scripts/bench_serve.py's dataset (its seed 0, one user turn each); with system_repeat,
+    each under that many copies of the multiturn set's system prompt (long contexts)."""
     if dataset == "chat":
         math, code = load_prompts("math500", seed=0), load_prompts("code", seed=0)
         chosen = [p for pair in zip(take(math, count), take(code, count)) for p in pair][:count]
     else:
         chosen = take(load_prompts(dataset, seed=0), count)
-    return [llm.encode_chat([{"role": "user", "content": p.text}]) for p in chosen]
+    system = ([{"role": "system", "content": load_prompts("multiturn", 0, system_repeat)[0].system}]
+              if system_repeat else [])
+    return [llm.encode_chat(system + [{"role": "user", "content": p.text}]) for p in chosen]
 
 
 def random_prompts(vocab_size: int, count: int) -> list[list[int]]:
@@ -295,9 +303,10 @@ def main(argv=None) -> int:
         rows, profiles, engines = [], [], []
         for system, draft, verify, overlap in systems:
             llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency),
-                      kv_cache_dtype=args.kv_cache_dtype, overlap_steps=overlap, verify=verify)
+                      kv_cache_dtype=args.kv_cache_dtype, overlap_steps=overlap, verify=verify,
+                      **(dict(draft_window=args.draft_window) if draft else {}))
             prompts = (random_prompts(llm.engine.model.config.vocab_size, args.requests) if args.quick
-                       else chat_prompts(llm, args.requests, args.dataset))
+                       else chat_prompts(llm, args.requests, args.dataset, args.system_repeat))
             run_load(llm, system, prompts[:min(4, len(prompts))], 1, 4)  # warm-up: graphs, kernels, allocator
             for concurrency in args.concurrency:
                 count = len(prompts) if args.rounds is None else min(len(prompts), args.rounds * concurrency)

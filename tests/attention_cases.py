@@ -11,16 +11,21 @@ from attention.page_pool import PagePool, PageTable
 HQ, HKV, D = 8, 2, 64
 
 
-def dense_attention(q, k, v, causal: bool, sm_scale: float):
-    """q [nq, HQ, D], k/v [nkv, HKV, D] of one request -> [nq, HQ, D], bottom-right causal, fp32."""
+def dense_attention(q, k, v, causal: bool, sm_scale: float, window_left: int = -1):
+    """q [nq, HQ, D], k/v [nkv, HKV, D] of one request -> [nq, HQ, D], bottom-right causal, fp32; with
+    window_left >= 0 the query at position p (its row counted from the end) sees the keys from p - window_left."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * sm_scale
+    nq, nk = q.shape[0], k.shape[0]
+    position = (nk - nq + torch.arange(nq))[:, None]
+    allowed = torch.ones(nq, nk, dtype=torch.bool)
     if causal:
-        nq, nk = q.shape[0], k.shape[0]
-        allowed = torch.arange(nk)[None, :] <= (nk - nq + torch.arange(nq))[:, None]
-        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+        allowed &= torch.arange(nk)[None, :] <= position
+    if window_left >= 0:
+        allowed &= torch.arange(nk)[None, :] >= position - window_left
+    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -56,14 +61,14 @@ class PagedCase:
         self.new_k = torch.cat([k[t.length - n:] for t, k, n in zip(self.tables, self.k_all, new_kv)])
         self.new_v = torch.cat([v[t.length - n:] for t, v, n in zip(self.tables, self.v_all, new_kv)])
 
-    def expected(self, sm_scale):
+    def expected(self, sm_scale, window_left: int = -1):
         """Dense attention over what the cache stores (quantize-dequantize round trip for FP8)."""
         outs, start = [], 0
         for k, v, ql in zip(self.k_all, self.v_all, self.layout.q_lens):
             kq, vq = self.layer.quantize(k, v)
             if self.layer.is_fp8:
                 kq, vq = kq.float() * self.layer.k_scale, vq.float() * self.layer.v_scale
-            outs.append(dense_attention(self.q[start:start + ql], kq, vq, self.layout.causal, sm_scale))
+            outs.append(dense_attention(self.q[start:start + ql], kq, vq, self.layout.causal, sm_scale, window_left))
             start += ql
         return torch.cat(outs)
 

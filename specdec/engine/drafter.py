@@ -53,6 +53,8 @@ class DraftContext:
     # how many drafts a chain step may verify (q - 1 for each chain length q of the verify policy): a drafter
     # may score only those (empty: the whole block's)
     draft_lengths: tuple[int, ...] = ()
+    # how many context positions before it each draft position attends (0: the whole context; `draft_window`)
+    window: int = 0
 
 
 class Drafter(ABC):

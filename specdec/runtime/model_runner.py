@@ -80,9 +80,10 @@ class ModelRunner:
 
     def __init__(self, model, *, backend_name: str, kv_dtype: torch.dtype | tuple[torch.dtype, ...],
                  q_dtype: torch.dtype, page_size: int, max_batch: int, device: torch.device,
-                 device_lengths: bool = False):
+                 device_lengths: bool = False, window_left: int = -1):
         """kv_dtype: the cache's dtype, or each layer's (`attention.kv_cache.layer_dtypes`); device_lengths: graph
-        steps may be planned for upper bounds of their KV lengths (`AttentionBackend.use_device_lengths`)."""
+        steps may be planned for upper bounds of their KV lengths (`AttentionBackend.use_device_lengths`);
+        window_left: the attention's sliding window (`AttentionBackend`)."""
         self.model = model
         self.device = device
         self.kv_dtype = kv_dtype
@@ -92,7 +93,7 @@ class ModelRunner:
         self.attn = make_backend(backend_name, num_qo_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                                  head_dim=model.head_dim, sm_scale=model.head_dim ** -0.5, device=device,
                                  kv_dtypes=kv_dtype if isinstance(kv_dtype, tuple) else (kv_dtype,), q_dtype=q_dtype,
-                                 device_lengths=device_lengths)
+                                 device_lengths=device_lengths, window_left=window_left)
         if backend_name == "flashinfer" and not model.fused_kernels:
             model.use_fused_kernels()  # FlashInfer's norm / rope / activation kernels on the same path
         self.kv: KVCache | None = None

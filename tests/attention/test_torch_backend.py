@@ -20,6 +20,23 @@ def test_matches_dense(name, kv_dtype, scales):
     torch.testing.assert_close(out, case.expected(D ** -0.5), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["noncausal_context_plus_block", "noncausal_block", "verify_page_boundaries"])
+@pytest.mark.parametrize("window_left", [0, 3, 9, 100])
+def test_a_sliding_window_matches_dense(name, window_left):
+    """window_left: each query sees the keys from its position - window_left on (the drafter's `draft_window`); a
+    window longer than the context changes nothing."""
+    case = PagedCase(*CASES[name])
+    backend = TorchBackend(HQ, HKV, D, D ** -0.5, window_left=window_left)
+    backend.plan(case.layout)
+    backend.write_kv(case.layer, case.new_k, case.new_v)
+    out = backend.attend(case.q, case.layer)
+    torch.testing.assert_close(out, case.expected(D ** -0.5, window_left), atol=1e-5, rtol=1e-5)
+    if window_left == 100:
+        torch.testing.assert_close(out, case.expected(D ** -0.5), atol=1e-5, rtol=1e-5)
+    else:
+        assert not torch.allclose(out, case.expected(D ** -0.5), atol=1e-3)
+
+
 def test_fp8_roundtrip_error_is_bounded():
     case = PagedCase(*CASES["verify_page_boundaries"], kv_dtype=FP8_DTYPE)
     k = case.k_all[0]

@@ -35,6 +35,28 @@ def test_dflash_greedy_equals_autoregressive(target_dir, tmp_path, batch, block_
     assert_no_leak(engine)
 
 
+def test_a_draft_window_changes_the_drafts_alone(target_dir, tmp_path):
+    """draft_window: the drafter attends only so far back, so its drafts on a long prompt change (a window longer
+    than the prompt changes nothing); what is committed still equals autoregressive output."""
+    prompt = [int(t) for t in torch.randint(3, VOCAB - 3, (41,), generator=torch.Generator().manual_seed(5))]
+    expected = ar_outputs(target_dir, [prompt], 19)
+
+    def first_drafts(window: int) -> torch.Tensor:
+        engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), draft_window=window)
+        request = engine.add_request(prompt, SamplingParams(max_new_tokens=19))
+        engine.step()  # the prefill: the whole prompt is the drafter's context
+        logits = engine.drafter.draft_logits([request]).clone()
+        engine.abort(request.request_id)
+        got = engine.generate_ids([prompt], SamplingParams(max_new_tokens=19))
+        assert [r.output_ids for r in got] == expected
+        assert_no_leak(engine)
+        return logits
+
+    whole = first_drafts(0)
+    torch.testing.assert_close(first_drafts(100), whole)
+    assert not torch.allclose(first_drafts(5), whole, atol=1e-4)
+
+
 def test_deeper_drafter_reading_more_target_layers_is_lossless(target_dir, tmp_path):
     """A grown drafter's shape (3 draft layers, 3 target layers): greedy output still equals autoregressive."""
     prompts = MANY_PROMPTS[:3]

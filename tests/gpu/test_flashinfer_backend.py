@@ -16,11 +16,11 @@ REL_BOUND = 1e-2
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 
 
-def flashinfer_backend(*kv_dtypes):
+def flashinfer_backend(*kv_dtypes, window_left: int = -1):
     from attention.flashinfer_backend import FlashInferBackend
 
     return FlashInferBackend(HQ, HKV, D, D ** -0.5, device=torch.device("cuda"), kv_dtypes=kv_dtypes,
-                             q_dtype=torch.bfloat16)
+                             q_dtype=torch.bfloat16, window_left=window_left)
 
 
 def run(backend, case):
@@ -49,6 +49,20 @@ def test_flashinfer_matches_reference(name, kv, page_size):
     err = rel_error(out, ref)
     print(f"{name} {kv} page {page_size}: rel err {err:.2e}")
     assert err <= REL_BOUND
+
+
+@pytest.mark.parametrize("name", ["noncausal_context_plus_block", "verify_page_boundaries"])
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
+@pytest.mark.parametrize("window_left", [0, 5, 17])
+def test_a_sliding_window_matches_reference(name, kv, window_left):
+    """FlashInfer's window_left (the drafter's `draft_window`) sees what the torch reference's window sees."""
+    history, new_kv, q_lens, causal = CASES[name]
+    make = lambda: PagedCase(history, new_kv, q_lens, causal, page_size=16, kv_dtype=KV_DTYPES[kv],  # noqa: E731
+                             device="cuda", dtype=torch.bfloat16, scales=(0.05, 0.03) if kv == "fp8" else (1.0, 1.0))
+    ours, ref_case = make(), make()
+    out = run(flashinfer_backend(KV_DTYPES[kv], window_left=window_left), ours)
+    ref = run(TorchBackend(HQ, HKV, D, D ** -0.5, device="cuda", window_left=window_left), ref_case)
+    assert rel_error(out, ref) <= REL_BOUND
 
 
 @pytest.mark.parametrize("kv", sorted(KV_DTYPES))
@@ -124,7 +138,8 @@ UPPER_BOUND_CASES = {"verify_page_boundaries": CASES["verify_page_boundaries"],
 @pytest.mark.parametrize("name", sorted(UPPER_BOUND_CASES))
 @pytest.mark.parametrize("kv", sorted(KV_DTYPES))
 @pytest.mark.parametrize("rung", [0, 8], ids=["exact-rung", "padded-rung"])
-def test_a_graph_planned_for_upper_bounds_attends_over_the_real_lengths(name, kv, rung):
+@pytest.mark.parametrize("window_left", [-1, 40], ids=["whole", "window"])
+def test_a_graph_planned_for_upper_bounds_attends_over_the_real_lengths(name, kv, rung, window_left):
     """Drafting ahead: a graph rung planned for longer KV than the requests have (the pages past their real ends
     hold garbage) and given the real lengths on the device inside the graph attends exactly over the real KV:
     the torch reference of the real layout, and the rung's metadata is the real layout's."""
@@ -133,7 +148,7 @@ def test_a_graph_planned_for_upper_bounds_attends_over_the_real_lengths(name, kv
     history, new_kv, q_lens, causal = UPPER_BOUND_CASES[name]
     case = PagedCase(history, new_kv, q_lens, causal, page_size=16, kv_dtype=KV_DTYPES[kv], device="cuda",
                      dtype=torch.bfloat16, scales=(0.05, 0.03) if kv == "fp8" else (1.0, 1.0))
-    reference = TorchBackend(HQ, HKV, D, D ** -0.5, device="cuda")
+    reference = TorchBackend(HQ, HKV, D, D ** -0.5, device="cuda", window_left=window_left)
     expected = run(reference, case)  # also writes the new K/V
     real = case.layout
     extra = [5, 16, 23][:len(case.tables)]
@@ -145,7 +160,7 @@ def test_a_graph_planned_for_upper_bounds_attends_over_the_real_lengths(name, kv
     upper = BatchLayout.build(real.q_lens, real.kv_lens + extra, real.new_kv_lens + extra,
                               [t.pages for t in case.tables], 16, causal)
     backend = FlashInferBackend(HQ, HKV, D, D ** -0.5, device=torch.device("cuda"), kv_dtypes=(KV_DTYPES[kv],),
-                                q_dtype=torch.bfloat16, device_lengths=True)
+                                q_dtype=torch.bfloat16, device_lengths=True, window_left=window_left)
     size = max(rung, upper.batch_size)
     slot = backend.graph_slot(size, 256, upper.padded(size, case.kv.scratch_page))
     lengths = torch.full((size,), 1 << 30, dtype=torch.int64, device="cuda")  # padding keeps its planned length
