@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite, then what the API features cost (logprobs, penalties, a JSON schema), the prefix cache's time to first token and (stage serve) the
+# What the API features cost (logprobs, penalties, a JSON schema), the prefix cache's time to first token and (stage serve) the
 # multi-turn serving benchmark with the prefix cache on and off (`specdec.serve`, DFlash, the demo target), on
 # one GPU machine as a background job that outlives single device calls.
 #   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_features.sh > /tmp/features/run.log 2>&1 &
@@ -7,12 +7,13 @@
 # The GGUFs as for scripts/device_job.sh; the server's packages in .gpu/wheels. Env: STAGES (default "tests
 # ttft features"; "serve" adds the serving benchmark, "vllm" the same levels against vLLM's server with DFlash and prefix
 # caching, scripts/peers/vllm_server.sh: its wheel pieces in /tmp/xfer), LEVELS (serve, vllm: default "1 8,32"),
-# MAX_TOKENS (256), SYSTEM_REPEATS (serve, vllm: copies of the shared system prompt, one run each; default "1").
+# MAX_TOKENS (256), SYSTEM_REPEATS (serve, vllm: copies of the shared system prompt, one run each; default "1"),
+# SERVE_ARGS (more server arguments for both of ours); stage "window": acceptance on long prompts per draft window
+# (WINDOWS, default "0 2048").
 set -uo pipefail
 out=${FEATURES_OUT:-/tmp/features}
 default_stages="tests ttft features"
 source scripts/device_job.sh
-wanted tests && gpu_suite
 if wanted ttft; then
   stage "time to first token, prefix cache on and off"
   python3 scripts/bench_prefix_ttft.py --model "$target" --system-repeat 1 4 12 --out "$out/ttft.json" 2>&1 \
@@ -29,11 +30,19 @@ if wanted serve; then
     for levels in ${LEVELS:-1 8,32}; do
       n=$([ "$levels" = 1 ] && echo 6 || echo 64)
       stage "multiturn, system prompt x$repeat, concurrency $levels, $n conversations, prefix cache on and off"
-      python3 scripts/bench_serve.py --serve cache="--target $target" \
-        --serve no-cache="--target $target --no-prefix-caching" --dataset multiturn --system-repeat "$repeat" \
+      python3 scripts/bench_serve.py --serve cache="--target $target ${SERVE_ARGS:-}" \
+        --serve no-cache="--target $target --no-prefix-caching ${SERVE_ARGS:-}" --dataset multiturn --system-repeat "$repeat" \
         --concurrency "$levels" --num-prompts "$n" --max-tokens "${MAX_TOKENS:-256}" --time-limit-s 900 \
         --output "$out/multiturn-s$repeat-c${levels//,/-}.json" 2>&1 | grep -v "Loading weights" | tail -40
     done
+  done
+fi
+if wanted window; then  # acceptance on long prompts (the system prompt x12, ~6k tokens) against the draft window
+  for window in ${WINDOWS:-0 2048}; do
+    stage "long prompts, draft window $window"
+    python3 scripts/bench_load.py --model "$target" --drafter qwen2.5-coder-1.5b-dflash-b16 --verify auto \
+      --overlap-steps on --system-repeat 12 --draft-window "$window" --concurrency 1 8 --requests 16 \
+      --max-new-tokens 256 --out "$out/window-$window.json" 2>&1 | grep -v "Loading weights" | tail -8
   done
 fi
 if wanted vllm; then  # the same multiturn levels against vLLM's server: DFlash, its prefix caching on
@@ -54,4 +63,5 @@ if wanted vllm; then  # the same multiturn levels against vLLM's server: DFlash,
   done
   kill "$(cat /tmp/vllm-server.pid)"
 fi
+wanted tests && gpu_suite  # last: the measurements come first while the machine is held
 stage done

@@ -17,6 +17,7 @@ from specdec.engine.drafter import Drafter
 from specdec.engine.engine import Engine
 from specdec.engine.metrics import RequestStats, Summary, summarize
 from specdec.engine.logprobs import TokenLogprob
+from specdec.engine.prompt_encoder import PromptEncoder
 from specdec.engine.prompts import Prompt, encode_chat, prompt_list, token_ids
 from specdec.engine.request import Request
 from specdec.engine.sampling_params import SamplingParams
@@ -66,6 +67,7 @@ class LLM:
         draft_model = drafter if drafter is None or isinstance(drafter, Drafter) else load_drafter(drafter,
                                                                                                    loaded.model)
         self.tokenizer = loaded.tokenizer
+        self.prompt_encoder = PromptEncoder(self.tokenizer)  # chat prompts' long pieces are tokenized once
         self.model_dir = loaded.path  # the HF directory the target was loaded from (converted, for a GGUF)
         self.engine = Engine(loaded, self.config, draft_model)
         self.last_summary: Summary | None = None
@@ -97,7 +99,7 @@ class LLM:
         """A conversation (and the `tools` the model may call: OpenAI's function definitions) through the chat
         template, as token ids for `generate`; `specdec.engine.tool_calls.split_calls(result.text)` reads the
         answer's calls, and `forced_calls(tools, name, parallel)` is the structured output that forces them."""
-        return encode_chat(self.tokenizer, messages, tools)
+        return encode_chat(self.prompt_encoder, messages, tools)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None, *,
                  chat: bool | None = None,

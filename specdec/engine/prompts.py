@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 
+from specdec.engine.prompt_encoder import PromptEncoder
 from specdec.engine.sampling_params import is_int
 
 Prompt = str | list[int]
@@ -33,10 +34,12 @@ def token_ids(prompt) -> list[int]:
     return [int(t) for t in ids]
 
 
-def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def encode_chat(encoder: PromptEncoder, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """A conversation through the tokenizer's chat template, with the assistant's generation prompt (and the
-    `tools` the model may call, OpenAI's function definitions, which the template renders)."""
+    `tools` the model may call, OpenAI's function definitions, which the template renders), into ids by `encoder`
+    (which remembers the ids of long pieces it met before: a shared system prompt, earlier turns)."""
+    tokenizer = encoder.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat=True but this model's tokenizer has no chat template")
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encoder.encode(text)

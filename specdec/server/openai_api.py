@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
+from specdec.engine.prompt_encoder import PromptEncoder
 from specdec.engine.prompts import encode_chat, token_ids
 from specdec.engine.request_limits import RequestLimits
 from specdec.engine.sampling_params import SamplingParams
@@ -52,6 +53,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
     stops the engine when it shuts down. Request bodies are read within `max_body_bytes` and
     `body_timeout_s` before anything parses them (`body_limit.py`)."""
     limits = engine.limits
+    prompt_encoder = PromptEncoder(engine.tokenizer)  # a shared system prompt, earlier turns: tokenized once
     started = int(time.time())
     registry = CollectorRegistry()  # what only the HTTP side sees; the engine's own metrics come from it
     invalid_requests = Counter("specdec_invalid_requests", "Requests refused before any work, by status", ["status"],
@@ -115,7 +117,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrived = time.perf_counter()
-        prompt_ids = await asyncio.to_thread(chat_prompt_ids, engine.tokenizer, body)
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, prompt_encoder, body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prepared = prepare(body, prompt_ids, max_tokens)
         shape = ResponseShape(True, model_name, token_text(prepared[1]))
@@ -177,12 +179,12 @@ def completion_prompt_ids(tokenizer, prompt) -> list[int]:
         raise APIError(400, str(err), param="prompt") from err
 
 
-def chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
+def chat_prompt_ids(encoder: PromptEncoder, body: ChatCompletionRequest) -> list[int]:
     conversation = body.conversation()
     for message in conversation:
         check_text(message["content"], "messages")
     try:
-        return encode_chat(tokenizer, conversation, body.tool_dicts)
+        return encode_chat(encoder, conversation, body.tool_dicts)
     except APIError:
         raise
     except Exception as err:  # noqa: BLE001 - a template that cannot render these messages: their fault

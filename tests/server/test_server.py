@@ -329,7 +329,7 @@ def test_a_second_turn_reports_its_cached_prompt_tokens(server, client, referenc
                                                  stream=True, stream_options={"include_usage": True}))
     cached = second[-1].usage.prompt_tokens_details.cached_tokens
     assert cached >= 4 * 20 and cached % 4 == 0 and cached < second[-1].usage.prompt_tokens
-    want, _, _ = library_text(reference, encode_chat(reference.tokenizer, messages), False, max_new_tokens=8)
+    want, _, _ = library_text(reference, encode_chat(reference.prompt_encoder, messages), False, max_new_tokens=8)
     assert "".join(c.choices[0].delta.content or "" for c in second if c.choices) == want
     assert metric_value(server, "specdec_prefix_cache_hits_total") >= hits_before + cached
     assert_pools_full(server)

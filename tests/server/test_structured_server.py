@@ -157,14 +157,14 @@ def test_tool_results_go_back_through_the_chat_template(server, client):
                     {"id": "call_1", "type": "function",
                      "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}]},
                 {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"}]
-    ids = encode_chat(server.llm.tokenizer, rendered, TOOLS)
+    ids = encode_chat(server.llm.prompt_encoder, rendered, TOOLS)
     assert answer.usage.prompt_tokens == len(ids)
     text = server.llm.tokenizer.decode(ids)
     assert '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}' in text and "sunny, 21 C" in text
     assert '"name": "get_time"' in text  # the tools are in the prompt
     none = client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=2, tools=TOOLS,
                                           tool_choice="none")
-    assert none.usage.prompt_tokens == len(encode_chat(server.llm.tokenizer, chat("hi")))  # no tools shown
+    assert none.usage.prompt_tokens == len(encode_chat(server.llm.prompt_encoder, chat("hi")))  # no tools shown
 
 
 @pytest.mark.parametrize("body, param, message", [
