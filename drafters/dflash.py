@@ -53,6 +53,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.block_size = model.spec.block_size
         self.target_layer_ids = model.spec.target_layer_ids
         self.mask_token_id = model.spec.mask_token_id
+        self.draft_window = model.spec.draft_window
         self.tables: dict[int, PageTable] = {}
         self.pending: dict[int, tuple[int, int]] = {}  # request id -> (row in the verify features, count)
         self.queued: dict[int, int] = {}  # request id -> its row of `drafts_out` drafted ahead (`propose_next`)

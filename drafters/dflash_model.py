@@ -52,6 +52,9 @@ class DFlashSpec:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # how far back its attention was trained to reach (the longest training sequence; 0: not declared): the
+    # engine's default `draft_window` for it
+    draft_window: int = 0
 
     @classmethod
     def from_config(cls, config) -> "DFlashSpec":
@@ -71,9 +74,13 @@ class DFlashSpec:
         if not (isinstance(block, int) and not isinstance(block, bool) and 2 <= block <= MAX_BLOCK_SIZE):
             raise ValueError(f"the drafter config's block_size must be an integer in [2, {MAX_BLOCK_SIZE}] (a step "
                              f"drafts block_size - 1 tokens), got {block!r}")
+        window = value("draft_window", 0)
+        if not (isinstance(window, int) and not isinstance(window, bool) and window >= 0):
+            raise ValueError(f"the drafter config's draft_window must be a non-negative integer (0: none), got "
+                             f"{window!r}")
         return cls(int(block), int(num_target_layers), tuple(int(i) for i in ids), int(mask),
                    float(value("input_embedding_scale", 1.0)), float(value("output_multiplier", 1.0)),
-                   value("final_logit_softcapping"))
+                   value("final_logit_softcapping"), window)
 
 
 def dflash_layer(config) -> DecoderLayer:

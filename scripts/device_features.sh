@@ -61,7 +61,8 @@ if wanted vllm; then  # the same multiturn levels against vLLM's server: DFlash,
         --time-limit-s 900 --output "$out/vllm-multiturn-s$repeat-c${levels//,/-}.json" 2>&1 | tail -20
     done
   done
-  kill "$(cat /tmp/vllm-server.pid)"
+  # the whole process group: the API server's engine process would otherwise keep the GPU's memory
+  kill -- -"$(cat /tmp/vllm-server.pid)"; sleep 10
 fi
 wanted tests && gpu_suite  # last: the measurements come first while the machine is held
 stage done

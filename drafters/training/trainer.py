@@ -110,6 +110,9 @@ class Trainer:
         self.target = target
         self.device = target.device
         self.model = drafter.to(self.device).float().train()
+        # the drafter declares how far back it was trained to attend: the engine's default window for it
+        extra = self.model.config.dflash_config = dict(getattr(self.model.config, "dflash_config", None) or {})
+        extra["draft_window"] = max(int(extra.get("draft_window") or 0), config.max_length)
         if config.quant_aware:
             make_quant_aware(self.model, config.quant_aware)
         if len(train_data) == 0:

@@ -6,7 +6,8 @@
 # DRAFTER_DIR in plain bf16 weights (`python scripts/export_drafter.py NAME DIR`): vLLM cannot read the shipped
 # drafters' compact storage.
 # Returns once /health answers (or fails after 900 s: DFlash's engine build alone takes ~210 s); the server's pid is
-# in /tmp/vllm-server.pid, its log in /tmp/vllm-server.log. Stop it with `kill $(cat /tmp/vllm-server.pid)`.
+# in /tmp/vllm-server.pid, its log in /tmp/vllm-server.log. Stop it with `kill -- -$(cat /tmp/vllm-server.pid)` (its
+# process group: vLLM's engine process too).
 set -euo pipefail
 model=$1 drafter=$2 port=$3
 shift 3

@@ -60,6 +60,7 @@ class DraftContext:
 class Drafter(ABC):
     block_size: int  # tokens the target verifies per step: the anchor plus block_size - 1 drafts
     target_layer_ids: tuple[int, ...]  # target layers whose outputs the drafter consumes
+    draft_window: int = 0  # how far back its attention was trained to reach (0: any): the default `draft_window`
     proposes_candidates: bool = False  # whether `propose_candidates` gives each position's top drafts (trees)
 
     @abstractmethod

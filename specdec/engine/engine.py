@@ -117,7 +117,8 @@ class Engine:
                                         CANDIDATES_PER_POSITION if trees else 0,
                                         # auto runs trees where they can pay: small batches
                                         TREE_GRAPH_MAX_BATCH if config.verify == "auto" else 0,
-                                        tuple(q - 1 for q in chain_lengths), config.draft_window))
+                                        tuple(q - 1 for q in chain_lengths),
+                                        drafter.draft_window if config.draft_window is None else config.draft_window))
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                            and self.runner.attn.supports_graphs)
         # the graphs' memory pool is counted before the KV pool takes what is left

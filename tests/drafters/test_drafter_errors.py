@@ -23,6 +23,7 @@ def target(tmp_path_factory):
     ({"dflash_config": {"target_layer_ids": [0, 9], "mask_token_id": 5}}, r"\[9\] outside 0..3"),
     ({"dflash_config": {"mask_token_id": 500}}, "mask_token_id 500 is outside the target's embedding"),
     ({"vocab_size": 1000}, "vocab_size 1000 != the target's 96"),
+    ({"dflash_config": {"mask_token_id": 5, "draft_window": -3}}, "draft_window must be a non-negative integer"),
 ])
 def test_incompatible_drafter_is_named(target, tmp_path, change, message):
     build_random_drafter(tmp_path / "d", target.model.config, target_layer_ids=[0, 2])

@@ -24,6 +24,7 @@ def test_default_drafter_is_shipped_small_and_compatible():
     assert size <= MAX_BYTES, f"{path} takes {size} bytes"
     spec = check_compatible(read_dflash_config(path), default_target_config(), str(path))
     assert spec.block_size == 16 and spec.mask_token_id == 151669
+    assert spec.draft_window == 2048  # its training sequences were cut at 2048 tokens (train_drafter's default)
 
 
 def test_default_drafter_loads_and_dequantizes():

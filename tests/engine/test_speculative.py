@@ -57,6 +57,16 @@ def test_a_draft_window_changes_the_drafts_alone(target_dir, tmp_path):
     assert not torch.allclose(first_drafts(5), whole, atol=1e-4)
 
 
+def test_the_default_draft_window_is_the_one_the_drafter_declares(target_dir, tmp_path):
+    drafter = dflash_drafter(target_dir, tmp_path, 4)
+    drafter.draft_window = 7  # as a drafter config's dflash_config.draft_window sets it
+    assert spec_engine(target_dir, drafter).drafter.attn.window_left == 7
+    drafter = dflash_drafter(target_dir, tmp_path, 4)
+    drafter.draft_window = 7
+    assert spec_engine(target_dir, drafter, draft_window=0).drafter.attn.window_left == -1  # 0: the whole context
+    assert spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4)).drafter.attn.window_left == -1
+
+
 def test_deeper_drafter_reading_more_target_layers_is_lossless(target_dir, tmp_path):
     """A grown drafter's shape (3 draft layers, 3 target layers): greedy output still equals autoregressive."""
     prompts = MANY_PROMPTS[:3]

@@ -227,6 +227,7 @@ def test_export_bf16_and_fp8(setup, tmp_path):
 
     # bf16: our loader reads it, weights are the bf16 rounding, and its paged logits match training's forward
     bf16 = load_dflash(tmp_path / "bf16", torch.device("cpu"), torch.float32)
+    assert bf16.spec.draft_window == trainer.config.max_length  # it declares how far back it was trained to attend
     for k, v in bf16.state_dict().items():
         assert torch.equal(v, rounded[k]), k
     target = tiny_target(root / "target", eos=())
