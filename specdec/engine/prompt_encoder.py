@@ -3,7 +3,8 @@ system prompt, the earlier turns of a conversation) is tokenized once.
 
 A tokenizer splits its input at its added tokens (`<|im_start|>`, `<|im_end|>`, ...) before anything else and
 tokenizes the pieces between them one by one, so a text's ids are its pieces' ids and its added tokens' ids in
-order. A `PromptEncoder` splits the same way, keeps the ids of pieces of at least `min_chars` characters (least
+order (with one exception, refused here: a pre-tokenizer that treats the text's first piece apart, as
+SentencePiece-style Metaspace with prepend_scheme "first" does). A `PromptEncoder` splits the same way, keeps the ids of pieces of at least `min_chars` characters (least
 recently used first out, at most `max_chars` characters kept), and hands everything between them to the
 tokenizer as it is. Where the tokenizer's added tokens split otherwise (they strip the whitespace beside them,
 match whole words only, or match after a normalizer), it always encodes the whole text; and the first text it
@@ -15,6 +16,7 @@ splits is checked against the whole text's ids once (a difference turns the spli
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -91,9 +93,20 @@ def added_token_splitter(tokenizer) -> re.Pattern | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if not added or backend is None or getattr(tokenizer, "split_special_tokens", False):
         return None
+    if _treats_first_piece_apart(json.loads(backend.to_str())):
+        return None
     has_normalizer = backend.normalizer is not None
     for token in added.values():
         if token.lstrip or token.rstrip or token.single_word or (token.normalized and has_normalizer):
             return None
     contents = sorted({token.content for token in added.values() if token.content}, key=len, reverse=True)
     return re.compile("(" + "|".join(map(re.escape, contents)) + ")")
+
+
+def _treats_first_piece_apart(spec) -> bool:
+    """Whether a tokenizer's serialized pipeline has a step that depends on a piece being the text's first."""
+    if isinstance(spec, dict):
+        return spec.get("prepend_scheme") == "first" or any(map(_treats_first_piece_apart, spec.values()))
+    if isinstance(spec, list):
+        return any(map(_treats_first_piece_apart, spec))
+    return False

@@ -5,10 +5,10 @@ import re
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from specdec.engine.prompt_encoder import PromptEncoder
-from tests.tokenizer_helpers import LONG_TOKEN, as_transformers, bytelevel_tokenizer, gguf_style
+from tests.tokenizer_helpers import CORPUS, LONG_TOKEN, as_transformers, bytelevel_tokenizer, gguf_style
 
 MIN_CHARS = 24
 FRAGMENTS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", LONG_TOKEN, "system\n", "user\n", " ", "\n", "  ",
@@ -69,6 +69,23 @@ def test_added_tokens_that_strip_whitespace_turn_splitting_off():
     assert encoder.splitter is None
     text = "Hello world " * 5 + "  <tool>" + "quick brown fox " * 5
     assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_pre_tokenizer_that_treats_the_first_piece_apart_turns_splitting_off():
+    """Metaspace with prepend_scheme "first" (Llama 2 / Mistral style) marks only the text's first piece: a piece
+    encoded alone is marked where the whole text's is not, so such tokenizers encode texts whole."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                                        show_progress=False))
+    tokenizer = as_transformers(tok)
+    text = "<|im_start|>" + "Hello world " * 5
+    whole = tokenizer.encode(text, add_special_tokens=False)
+    encoder = PromptEncoder(tokenizer, min_chars=MIN_CHARS)
+    assert encoder.splitter is None and encoder.encode(text) == whole
+    encoder.splitter, encoder._checked = re.compile("(<\\|im_start\\|>)"), True  # splitting anyway would be wrong
+    assert encoder.encode(text) != whole
 
 
 def test_a_tokenizer_that_splits_otherwise_is_caught_by_the_first_check():
