@@ -113,7 +113,8 @@ def system_copies(config: dict) -> str:
 def markdown(result: dict) -> str:
     config = result["config"]
     parts = [f"# Serving benchmark\n\n`{result['command_line']}`\n",
-             f"dataset {config['dataset']}{system_copies(config)}, max_tokens {config['max_tokens']}, temperature {config['temperature']}, "
+             f"dataset {config['dataset']}{system_copies(config)}, max_tokens {config['max_tokens']}, "
+             f"temperature {config['temperature']}, "
              f"seed {config['seed']}, git {result['environment'].get('git_commit') or '-'}, "
              f"GPUs {', '.join(result['environment'].get('gpus') or []) or 'none'}\n",
              "## Throughput\n", throughput_table(result),

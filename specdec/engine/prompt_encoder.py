@@ -4,11 +4,12 @@ system prompt, the earlier turns of a conversation) is tokenized once.
 A tokenizer splits its input at its added tokens (`<|im_start|>`, `<|im_end|>`, ...) before anything else and
 tokenizes the pieces between them one by one, so a text's ids are its pieces' ids and its added tokens' ids in
 order (with one exception, refused here: a pre-tokenizer that treats the text's first piece apart, as
-SentencePiece-style Metaspace with prepend_scheme "first" does). A `PromptEncoder` splits the same way, keeps the ids of pieces of at least `min_chars` characters (least
-recently used first out, at most `max_chars` characters kept), and hands everything between them to the
-tokenizer as it is. Where the tokenizer's added tokens split otherwise (they strip the whitespace beside them,
-match whole words only, or match after a normalizer), it always encodes the whole text; and the first text it
-splits is checked against the whole text's ids once (a difference turns the splitting off for good).
+SentencePiece-style Metaspace with prepend_scheme "first" does). A `PromptEncoder` splits the same way, keeps
+the ids of pieces of at least `min_chars` characters (least recently used first out, at most `max_chars`
+characters kept), and hands everything between them to the tokenizer as it is. Where the tokenizer's added
+tokens split otherwise (they strip the whitespace beside them, match whole words only, or match after a
+normalizer), it always encodes the whole text; and the first text it splits is checked against the whole text's
+ids once (a difference turns the splitting off for good).
 
     encoder = PromptEncoder(tokenizer)
     ids = encoder.encode(text)       # == tokenizer.encode(text, add_special_tokens=False)

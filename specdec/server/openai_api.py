@@ -61,8 +61,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
     # beside the engine's own (arrival in the engine to first token): the difference is this process's share
     # (tokenizing, the hops to the engine and back, making text)
     first_text = Histogram("specdec_server_time_to_first_token_seconds",
-                           "A streamed request's arrival at its handler to its first text sent", buckets=LATENCY_BUCKETS,
-                           registry=registry)
+                           "A streamed request's arrival at its handler to its first text sent",
+                           buckets=LATENCY_BUCKETS, registry=registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
