@@ -57,6 +57,22 @@ def test_a_draft_window_changes_the_drafts_alone(target_dir, tmp_path):
     assert not torch.allclose(first_drafts(5), whole, atol=1e-4)
 
 
+@pytest.mark.parametrize("config", [dict(verify="chain"), dict(verify="tree", tree_nodes=7),
+                                    dict(verify="auto", max_num_seqs=3), dict(verify="chain", max_prefill_tokens=9)],
+                         ids=["chain", "tree", "auto", "chunked"])
+def test_a_small_draft_window_stays_exact_everywhere(target_dir, tmp_path, config):
+    """A window far shorter than the prompts, with trees, auto's choices, chunked prefill and the prefix cache:
+    greedy output equals autoregressive output, and no page leaks."""
+    prompts = MANY_PROMPTS + [MANY_PROMPTS[0] + [7] * 20]  # the last shares the first's prefix (a cache hit)
+    expected = ar_outputs(target_dir, prompts, 21)
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), draft_window=3, num_kv_pages=1024,
+                         **config)
+    assert engine.drafter.attn.window_left == 3
+    got = engine.generate_ids(prompts, SamplingParams(max_new_tokens=21))
+    assert [r.output_ids for r in got] == expected
+    assert_no_leak(engine)
+
+
 def test_the_default_draft_window_is_the_one_the_drafter_declares(target_dir, tmp_path):
     drafter = dflash_drafter(target_dir, tmp_path, 4)
     drafter.draft_window = 7  # as a drafter config's dflash_config.draft_window sets it
