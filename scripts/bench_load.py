@@ -88,7 +88,8 @@ def parse_args(argv):
                    help="chat: math500 and coding requests alternating; the others: bench_serve.py's prompts")
     p.add_argument("--system-repeat", type=int, default=0,
                    help="each prompt under this many copies of the multiturn set's system prompt (~500 tokens each)")
-    p.add_argument("--draft-window", type=int, default=0, help="the DFlash rows' draft_window (0: whole context)")
+    p.add_argument("--draft-window", type=int, default=None,
+                   help="the DFlash rows' draft_window (default: the drafter's declared window; 0: whole context)")
     p.add_argument("--overlap-steps", nargs="?", const="both", default="off", choices=("off", "both", "on"),
                    help="plain decoding with overlapped steps (rows 'AR overlapped') and DFlash drafting ahead "
                         "(rows 'DFlash ..., drafted ahead'), the engine's defaults: beside the in-order rows "
@@ -100,7 +101,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
-    if args.system_repeat < 0 or args.draft_window < 0:
+    if args.system_repeat < 0 or (args.draft_window is not None and args.draft_window < 0):
         p.error("--system-repeat and --draft-window must not be negative")
     if args.quick:
         args.concurrency, args.requests, args.max_new_tokens, args.device = [1, 4], 6, 8, "cpu"
@@ -304,7 +305,7 @@ def main(argv=None) -> int:
         for system, draft, verify, overlap in systems:
             llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency),
                       kv_cache_dtype=args.kv_cache_dtype, overlap_steps=overlap, verify=verify,
-                      **(dict(draft_window=args.draft_window) if draft else {}))
+                      **(dict(draft_window=args.draft_window) if draft and args.draft_window is not None else {}))
             prompts = (random_prompts(llm.engine.model.config.vocab_size, args.requests) if args.quick
                        else chat_prompts(llm, args.requests, args.dataset, args.system_repeat))
             run_load(llm, system, prompts[:min(4, len(prompts))], 1, 4)  # warm-up: graphs, kernels, allocator
