@@ -75,6 +75,11 @@ def verify_lengths(block_size: int, policy: str, plain_steps: bool = False) -> t
     return tuple(sorted({block_size} | shorter | ({PLAIN} if plain_steps else set())))
 
 
+def holding_rung(rungs, batch: int) -> int | None:
+    """The smallest of the measured batch sizes `rungs` that holds `batch` (the rung its step runs as); None above."""
+    return next((r for r in sorted(rungs) if r >= batch), None)
+
+
 @dataclass(frozen=True)
 class StepCosts:
     """Seconds of one step at each captured batch size (a CUDA-graph rung), by option (a chain length q, or
@@ -96,7 +101,7 @@ class StepCosts:
 
     def _measured_at(self, batch: int) -> dict[int, float] | None:
         def at_rung(by_rung: dict[int, float]) -> float | None:
-            rung = next((r for r in sorted(by_rung) if r >= batch), None)
+            rung = holding_rung(by_rung, batch)
             return None if rung is None else by_rung[rung]
 
         verify = {q: seconds for q, by_rung in self.verify.items() if (seconds := at_rung(by_rung)) is not None}
@@ -173,7 +178,7 @@ class VerifyPolicy:
         if self.costs is None:
             return None
         by_rung = self.costs.verify.get(self.block_size) or next(iter(self.costs.verify.values()), {})
-        return next((r for r in sorted(by_rung) if r >= batch), None)
+        return holding_rung(by_rung, batch)
 
     def expected_tree_tokens(self, nodes: int) -> float:
         """Expected committed tokens per request of a tree step with `nodes` draft nodes."""
