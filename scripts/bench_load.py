@@ -24,11 +24,13 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import re
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,6 +215,8 @@ class StepProfile:
     steps: int
     wall_ms: float  # medians over the steps of this kind
     gpu_busy_ms: float
+    # the kernels (and copies) that took most of these steps' GPU time: (name, us per step, launches per step)
+    kernels: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 def profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, max_new_tokens: int,
@@ -238,16 +242,33 @@ def profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: i
         if event_kind(e) in GPU_ACTIVITIES:
             i = bisect.bisect_right(starts, e.start_ns()) - 1
             if i >= 0 and e.start_ns() < ranges[i][1]:
-                activity[i].append((e.start_ns(), e.start_ns() + e.duration_ns()))
-    busy = [covered_ns(intervals) for intervals in activity]
+                activity[i].append((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()))
+    busy = [covered_ns([a[:2] for a in acts]) for acts in activity]
     profiles = []
     for kind, prefilled in (("decode only", False), ("with prefill", True)):
-        chosen = [(r[2], b / 1e9) for r, b in zip(records, busy) if r[0] == prefilled]
-        if chosen:
-            profiles.append(StepProfile(system, concurrency, kind, len(chosen),
-                                        1e3 * statistics.median(w for w, _ in chosen),
-                                        1e3 * statistics.median(b for _, b in chosen)))
+        picked = [i for i, r in enumerate(records) if r[0] == prefilled]
+        if picked:
+            profiles.append(StepProfile(system, concurrency, kind, len(picked),
+                                        1e3 * statistics.median(records[i][2] for i in picked),
+                                        1e-6 * statistics.median(busy[i] for i in picked),
+                                        top_kernels([activity[i] for i in picked])))
     return profiles
+
+
+def kernel_group(name: str) -> str:
+    """A kernel's name without its template arguments and signature (the instances of one kernel summed)."""
+    return re.split(r"[<(]", name.removeprefix("void "), maxsplit=1)[0][:80] or name[:80]
+
+
+def top_kernels(steps: list[list[tuple[int, int, str]]], top: int = 12) -> list[tuple[str, float, float]]:
+    """The kernel groups that took most GPU time over `steps`: (name, us per step, launches per step)."""
+    total, count = defaultdict(int), defaultdict(int)
+    for step in steps:
+        for start, stop, name in step:
+            total[kernel_group(name)] += stop - start
+            count[kernel_group(name)] += 1
+    ranked = sorted(total, key=total.get, reverse=True)[:top]
+    return [(name, total[name] / len(steps) / 1e3, count[name] / len(steps)) for name in ranked]
 
 
 def covered_ns(intervals: list[tuple[int, int]]) -> int:
@@ -269,6 +290,10 @@ def profile_table(profiles: list[StepProfile]) -> str:
         share = p.gpu_busy_ms / p.wall_ms if p.wall_ms else 0.0
         lines.append(f"| {p.system} | {p.concurrency} | {p.kind} | {p.steps} | {p.wall_ms:.2f} | {p.gpu_busy_ms:.2f} | "
                      f"{100 * share:.0f}% |")
+    for p in profiles:
+        lines += ["", f"{p.system}, concurrency {p.concurrency}, {p.kind}: the GPU's largest items per step", "",
+                  "| kernel | us per step | launches per step |", "|---|---|---|"]
+        lines += [f"| `{name}` | {us:.1f} | {launches:.1f} |" for name, us, launches in p.kernels]
     return "\n".join(lines)
 
 

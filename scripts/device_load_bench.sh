@@ -4,8 +4,10 @@
 #   tests    the whole GPU suite (scripts/device_job.sh)
 #   sweep    DFlash and plain decoding on bench_serve's math500 and coding requests at concurrency 1-256 (LEVELS),
 #            each level REPEATS times (the median run reported), at most ROUNDS x concurrency requests a level
-#   profile  where a step's time goes (wall against GPU busy time): steps with and without arrivals at 64 on the
-#            mixed set, and at 256 on the coding requests
+#   profile  where a step's time goes (wall against GPU busy time, the largest kernels): steps with and without
+#            arrivals at 64 on the mixed set, and at 256 on the coding requests
+#   profile-batch1  the same for one request: chain and tree steps on math500, and turns whose ~6k-token system
+#            prompt the prefix cache holds (--system-repeat 12)
 #   ab       this checkout against BASELINE on math500 and the coding requests at AB_LEVELS (64 128 256),
 #            alternating, twice (the second time the baseline first)
 #   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_load_bench.sh > /tmp/load/run.log 2>&1 &
@@ -36,6 +38,11 @@ fi
 if wanted profile; then
   load profile-arrivals "$here" --dataset mixed --concurrency 64 --profile 64
   load profile-code-256 "$here" --dataset code --concurrency 256 --profile 256
+fi
+if wanted profile-batch1; then
+  load profile-trees "$here" --dataset math500 --verify chain tree --requests 4 --max-new-tokens 256 --concurrency 1 \
+    --profile 1
+  load profile-long "$here" --system-repeat 12 --requests 8 --max-new-tokens 64 --concurrency 1 --profile 1
 fi
 if wanted ab && [ -n "${BASELINE:-}" ]; then
   # the second round runs the baseline first: a machine that drifts during the job favours neither side
