@@ -38,6 +38,9 @@ class BatchLayout:
     # query sees (a token tree: the node's ancestors and itself; the request's earlier KV stays visible);
     # None = causal order
     query_masks: torch.Tensor | None = None
+    # how many of the step's requests, the last ones, are prompt chunks rather than decodes or verifies (a backend
+    # may pick its kernels by it)
+    prompts: int = 0
 
     @classmethod
     def build(cls, q_lens, kv_lens, new_kv_lens, page_tables, page_size: int, causal: bool) -> "BatchLayout":
@@ -113,7 +116,7 @@ class BatchLayout:
             dummy = torch.ones(q, q, dtype=torch.bool, device=masks.device).tril()
             masks = torch.cat([masks, dummy.expand(extra, q, q)])
         return BatchLayout(pad(self.q_lens, q), pad(self.kv_lens, new), pad(self.new_kv_lens, new), indices,
-                           self.page_size, self.causal, masks)
+                           self.page_size, self.causal, masks, self.prompts)
 
     @property
     def batch_size(self) -> int:

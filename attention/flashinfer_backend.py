@@ -8,17 +8,20 @@ addresses, planned on the host before every replay. All wrappers of a backend sh
 workspace (steps never overlap). Host metadata reaches the GPU only from pinned memory with
 non-blocking copies, so planning never synchronizes the host with the GPU.
 Kernels: "auto" (fa3 on Hopper) for bf16/fp16 caches, "fa2" for FP8 (fa3 needs FP8 queries; "auto"
-would stick to the choice of its first plan). fa3 computes a query row the same way whether its
-request has 1 query (decode) or block_size queries (verify), so greedy speculation reproduces greedy
-decoding token for token; fa2 picks its tiles by query count, and the two drift apart at near-ties.
+would stick to the choice of its first plan).
 A cache whose layers mix dtypes (FP8 with a few layers kept in the model dtype) has one wrapper per
 dtype, planned together for the same layout; each layer runs the wrapper of its own dtype.
-fa2 is the faster kernel once a request's KV passes ~1,000 tokens or the batch is large (measured on
-an H200: 9-15 us a layer against fa3's 20-50 us for decodes; a whole DFlash step of 16 and 64 requests
-9-12% faster with fa2 verifies), so a step of several requests with one query count each (plain decoding,
-or verifying a chain, under load) runs fa2: there the token-for-token promise is already bounded by the
-batch (GEMMs tile by row count, so a batch's outputs depend on its make-up), while a lone request's
-decode and verify keep fa3 and agree. Eager and graphed steps of the same layout use the same kernels.
+fa2 splits a request's KV over several CTAs and merges them; fa3 gives each 128-row query tile one CTA that
+walks the whole KV, so it needs many query rows to fill the GPU. Per layer of the default target on an H200
+(`scripts/bench_attention.py`): a lone decode at 6k context 10 us with fa2 against 85 us with fa3, a cached
+turn of 40 new tokens over 6k 18 against 85 us, a prompt arriving among 64 verifies of 4 tokens 31 against
+82 us (among 256 verifies of 2: 68 against 348 us); fa3 wins only on large prefills (a cold prompt of 700
+tokens 17 against 40 us, of 6k 244 against 447 us; 8 cached turns of 100 new tokens 88 against 132 us).
+So every step runs fa2 but for two kinds: prefills of enough query rows (`prefill_heavy`), and a lone
+request's decode or verify, whose rows fa3 computes the same way whether it has 1 query or a block: greedy
+speculation then reproduces greedy decoding token for token at batch 1 (fa2 tiles by query count, and the
+two drift apart at near-ties; in a batch the promise is bounded anyway, since GEMMs tile by row count).
+Eager and graphed steps of the same layout use the same kernels.
 fa2 graph slots are planned with `uniform_q_len` (every request has the same query count), so the
 query tile is sized for that count as in an eager plan: without it a CUDA-graph plan sizes the tile
 for the ragged worst case, the verify graph then rounds differently from the decode graph, and
@@ -144,9 +147,11 @@ class FlashInferBackend(AttentionBackend):
 
     def fa2(self, layout: BatchLayout | None) -> bool:
         """Whether steps of `layout` run the fa2 kernels whatever the cache dtype: every step of a backend of
-        `device_lengths` (fa2 kernels read the KV lengths on the device), else the causal steps of several
-        requests of one query count (`several_uniform`). None: a graph rung of no example layout."""
-        return self.plans_upper_bounds or (layout is not None and several_uniform(layout))
+        `device_lengths` (fa2 kernels read the KV lengths on the device), else all but a lone request's decode
+        or verify and large prefills (see the module's doc). None: a graph rung of no example layout."""
+        if self.plans_upper_bounds:
+            return True
+        return layout is not None and not lone_decode_or_verify(layout) and not prefill_heavy(layout)
 
     def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
         """An eager step of any layout; write_slots=False leaves the write slots to the caller."""
@@ -241,8 +246,17 @@ def kernel_backend(kv_dtype: torch.dtype, fa2: bool = False) -> str:
     return "fa2" if kv_dtype == FP8_DTYPE or fa2 else "auto"
 
 
-def several_uniform(layout: BatchLayout) -> bool:
-    """A causal step of more than one request, all with the same query count: decodes, or the verify of a
-    chain (a padded graph rung counts its dummy requests, which take the largest query count: the rung's
-    size, not the real batch, picks the kernel it was captured with)."""
-    return layout.causal and layout.batch_size > 1 and bool((layout.q_lens == layout.q_lens[0]).all())
+def lone_decode_or_verify(layout: BatchLayout) -> bool:
+    """One request and no prompt chunk: its decode, or the verify of its drafts."""
+    return layout.batch_size == 1 and not layout.prompts
+
+
+# fa3's query tiles fill an H200 from about this many query rows in all, at this many per request on average
+PREFILL_FA3_MIN_QUERIES = 512
+PREFILL_FA3_MIN_MEAN_QUERIES = 64
+
+
+def prefill_heavy(layout: BatchLayout) -> bool:
+    """A step of enough query rows, per request and in all, for fa3 to be the faster kernel: large prefills."""
+    queries = layout.num_queries
+    return queries >= PREFILL_FA3_MIN_QUERIES and queries >= PREFILL_FA3_MIN_MEAN_QUERIES * layout.batch_size

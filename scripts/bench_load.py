@@ -239,7 +239,8 @@ def profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: i
     activity = [[] for _ in ranges]
     starts = [r[0] for r in ranges]
     for e in events:
-        if event_kind(e) in GPU_ACTIVITIES:
+        # the step's own range is mirrored on the GPU's timeline, and this torch reports it as a device event
+        if event_kind(e) in GPU_ACTIVITIES and e.name() != STEP_RANGE:
             i = bisect.bisect_right(starts, e.start_ns()) - 1
             if i >= 0 and e.start_ns() < ranges[i][1]:
                 activity[i].append((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()))

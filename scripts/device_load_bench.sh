@@ -10,6 +10,9 @@
 #            prompt the prefix cache holds (--system-repeat 12)
 #   ab       this checkout against BASELINE on math500 and the coding requests at AB_LEVELS (64 128 256),
 #            alternating, twice (the second time the baseline first)
+#   ab-prefill  this checkout against BASELINE where prompts and long contexts meet: arrival steps at 64 (mixed set),
+#            ~6k-token prompts at 1 and 8 (--system-repeat 12), a turn's time to first token with the prefix cache
+#            (bench_prefix_ttft.py); new then old, then (with ROUNDS_AB=2) old then new
 #   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_load_bench.sh > /tmp/load/run.log 2>&1 &
 #   watch:  tail /tmp/load/run.log; results in /tmp/load/*.json, *.md
 # The GGUFs as for scripts/device_job.sh. BASELINE: a directory holding the baseline's packages (e.g. `git archive
@@ -57,6 +60,21 @@ if wanted ab && [ -n "${BASELINE:-}" ]; then
         load "$side-$dataset-$round" "$dir" --dataset "$dataset" --concurrency ${AB_LEVELS:-64 128 256}
       done
     done
+  done
+fi
+if wanted ab-prefill && [ -n "${BASELINE:-}" ]; then
+  sides="new old"
+  [ "${ROUNDS_AB:-1}" = 2 ] && sides="new old old new"
+  round=0
+  for side in $sides; do
+    round=$((round + 1))
+    dir=$here
+    [ "$side" = old ] && dir=$BASELINE
+    load "$side-arrivals-$round" "$dir" --dataset mixed --concurrency 64
+    load "$side-long-$round" "$dir" --system-repeat 12 --concurrency 1 8 --requests 16 --max-new-tokens 256
+    stage "$side-ttft-$round"
+    (cd "$dir" && python3 scripts/bench_prefix_ttft.py --model "$target" --drafter "$drafter" --system-repeat 1 12 \
+      --out "$out/$side-ttft-$round.json") 2>&1 | grep -v "Loading weights" | tee "$out/$side-ttft-$round.md" | tail -12
   done
 fi
 stage done

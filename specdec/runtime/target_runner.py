@@ -18,7 +18,7 @@ until the next forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -264,7 +264,7 @@ class TargetRunner(ModelRunner):
         total = len(ids)
         if total > self.max_step_tokens:
             raise ValueError(f"a step of {total} tokens exceeds the {self.max_step_tokens} the runner was sized for")
-        layout = self._grow([*tables, *chunk_tables], [q] * len(tables) + chunk_lens)
+        layout = replace(self._grow([*tables, *chunk_tables], [q] * len(tables) + chunk_lens), prompts=len(chunk_lens))
         if tree is not None:
             layout = layout.with_query_masks(tree.masks)
         self.attn.plan(layout, write_slots=False)  # the step writes K/V to the slots staged here

@@ -4,6 +4,7 @@ is replaced by a recorder (its kernels are tested on the GPU: tests/gpu/test_fla
 
 import sys
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -67,28 +68,36 @@ def test_plans_get_the_layouts_lengths(backend_class):
     RecordingWrapper.instances = []
     backend = FlashInferBackend(4, 2, 8, 8 ** -0.5, device=torch.device("cpu"), kv_dtypes=(torch.bfloat16,),
                                 q_dtype=torch.bfloat16)
-    wrapper = RecordingWrapper.instances[0]
     backend.plan(BatchLayout.for_tokens([3, 1, 2], [3, 9, 5], [[0], [1, 2, 3], [4, 5]], 4, causal=True))
-    assert wrapper.lengths == [([3, 9, 5], 3, 9)]
+    (planned,) = [w for w in RecordingWrapper.instances if w.plans]
+    assert planned.lengths == [([3, 9, 5], 3, 9)]
 
 
-@pytest.mark.parametrize("q_lens, causal, kernel", [
-    ([1], True, "auto"),  # a lone request's decode: fa3, computed as its verify rows are
-    ([16], True, "auto"),  # a lone request's verify
-    ([1, 1, 1], True, "fa2"),  # plain decoding of several requests: fa2, the faster kernel there
-    ([16, 16, 16], True, "fa2"),  # the chain verify of several requests: fa2 too
-    ([1, 16, 1], True, "auto"),  # a step mixing decodes with verifies or prompt chunks
-    ([1, 1], False, "auto"),  # not a causal step (DFlash drafting is non-causal)
+@pytest.mark.parametrize("q_lens, kv_lens, prompts, kernel", [
+    ([1], [16], 0, "auto"),  # a lone request's decode: fa3, computed as its verify rows are
+    ([16], [16], 0, "auto"),  # a lone request's verify
+    ([1, 1, 1], [16] * 3, 0, "fa2"),  # plain decoding of several requests: fa2, the faster kernel there
+    ([16, 16, 16], [16] * 3, 0, "fa2"),  # the chain verify of several requests: fa2 too
+    ([1, 16, 1], [16] * 3, 0, "fa2"),  # decodes beside verifies
+    ([4, 4, 12], [16] * 3, 1, "fa2"),  # a prompt chunk arriving among verifies
+    ([12], [16], 1, "fa2"),  # a lone short prompt chunk (a turn whose prefix is cached): split over the KV
+    ([600], [600], 1, "auto"),  # a large prefill fills fa3's query tiles
+    ([4] * 64 + [600], [16] * 64 + [600], 1, "fa2"),  # ... but not when it arrives among many requests
+    ([100] * 8, [200] * 8, 8, "auto"),  # 8 prompt chunks of 100
 ])
-def test_steps_of_several_uniform_requests_run_fa2_and_every_other_bf16_step_fa3(backend_class, q_lens, causal, kernel):
+def test_fa3_runs_a_lone_requests_decode_or_verify_and_large_prefills_fa2_every_other_step(
+        backend_class, q_lens, kv_lens, prompts, kernel):
     FlashInferBackend = backend_class  # noqa: N806
 
     RecordingWrapper.instances = []
     backend = FlashInferBackend(4, 2, 8, 8 ** -0.5, device=torch.device("cpu"), kv_dtypes=(torch.bfloat16,),
                                 q_dtype=torch.bfloat16)
-    n = len(q_lens)
-    backend.plan(BatchLayout.for_tokens(q_lens, [16] * n, [[i * 4 + j for j in range(4)] for i in range(n)], 4,
-                                        causal=causal))
+    tables, first = [], 0
+    for kv in kv_lens:
+        tables.append(list(range(first, first + -(-kv // 4))))
+        first += len(tables[-1])
+    layout = BatchLayout.for_tokens(q_lens, kv_lens, tables, 4, causal=True)
+    backend.plan(replace(layout, prompts=prompts))
     (planned,) = [w for w in RecordingWrapper.instances if w.plans]
     assert planned.backend == kernel
 
@@ -107,9 +116,10 @@ def test_a_graph_rung_picks_its_kernel_by_its_size(backend_class):
         (wrapper,) = RecordingWrapper.instances
         backend.plan_graph(slot, decode, scratch_page=15)
         assert wrapper.backend == kernel and wrapper.plans
-    mixed = BatchLayout.for_tokens([1, 4], [5, 8], [[0, 1], [2, 3]], 4, causal=True)  # decodes and a verify
+    lone = backend.graph_slot(1, 16, BatchLayout.dummy(1, 1, 4, 4, 15, causal=True))
+    two = BatchLayout.for_tokens([1, 1], [5, 8], [[0, 1], [2, 3]], 4, causal=True)  # fa2's, on fa3's rung
     with pytest.raises(ValueError, match="cannot replay"):
-        backend.plan_graph(slot, mixed, scratch_page=15)
+        backend.plan_graph(lone, two, scratch_page=15)
 
 
 def test_a_backend_of_device_lengths_runs_fa2_for_every_step_eager_or_graphed(backend_class):

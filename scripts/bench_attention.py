@@ -1,0 +1,99 @@
+"""Which FlashInfer kernel serves which step: fa2 (split-KV) against fa3 on the step layouts the engine runs.
+
+    python scripts/bench_attention.py [--out attention.json]      # GPU (Hopper: fa3 exists only there)
+
+One attention layer of the default target's shape (12 query heads, 2 KV heads, head dim 128, pages of 16, bf16)
+over a paged cache, for layouts the engine plans: a lone request's decode and chain verify on short and long
+contexts, a turn whose long prompt the prefix cache holds (a few new tokens over thousands cached), cold
+prefills, and steps where a prompt arrives among decoding or verifying requests. Per layout and kernel: the
+GPU kernel time of one `run` (the profiler's, a mean over repeats) and the host time of its `plan`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 12, 2, 128, 16
+
+# name -> [(query tokens, KV tokens)] per request (the KV includes the queries)
+LAYOUTS = {
+    "lone decode, 700 context": [(1, 700)],
+    "lone decode, 6k context": [(1, 6000)],
+    "lone verify of 16, 700 context": [(16, 700)],
+    "lone verify of 16, 6k context": [(16, 6000)],
+    "cached turn: 40 new over 6k": [(40, 6000)],
+    "cached turn: 150 new over 6k": [(150, 6000)],
+    "cached turns x8: 100 new over 6k": [(100, 6000)] * 8,
+    "cold prefill, 700": [(700, 700)],
+    "cold prefill, 6k": [(6000, 6000)],
+    "arrival among 64 verifies of 4 (700 context)": [(4, 700)] * 64 + [(200, 200)],
+    "arrival among 64 decodes (700 context)": [(1, 700)] * 64 + [(200, 200)],
+    "arrival among 256 verifies of 2 (700 context)": [(2, 700)] * 256 + [(300, 300)],
+    "64 verifies of 4 (700 context)": [(4, 700)] * 64,
+}
+
+
+def run_layout(flashinfer, requests, backend: str, repeats: int, device) -> dict:
+    q_lens = [q for q, _ in requests]
+    kv_lens = [kv for _, kv in requests]
+    pages = [(kv + PAGE - 1) // PAGE for kv in kv_lens]
+    cache = torch.randn(sum(pages) + 1, 2, PAGE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    as_i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    qo_indptr = as_i32([0] + list(torch.tensor(q_lens).cumsum(0)))
+    kv_indptr = as_i32([0] + list(torch.tensor(pages).cumsum(0)))
+    kv_indices = torch.randperm(sum(pages), dtype=torch.int32).to(device)
+    last_page = as_i32([kv - (p - 1) * PAGE for kv, p in zip(kv_lens, pages)])
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+    plans = []
+    for _ in range(5):
+        start = time.perf_counter()
+        wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page, HEADS, KV_HEADS, HEAD_DIM, PAGE, causal=True,
+                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        plans.append(time.perf_counter() - start)
+    for _ in range(3):
+        wrapper.run(q, cache)
+    torch.cuda.synchronize()
+    # kernel time from the profiler: events around one run would also count the host's launch latency
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            wrapper.run(q, cache)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA
+               and not e.name().startswith(("Memcpy", "Memset"))]
+    times = [sum(e.duration_ns() for e in kernels) / repeats / 1e3]
+    return {"gpu_us": statistics.median(times), "plan_us": 1e6 * statistics.median(plans)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--out", help="JSON results file")
+    args = p.parse_args(argv)
+    import flashinfer
+
+    device = torch.device("cuda")
+    rows = []
+    print("| layout | fa2 us (plan us) | fa3 us (plan us) | fa2 / fa3 |\n|---|---|---|---|")
+    for name, requests in LAYOUTS.items():
+        fa2 = run_layout(flashinfer, requests, "fa2", args.repeats, device)
+        fa3 = run_layout(flashinfer, requests, "fa3", args.repeats, device)
+        rows.append({"layout": name, "requests": requests, "fa2": fa2, "fa3": fa3})
+        print(f"| {name} | {fa2['gpu_us']:.1f} ({fa2['plan_us']:.0f}) | {fa3['gpu_us']:.1f} ({fa3['plan_us']:.0f}) | "
+              f"{fa2['gpu_us'] / fa3['gpu_us']:.2f} |", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "flashinfer": flashinfer.__version__,
+                                              "torch": torch.__version__, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
