@@ -8,10 +8,10 @@
 
 Callers hand submissions and aborts to the engine loop (`specdec/server/engine_loop.py`), which applies
 them between steps, so requests join and leave the running batch there; the outputs of a step (token
-ids) come back in one batch and are handed to each caller's asyncio queue on the event loop, where
-each caller turns its tokens into text and matches its stop strings (`request_text.py`). A caller that
-stops listening (a client that disconnected, a cancelled task) aborts its request: its pages are back
-in the pool before the next step.
+ids) come back in one batch (a request's first tokens ahead of it, as soon as they are committed) and
+are handed to each caller's asyncio queue on the event loop, where each caller turns its tokens into
+text and matches its stop strings (`request_text.py`). A caller that stops listening (a client that
+disconnected, a cancelled task) aborts its request: its pages are back in the pool before the next step.
 """
 
 from __future__ import annotations
@@ -76,10 +76,10 @@ class AsyncEngine:
                       lead: int | None) -> AsyncIterator[RequestOutput]:
         outputs: asyncio.Queue = asyncio.Queue()
         self._queues[sid] = outputs
-        text = RequestText(prompt_ids, params, self.tokenizer)
-        self._send(Submit(sid, list(prompt_ids), engine_params(params), lead))
-        engine_done = False
+        self._send(Submit(sid, list(prompt_ids), engine_params(params), lead))  # first: the engine starts now
+        engine_done, text = False, None
         try:
+            text = RequestText(prompt_ids, params, self.tokenizer)  # needed once the first output is back
             while True:
                 raw = merge([await outputs.get(), *drain(outputs)])
                 engine_done = raw.finished
@@ -90,7 +90,7 @@ class AsyncEngine:
         finally:
             self._queues.pop(sid, None)
             if not engine_done:  # the caller left, or a stop string ended the request first
-                self._send(Abort(sid, "stop" if text.stopped_early else "abort"))
+                self._send(Abort(sid, "stop" if text is not None and text.stopped_early else "abort"))
 
     def bind_event_loop(self) -> None:
         """Outputs are handed to callers on the running event loop (the server's)."""

@@ -109,21 +109,41 @@ class EngineLoop:
             self.engine.abort(live.request.request_id, reason)
             self.metrics.on_finish(live.request)
 
-    def step(self) -> Outputs:
+    def step(self, deliver_first: Callable[[Outputs], None] | None = None) -> Outputs:
+        """One engine step; returns its outputs. With `deliver_first`, a request's first tokens go to it the moment
+        they are committed (time to first token), ahead of the rest of the step and its bookkeeping; what a
+        failing `deliver_first` raised (the host's channel closed) is raised once the step is over."""
         start = time.perf_counter()
+        undelivered: list[BaseException] = []
         try:
-            out = self.engine.step()
+            out = self.engine.step(self._first_tokens(deliver_first, undelivered) if deliver_first else None)
         except Exception as err:  # noqa: BLE001 - the step's requests fail; the loop goes on
             log.exception("an engine step failed; its requests are ended with an error")
             failed = self.engine.abort_all(reason="error", message=f"the engine failed: {type(err).__name__}: {err}")
             return self._finish_all(failed)
+        if undelivered:
+            raise undelivered[0]
         self.metrics.on_step(self.engine, out, time.perf_counter() - start)
         outputs = []
-        for request, tokens in out.committed:
+        for request, _ in out.committed:
             live = self._live.get(request.request_id)
-            if live is not None and not request.finished:
-                outputs.append(self._output(live, RequestOutput("", tokens)))
+            new = request.output_ids[live.tokens_sent:] if live is not None and not request.finished else None
+            if new:  # (none when delivered first, or when an earlier commit of the same step took them)
+                outputs.append(self._output(live, RequestOutput("", new)))
         return outputs + self._finish_all(out.finished)
+
+    def _first_tokens(self, deliver: Callable[[Outputs], None],
+                      undelivered: list[BaseException]) -> Callable[[Request, list[int]], None]:
+        """The engine's on_commit for `step(deliver_first)`."""
+        def on_commit(request: Request, tokens: list[int]) -> None:
+            live = self._live.get(request.request_id)
+            if live is None or live.tokens_sent or not tokens or request.finished or undelivered:
+                return  # finished: the step's end sends it with its finish reason
+            try:
+                deliver([self._output(live, RequestOutput("", list(tokens)))])
+            except Exception as err:  # noqa: BLE001 - raised after the engine's step, not in the middle of it
+                undelivered.append(err)
+        return on_commit
 
     def end_all(self, message: str = "the server is shutting down") -> Outputs:
         """Abort every request (shutdown) and tell their callers."""
@@ -162,9 +182,9 @@ class EngineLoop:
 
 def serve(loop: EngineLoop, receive: Callable[[float], Iterable], deliver: Callable[[Outputs], None]) -> None:
     """The serving loop of every host: apply the commands that came in (`receive(wait_s)` waits up to
-    wait_s for the first, IDLE_WAIT_S while idle), step while busy, deliver each round's outputs; at
-    STOP, end what is left and deliver that too. An exception (the host's channel closed, a failing
-    engine) propagates to the host."""
+    wait_s for the first, IDLE_WAIT_S while idle), step while busy, deliver each round's outputs (a
+    request's first tokens as soon as they are committed); at STOP, end what is left and deliver that too.
+    An exception (the host's channel closed, a failing engine) propagates to the host."""
     running = True
     while running:
         outputs = []
@@ -174,7 +194,7 @@ def serve(loop: EngineLoop, receive: Callable[[float], Iterable], deliver: Calla
                 break
             outputs += loop.apply(command)
         if running and loop.busy:
-            outputs += loop.step()
+            outputs += loop.step(deliver)
         if outputs:
             deliver(outputs)
     deliver(loop.end_all())

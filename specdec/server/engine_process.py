@@ -7,8 +7,9 @@ process keeps the tokenizer (for prompts, and for the outputs' text and stop str
 limits (to refuse bad input before it travels).
 
     parent -> child   Submit / Abort commands, ("metrics",), ("stop",)
-    child -> parent   ("ready", limits, model_dir) once; ("outputs", [(sid, RequestOutput)]) per step;
-                      ("metrics", text); ("failed", message) if the model cannot be loaded
+    child -> parent   ("ready", limits, model_dir) once; ("outputs", [(sid, RequestOutput)]) per step (and
+                      for a request's first tokens as they are committed); ("metrics", text); ("failed",
+                      message) if the model cannot be loaded
 
 over one `multiprocessing` pipe. The child ignores SIGINT and SIGTERM (a Ctrl-C in the terminal, or a
 SIGTERM to the whole process group, reaches it too; the server decides when the engine stops, after its

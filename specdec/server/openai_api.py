@@ -153,11 +153,11 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
                      arrived: float):
         if not engine.healthy:
             raise APIError(503, "the engine is not running", kind="service_unavailable")
-        outputs = merged(engine.generate_samples(prompt_ids, params))  # (choice index, output), n choices
+        # (choice index, output), n choices; submitted now: the engine starts while the response is set up
+        outputs = await ChoiceOutputs.start(engine.generate_samples(prompt_ids, params))
         if body.stream:
             first = lambda: first_text.observe(time.perf_counter() - arrived)  # noqa: E731
-            return StreamingResponse(stream_events(outputs, shape, body.include_usage, params.n, first),
-                                     media_type="text/event-stream")
+            return EventStream(stream_events(outputs, shape, body.include_usage, params.n, first), outputs)
         return await whole_answer(request, outputs, shape, params.n)
 
     return app
@@ -219,34 +219,70 @@ def check_lengths(limits: RequestLimits, prompt_len: int, max_tokens: int | None
     return max_tokens
 
 
-async def merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """The outputs of every choice's stream as (choice index, output) as they come. The streams are started in
-    order (the first submits the request the others share a prefill with); closing this closes them all,
-    which aborts what is still running."""
-    arrived: asyncio.Queue = asyncio.Queue()
+class ChoiceOutputs:
+    """The outputs of every choice's stream as (choice index, output) as they come. `start` starts the streams in
+    order (the first submits the request the others share a prefill with) and returns once every request is
+    submitted. `aclose` (safe before any read, and more than once) closes them all, which aborts what is still
+    running."""
 
-    async def pump(index: int, stream) -> None:
+    def __init__(self, streams: list):
+        self._streams = streams
+        self._arrived: asyncio.Queue = asyncio.Queue()
+        self._ended = 0
+        self._tasks = [asyncio.ensure_future(self._pump(i, stream)) for i, stream in enumerate(streams)]
+
+    @classmethod
+    async def start(cls, streams: list) -> "ChoiceOutputs":
+        outputs = cls(streams)
+        try:
+            # the tasks' first steps (each stream submitting its request) were queued first: they run before this
+            # resumes, so the engine starts on the request while the caller is still building the response
+            await asyncio.sleep(0)
+        except BaseException:
+            await outputs.aclose()
+            raise
+        return outputs
+
+    async def _pump(self, index: int, stream) -> None:
         try:
             async for out in stream:
-                arrived.put_nowait((index, out))
+                self._arrived.put_nowait((index, out))
         finally:
-            arrived.put_nowait((index, None))
+            self._arrived.put_nowait((index, None))
 
-    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
-    try:
-        ended = 0
-        while ended < len(streams):
-            index, out = await arrived.get()
+    def __aiter__(self) -> "ChoiceOutputs":
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        while self._ended < len(self._streams):
+            index, out = await self._arrived.get()
             if out is None:
-                ended += 1
+                self._ended += 1
             else:
-                yield index, out
-    finally:
-        for task in tasks:
+                return index, out
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for stream in streams:
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for stream in self._streams:
             await stream.aclose()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose requests (`outputs`, submitted before the response began) are closed however the
+    response ends: also when its events were never read (a client that left before streaming began)."""
+
+    def __init__(self, events: AsyncIterator[str], outputs: ChoiceOutputs):
+        super().__init__(events, media_type="text/event-stream")
+        self.outputs = outputs
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.outputs.aclose()
 
 
 def total_usage(finals: list[RequestOutput]) -> dict:
@@ -257,33 +293,30 @@ def total_usage(finals: list[RequestOutput]) -> dict:
 async def stream_events(outputs, shape: ResponseShape, include_usage: bool, choices: int = 1,
                         on_first_text: Callable[[], None] | None = None):
     """Server-sent events: chunks as text comes (each with its choice's index), each choice's finish reason,
-    usage if asked, then [DONE]; `on_first_text` is called as the first chunk with text goes out. Leaving early
-    (the client went away) closes `outputs`, which aborts the requests."""
-    try:
-        for index in range(choices):
-            first = shape.first_chunk(index)
-            if first is not None:
-                yield sse(first)
-        finals: dict[int, RequestOutput] = {}
-        started: set[int] = set()
-        async for index, out in outputs:
-            if out.finished and out.finish_reason in ("error", "abort"):
-                yield sse(error_body(out.error or "the request was aborted", "internal_server_error"))
-                break
-            text, logprobs = shape.echoed(out, index not in started)
-            started.add(index)
-            if text and on_first_text is not None:
-                on_first_text()
-                on_first_text = None
-            if text or out.finished or logprobs:
-                yield sse(shape.chunk(text, out.finish_reason if out.finished else None, logprobs, index))
-            if out.finished:
-                finals[index] = out
-        if len(finals) == choices and include_usage:
-            yield sse(shape.usage_chunk(total_usage([finals[i] for i in range(choices)])))
-        yield "data: [DONE]\n\n"
-    finally:
-        await outputs.aclose()
+    usage if asked, then [DONE]; `on_first_text` is called as the first chunk with text goes out. The response
+    (`EventStream`) closes `outputs` when it ends, early or not."""
+    for index in range(choices):
+        first = shape.first_chunk(index)
+        if first is not None:
+            yield sse(first)
+    finals: dict[int, RequestOutput] = {}
+    started: set[int] = set()
+    async for index, out in outputs:
+        if out.finished and out.finish_reason in ("error", "abort"):
+            yield sse(error_body(out.error or "the request was aborted", "internal_server_error"))
+            break
+        text, logprobs = shape.echoed(out, index not in started)
+        started.add(index)
+        if text and on_first_text is not None:
+            on_first_text()
+            on_first_text = None
+        if text or out.finished or logprobs:
+            yield sse(shape.chunk(text, out.finish_reason if out.finished else None, logprobs, index))
+        if out.finished:
+            finals[index] = out
+    if len(finals) == choices and include_usage:
+        yield sse(shape.usage_chunk(total_usage([finals[i] for i in range(choices)])))
+    yield "data: [DONE]\n\n"
 
 
 async def whole_answer(request: Request, outputs, shape: ResponseShape, choices: int = 1):
@@ -291,14 +324,11 @@ async def whole_answer(request: Request, outputs, shape: ResponseShape, choices:
 
     async def collect():
         texts, logprobs, finals = [[] for _ in range(choices)], [[] for _ in range(choices)], [None] * choices
-        try:
-            async for index, out in outputs:
-                text, entries = shape.echoed(out, finals[index] is None)
-                texts[index].append(text)
-                logprobs[index] += entries or []
-                finals[index] = out
-        finally:
-            await outputs.aclose()
+        async for index, out in outputs:
+            text, entries = shape.echoed(out, finals[index] is None)
+            texts[index].append(text)
+            logprobs[index] += entries or []
+            finals[index] = out
         return ["".join(t) for t in texts], logprobs, finals
 
     collecting = asyncio.ensure_future(collect())
@@ -308,8 +338,9 @@ async def whole_answer(request: Request, outputs, shape: ResponseShape, choices:
     finally:
         watching.cancel()
         if not collecting.done():
-            collecting.cancel()  # closes `outputs`: the request is aborted
-            await asyncio.gather(collecting, return_exceptions=True)  # ... once that has run
+            collecting.cancel()
+            await asyncio.gather(collecting, return_exceptions=True)
+        await outputs.aclose()  # what is still running is aborted
     if collecting.cancelled():
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     texts, logprobs, finals = collecting.result()
