@@ -39,7 +39,7 @@ class TorchBackend(AttentionBackend):
         indices = torch.from_numpy(layout.kv_indices).long()
         self.read_pages = torch.where(in_kv, indices[page_index.clamp(max=len(indices) - 1)], 0).to(dev)
         self.read_offsets = (kv_pos % layout.page_size).expand(batch, max_kv).to(dev)
-        q_idx = torch.arange(max_q)
+        q_position = (kv_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]: each query's position
         visible = in_kv[:, None, :]  # [B, 1, max_kv]
         if layout.query_masks is not None:  # earlier KV, and the new rows the mask allows
             first_new = (kv_lens - q_lens)[:, None, None]
@@ -47,11 +47,9 @@ class TorchBackend(AttentionBackend):
             allowed = layout.query_masks.cpu().gather(2, new_row)
             visible = visible & ((kv_pos[None, None, :] < first_new) | allowed)
         elif layout.causal:
-            last_visible = (kv_lens - q_lens)[:, None] + q_idx[None, :]  # [B, max_q]
-            visible = visible & (kv_pos[None, None, :] <= last_visible[:, :, None])
+            visible = visible & (kv_pos[None, None, :] <= q_position[:, :, None])
         if self.window_left >= 0:  # a query at position p sees p - window_left onwards
-            position = (kv_lens - q_lens)[:, None] + q_idx[None, :]  # [B, max_q]
-            visible = visible & (kv_pos[None, None, :] >= position[:, :, None] - self.window_left)
+            visible = visible & (kv_pos[None, None, :] >= q_position[:, :, None] - self.window_left)
         self.visible = visible.expand(batch, max_q, max_kv).to(dev)
         # flat query t of request i <-> padded (i, j)
         self.q_batch = torch.repeat_interleave(torch.arange(batch), q_lens).to(dev)

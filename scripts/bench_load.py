@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:  # run as `python scripts/bench_load.py`: the repo
 
 import torch  # noqa: E402
 
-from scripts.bench.chat_prompts import load_prompts, take  # noqa: E402
+from scripts.bench.chat_prompts import load_prompts, system_prompt, take  # noqa: E402
 from scripts.bench.random_models import TINY_SHAPE, random_target, tiny_drafter  # noqa: E402
 from scripts.bench.runner import environment, release_memory  # noqa: E402
 from scripts.bench_steps import event_kind  # noqa: E402
@@ -119,8 +119,7 @@ def chat_prompts(llm: LLM, count: int, dataset: str = "chat", system_repeat: int
         chosen = [p for pair in zip(take(math, count), take(code, count)) for p in pair][:count]
     else:
         chosen = take(load_prompts(dataset, seed=0), count)
-    system = ([{"role": "system", "content": load_prompts("multiturn", 0, system_repeat)[0].system}]
-              if system_repeat else [])
+    system = [{"role": "system", "content": system_prompt(system_repeat)}] if system_repeat else []
     return [llm.encode_chat(system + [{"role": "user", "content": p.text}]) for p in chosen]
 
 

@@ -58,10 +58,15 @@ def code_prompts(path: Path = CODE_REQUESTS) -> list[ChatPrompt]:
     return [ChatPrompt(f"code/{row['id']}", row["request"]) for row in rows]
 
 
+def system_prompt(repeat: int = 1) -> str:
+    """The shared system prompt of the multiturn set, `repeat` copies of it (~500 tokens each: the long system
+    prompts of agents and retrieval)."""
+    return "\n\n".join([SYSTEM_PROMPT.read_text(encoding="utf-8").strip()] * repeat)
+
+
 def conversations(first_turns: list[ChatPrompt], rng: random.Random, system_repeat: int = 1) -> list[ChatPrompt]:
-    """Each first turn as a conversation of 3-5 turns under the shared system prompt (`system_repeat` copies of
-    it, for the long system prompts of agents and retrieval)."""
-    system = "\n\n".join([SYSTEM_PROMPT.read_text(encoding="utf-8").strip()] * system_repeat)
+    """Each first turn as a conversation of 3-5 turns under `system_prompt(system_repeat)`."""
+    system = system_prompt(system_repeat)
     return [ChatPrompt(f"multiturn/{n}/{p.id}", p.text, tuple(rng.sample(FOLLOW_UPS, rng.randint(2, 4))), system)
             for n, p in enumerate(first_turns)]
 
