@@ -22,14 +22,11 @@ transfer, so its work has run by then), which says how host-bound each kind of s
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
-import re
 import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,7 +39,7 @@ import torch  # noqa: E402
 from scripts.bench.chat_prompts import load_prompts, system_prompt, take  # noqa: E402
 from scripts.bench.random_models import TINY_SHAPE, random_target, tiny_drafter  # noqa: E402
 from scripts.bench.runner import environment, release_memory  # noqa: E402
-from scripts.bench_steps import event_kind  # noqa: E402
+from scripts.bench.gpu_profile import range_activity, top_kernels  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 
 
@@ -202,8 +199,6 @@ def median_run(runs: list[LoadRow]) -> LoadRow:
 
 
 STEP_RANGE = "specdec_step"
-GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
-HOST_RANGES = ("user_annotation", "host")
 
 
 @dataclass
@@ -228,59 +223,18 @@ def profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: i
     with torch.profiler.profile(activities=activities) as prof:
         engine.generate_ids(prompts, SamplingParams(max_new_tokens=max_new_tokens))
     del engine.step, engine.scheduler.schedule
-    # raw kineto events: the profiler's event tree is not built (slow for thousands of steps)
-    events = list(prof.profiler.kineto_results.events())
-    # the host's range of each step (the profiler mirrors it on the GPU timeline as a gpu_user_annotation)
-    ranges = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
-                    if e.name() == STEP_RANGE and event_kind(e) in HOST_RANGES)
-    if len(ranges) != len(records):
-        raise RuntimeError(f"the profiler recorded {len(ranges)} step ranges for {len(records)} steps")
-    activity = [[] for _ in ranges]
-    starts = [r[0] for r in ranges]
-    for e in events:
-        # the step's own range is mirrored on the GPU's timeline, and this torch reports it as a device event
-        if event_kind(e) in GPU_ACTIVITIES and e.name() != STEP_RANGE:
-            i = bisect.bisect_right(starts, e.start_ns()) - 1
-            if i >= 0 and e.start_ns() < ranges[i][1]:
-                activity[i].append((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()))
-    busy = [covered_ns([a[:2] for a in acts]) for acts in activity]
+    windows = range_activity(prof, STEP_RANGE)
+    if len(windows) != len(records):
+        raise RuntimeError(f"the profiler recorded {len(windows)} step ranges for {len(records)} steps")
     profiles = []
     for kind, prefilled in (("decode only", False), ("with prefill", True)):
         picked = [i for i, r in enumerate(records) if r[0] == prefilled]
         if picked:
             profiles.append(StepProfile(system, concurrency, kind, len(picked),
                                         1e3 * statistics.median(records[i][2] for i in picked),
-                                        1e-6 * statistics.median(busy[i] for i in picked),
-                                        top_kernels([activity[i] for i in picked])))
+                                        1e-6 * statistics.median(windows[i].busy_ns for i in picked),
+                                        top_kernels([windows[i].activity for i in picked])))
     return profiles
-
-
-def kernel_group(name: str) -> str:
-    """A kernel's name without its template arguments and signature (the instances of one kernel summed)."""
-    return re.split(r"[<(]", name.removeprefix("void "), maxsplit=1)[0][:80] or name[:80]
-
-
-def top_kernels(steps: list[list[tuple[int, int, str]]], top: int = 12) -> list[tuple[str, float, float]]:
-    """The kernel groups that took most GPU time over `steps`: (name, us per step, launches per step)."""
-    total, count = defaultdict(int), defaultdict(int)
-    for step in steps:
-        for start, stop, name in step:
-            total[kernel_group(name)] += stop - start
-            count[kernel_group(name)] += 1
-    ranked = sorted(total, key=total.get, reverse=True)[:top]
-    return [(name, total[name] / len(steps) / 1e3, count[name] / len(steps)) for name in ranked]
-
-
-def covered_ns(intervals: list[tuple[int, int]]) -> int:
-    """The time the GPU was busy: the union of its activities' intervals (a graph's kernels can be reported
-    more than once, and copies overlap kernels)."""
-    total, end = 0, None
-    for start, stop in sorted(intervals):
-        if end is None or start > end:
-            total, end = total + stop - start, stop
-        elif stop > end:
-            total, end = total + stop - end, stop
-    return total
 
 
 def profile_table(profiles: list[StepProfile]) -> str:

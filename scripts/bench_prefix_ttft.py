@@ -10,12 +10,19 @@ turn 2 resends turn 1 with an answer of --assistant-words words and a follow-up.
 token; the host's work included), with the cache on and then off (a fresh `LLM` each). Medians over
 the conversations after the first (which warms up); with the cache on, later conversations find the
 system prompt cached, as requests sharing a system prompt do.
+
+--profile K adds, with the cache on, K more conversations under the torch profiler (each turn one range:
+its wall time against the GPU's busy time, the host time before its first kernel, its largest kernels) and
+K more under cProfile (the host functions that take a cached turn's time). Not counted in the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import tempfile
@@ -29,6 +36,7 @@ if str(ROOT) not in sys.path:  # run as `python scripts/bench_prefix_ttft.py`: t
 import torch  # noqa: E402
 
 from scripts.bench.chat_prompts import load_prompts  # noqa: E402
+from scripts.bench.gpu_profile import range_activity, top_kernels  # noqa: E402
 from scripts.bench.random_models import TINY_SHAPE, random_target  # noqa: E402
 from scripts.bench.runner import environment, release_memory  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
@@ -42,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--assistant-words", type=int, default=100, help="words of the answer turn 2 resends")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--quick", action="store_true", help="CPU smoke run: a tiny random model, small sizes")
+    p.add_argument("--profile", type=int, default=0, metavar="K",
+                   help="K more conversations, cache on, under the torch profiler and under cProfile")
     p.add_argument("--out", default=None, help="JSON file for the results")
     args = p.parse_args(argv)
     if min(args.system_repeat) < 1 or args.conversations < 2 or args.assistant_words < 0:
@@ -54,10 +64,10 @@ def word_ids(text: str) -> list[int]:
     return [sum(map(ord, word)) % 500 for word in text.split()]
 
 
-def turns(encode, repeat: int, assistant_words: int, count: int) -> list[tuple[list[int], list[int]]]:
-    """(turn 1, turn 2) token ids of `count` conversations, through `encode` (text -> ids)."""
+def turns(encode, repeat: int, assistant_words: int, count: int, skip: int = 0) -> list[tuple[list[int], list[int]]]:
+    """(turn 1, turn 2) token ids of `count` conversations after the first `skip`, through `encode` (text -> ids)."""
     out = []
-    for conversation in load_prompts("multiturn", 0, repeat)[:count]:
+    for conversation in load_prompts("multiturn", 0, repeat)[skip:skip + count]:
         first = encode(conversation.system) + encode(conversation.text)
         out.append((first, first + encode("x " * assistant_words) + encode(conversation.follow_ups[0])))
     return out
@@ -73,15 +83,70 @@ def timed_generate(llm: LLM, ids: list[int]) -> tuple[float, int]:
     return time.perf_counter() - start, result.stats.cached_tokens or 0
 
 
+def encoder(llm: LLM, args):
+    return word_ids if args.quick else (lambda text: llm.tokenizer.encode(text, add_special_tokens=False))
+
+
 def measure(llm: LLM, repeat: int, args) -> dict:
     """Median seconds of turns 1 and 2 (and the cached prompt tokens) over the conversations after the first."""
-    encode = word_ids if args.quick else (lambda text: llm.tokenizer.encode(text, add_special_tokens=False))
-    conversations = turns(encode, repeat, args.assistant_words, args.conversations)
+    conversations = turns(encoder(llm, args), repeat, args.assistant_words, args.conversations)
     rows = [[timed_generate(llm, ids) for ids in pair] for pair in conversations]
     later = rows[1:]  # the first conversation warms up
     return {"prompt_tokens": [statistics.median(len(pair[t]) for pair in conversations) for t in range(2)],
             **{f"turn{t + 1}": {"ms": 1e3 * statistics.median(r[t][0] for r in later),
                                 "cached_tokens": statistics.median(r[t][1] for r in later)} for t in range(2)}}
+
+
+TURN_RANGE = "specdec_turn"
+
+
+def profile_turns(llm: LLM, repeat: int, args) -> dict:
+    """Conversations after the measured ones, cache on: per turn under the torch profiler, the medians of wall
+    time, GPU busy time and host time before the first kernel, and the largest kernels; then the host
+    functions of as many more turns under cProfile (text)."""
+    count = args.profile
+    conversations = turns(encoder(llm, args), repeat, args.assistant_words, 2 * count, skip=args.conversations)
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    walls = []
+    with torch.profiler.profile(activities=activities) as prof:
+        for pair in conversations[:count]:
+            for ids in pair:
+                with torch.profiler.record_function(TURN_RANGE):
+                    walls.append(timed_generate(llm, ids)[0])
+    windows = range_activity(prof, TURN_RANGE)
+    result = {}
+    for turn in (0, 1):
+        picked = windows[turn::2]
+        first = [w.first_launch_ns for w in picked if w.first_launch_ns is not None]
+        result[f"turn{turn + 1}"] = {
+            "wall_ms": 1e3 * statistics.median(walls[turn::2]),
+            "gpu_busy_ms": 1e-6 * statistics.median(w.busy_ns for w in picked),
+            "before_first_kernel_ms": 1e-6 * statistics.median(first) if first else None,
+            "kernels": top_kernels([w.activity for w in picked], top=15)}
+    profiler = cProfile.Profile()
+    for first, later in conversations[count:]:
+        timed_generate(llm, first)
+        profiler.enable()
+        timed_generate(llm, later)
+        profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
+    result["turn2_host_functions"] = text.getvalue()
+    result["turns"] = len(conversations) - count
+    return result
+
+
+def print_profile(repeat: int, profile: dict) -> None:
+    for turn in ("turn1", "turn2"):
+        p = profile[turn]
+        first = p["before_first_kernel_ms"]
+        print(f"\nsystem x{repeat}, {turn} under the profiler: wall {p['wall_ms']:.2f} ms, GPU busy {p['gpu_busy_ms']:.2f} ms, "
+              f"host before the first kernel {first if first is None else round(first, 2)} ms")
+        print("| kernel | us | launches |\n|---|---|---|")
+        for name, us, launches in p["kernels"]:
+            print(f"| `{name}` | {us:.1f} | {launches:.0f} |")
+    print(f"\nsystem x{repeat}, turn 2 host functions (cProfile, {profile['turns']} turns):\n" + profile["turn2_host_functions"])
 
 
 def main(argv=None) -> int:
@@ -97,6 +162,8 @@ def main(argv=None) -> int:
             llm = LLM(model, drafter=drafter, enable_prefix_caching=caching, **options)
             for repeat, entry in runs.items():
                 entry["cache" if caching else "no_cache"] = measure(llm, repeat, args)
+                if caching and args.profile:
+                    entry["profile"] = profile_turns(llm, repeat, args)
             device = llm.engine.device
             del llm
             release_memory(device)
@@ -104,6 +171,9 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|")
     for entry in runs.values():
         print_row(entry)
+    for repeat, entry in runs.items():
+        if "profile" in entry:
+            print_profile(repeat, entry["profile"])
     result = {"command_line": " ".join(["scripts/bench_prefix_ttft.py", *(argv if argv is not None else sys.argv[1:])]),
               "environment": environment(device), "runs": list(runs.values())}
     if args.out:

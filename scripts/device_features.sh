@@ -9,15 +9,16 @@
 # caching, scripts/peers/vllm_server.sh: its wheel pieces in /tmp/xfer), LEVELS (serve, vllm: default "1 8,32"),
 # MAX_TOKENS (256), SYSTEM_REPEATS (serve, vllm: copies of the shared system prompt, one run each; default "1"),
 # SERVE_ARGS (more server arguments for both of ours); stage "window": acceptance on long prompts per draft window
-# (WINDOWS, default "0 2048").
+# (WINDOWS, default "0 2048"); TTFT_ARGS: bench_prefix_ttft's arguments (stage ttft).
 set -uo pipefail
 out=${FEATURES_OUT:-/tmp/features}
 default_stages="tests ttft features"
 source scripts/device_job.sh
 if wanted ttft; then
   stage "time to first token, prefix cache on and off"
-  python3 scripts/bench_prefix_ttft.py --model "$target" --system-repeat 1 4 12 --out "$out/ttft.json" 2>&1 \
-    | grep -v "Loading weights" | tail -12
+  # TTFT_ARGS: e.g. "--system-repeat 12 --profile 4" (the whole report in ttft.txt)
+  python3 scripts/bench_prefix_ttft.py --model "$target" ${TTFT_ARGS:---system-repeat 1 4 12} --out "$out/ttft.json" 2>&1 \
+    | grep -v "Loading weights" > "$out/ttft.txt"; head -12 "$out/ttft.txt"
 fi
 if wanted features; then
   stage "what logprobs, penalties and a JSON schema cost, batch 1 and concurrency 32"
