@@ -66,25 +66,30 @@ class PagePool:
 
     def share(self, pages) -> None:
         """One more table holds each of `pages` (cached pages a new sequence starts with)."""
+        refs = self._refs
+        unheld = [page for page in pages if refs[page] == 0]  # kept by the prefix cache for nobody until now
         for page in pages:
-            if self._refs[page] == 0:
-                self.keeper.reused(self, page)
-            self._refs[page] += 1
+            refs[page] += 1
+        if unheld:
+            self.keeper.reused(self, unheld)
 
     def give_back(self, pages) -> None:
         """One table fewer holds each of `pages`. The last holder's page goes to the free list, or stays with
         the prefix cache when it holds cached tokens. Given back last page first, so that a cache evicting
         least recently used pages drops a prefix's tail before its head."""
+        refs, kept, released = self._refs, self.keeper.kept(self) if self.keeper is not None else {}, []
         for page in reversed(pages):
-            refs = self._refs[page] - 1
-            if refs < 0:
+            left = refs[page] - 1
+            if left < 0:
                 raise RuntimeError(f"KV page {page} given back more often than it was taken")
-            self._refs[page] = refs
-            if refs == 0:
-                if self.keeper is not None and self.keeper.keeps(self, page):
-                    self.keeper.released(self, page)
+            refs[page] = left
+            if left == 0:
+                if page in kept:
+                    released.append(page)
                 else:
                     self._free.append(page)
+        if released:
+            self.keeper.released(self, released)
 
     def put_free(self, page: int) -> None:
         """An unreferenced page the prefix cache lets go of."""

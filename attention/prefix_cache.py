@@ -104,22 +104,27 @@ class PrefixCache:
         return entry
 
     # ---- the pools' side -----------------------------------------------------------------------------
-    def keeps(self, pool: PagePool, page: int) -> bool:
-        return page in self._by_page[self.pools.index(pool)]
+    def kept(self, pool: PagePool) -> dict[int, CachedPage]:
+        """The pages of `pool` the cache has entries for (page -> entry; read, never changed, by the pool)."""
+        return self._by_page[self.pools.index(pool)]
 
-    def released(self, pool: PagePool, page: int) -> None:
-        """The last table holding this cached page gave it back."""
-        entry = self._by_page[self.pools.index(pool)][page]
-        entry.holders -= 1
-        if entry.holders == 0:
-            self._evictable[entry.id] = entry
+    def released(self, pool: PagePool, pages: list[int]) -> None:
+        """The last tables holding these cached pages gave them back (the first given back is evicted first)."""
+        by_page, evictable = self.kept(pool), self._evictable
+        for page in pages:
+            entry = by_page[page]
+            entry.holders -= 1
+            if entry.holders == 0:
+                evictable[entry.id] = entry
 
-    def reused(self, pool: PagePool, page: int) -> None:
-        """A table adopts this cached page, which nobody held."""
-        entry = self._by_page[self.pools.index(pool)][page]
-        if entry.holders == 0:
-            del self._evictable[entry.id]
-        entry.holders += 1
+    def reused(self, pool: PagePool, pages: list[int]) -> None:
+        """Tables adopt these cached pages, which nobody held."""
+        by_page, evictable = self.kept(pool), self._evictable
+        for page in pages:
+            entry = by_page[page]
+            if entry.holders == 0:
+                del evictable[entry.id]
+            entry.holders += 1
 
     def evict(self, count: int) -> int:
         """Return up to `count` entries nobody holds to the pools, least recently released first; returns

@@ -547,12 +547,11 @@ class Engine:
 
     def _prefilled(self, chunks: list[tuple[Request, int]], prefill: PrefillChunks, starting: list[Request],
                    on_commit: OnCommit) -> None:
-        """After the chunks' forward: prompt logprobs where asked, the drafter's context grows by their
-        features, and each request of `starting` (its prompt now complete) commits its first token."""
+        """After the chunks' forward: prompt logprobs where asked, each request of `starting` (its prompt now
+        complete) commits its first token, and the drafter's context grows by the chunks' features. The first
+        tokens go out before the drafter's work is launched: a streamed answer's first token waits for no more
+        than the prefill (a request the commit finishes still gets its context: it is retired after the step)."""
         self._record_prompt_logprobs(prefill)
-        requests = [r for r, _ in chunks]
-        if self.drafter is not None and not prefill.context_added:
-            self.drafter.add_context(requests, prefill.out.features, prefill.lens)
         if starting:
             tokens = prefill.first_tokens
             logprobs = [None] * len(starting)
@@ -561,6 +560,8 @@ class Engine:
                 logprobs = rows.read([[t] for t in tokens])
             for request, token, logprob in zip(starting, tokens, logprobs):
                 self.commit(request, [token], on_commit, logprob)
+        if self.drafter is not None and not prefill.context_added:
+            self.drafter.add_context([r for r, _ in chunks], prefill.out.features, prefill.lens)
 
     def _capture_graphs_if_due(self) -> None:
         """Graphs not captured at start-up (FP8 scales calibrated by the first prefill) before the first decode."""

@@ -127,6 +127,30 @@ def test_eos_inside_accepted_run_ends_there(target_dir):
     assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("max_new", [1, 12])
+def test_first_tokens_are_committed_before_the_drafter_gets_the_prompt(target_dir, tmp_path, max_new):
+    """A streamed answer's first token waits for the prefill alone: it is committed before the drafter's context
+    write for that prompt is launched; answers stay those of plain decoding (also when the first token ends one)."""
+    prompts = MANY_PROMPTS[:3]
+    expected = ar_outputs(target_dir, prompts, max_new)
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4))
+    events, add_context = [], engine.drafter.add_context
+
+    def recorded_add_context(requests, features, lens):
+        events.extend(("context", r.request_id) for r in requests)
+        return add_context(requests, features, lens)
+
+    engine.drafter.add_context = recorded_add_context
+    requests = [engine.add_request(p, SamplingParams(max_new_tokens=max_new)) for p in prompts]
+    while engine.has_unfinished_requests:
+        engine.step(on_commit=lambda request, tokens: events.append(("commit", request.request_id)))
+    for request in requests:
+        mine = [kind for kind, rid in events if rid == request.request_id]
+        assert mine[:2] == ["commit", "context"]
+    assert [r.output_ids for r in requests] == expected
+    assert_no_leak(engine)
+
+
 def committed_kv(engine, request, layer):
     """K/V the target cache holds for request positions 0 .. num_cached-1."""
     table = request.target_pages
