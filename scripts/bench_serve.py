@@ -26,7 +26,8 @@ Prompts (`scripts/bench/chat_prompts.py`): math500 (eval/data, with the eval's i
 once the previous answer arrived; the level's concurrency and --num-prompts count conversations;
 --system-repeat N sends N copies of the system prompt, ~500 tokens each). Every
 server and level gets the same prompts in the same seeded order. Each request is one user turn through
-/v1/chat/completions with the official `openai` client, streamed with usage included, no retries.
+/v1/chat/completions, its JSON body posted over httpx (as `vllm bench serve` posts it over aiohttp: the
+official client's request preparation would count in every TTFT), streamed with usage included, no retries.
 With conversations the report adds TTFT of first and later turns and the share of later turns' prompt
 tokens the server reported cached (`usage.prompt_tokens_details.cached_tokens`).
 
@@ -72,7 +73,12 @@ from scripts.bench import serving_report  # noqa: E402
 from scripts.bench.server_metrics import (  # noqa: E402
     ACCEPTANCE_LENGTH, SERVER_TIME_TO_FIRST_TOKEN, TIME_TO_FIRST_TOKEN, mean_between, read_totals)
 from scripts.bench.chat_prompts import DATASETS, ChatPrompt, load_prompts, take  # noqa: E402
-from scripts.bench.chat_request import SamplingSettings, send_chat_request, send_conversation  # noqa: E402
+from scripts.bench.chat_request import (  # noqa: E402
+    SamplingSettings,
+    send_chat_request,
+    send_conversation,
+    streaming_client,
+)
 from scripts.bench.host_environment import environment  # noqa: E402
 from scripts.bench.latency_summary import summarize  # noqa: E402
 from scripts.bench.load_generator import LoadLevel, run_level  # noqa: E402
@@ -209,11 +215,13 @@ class Deadline:
         return self.end - time.monotonic()
 
 
-async def served_model(client) -> str:
-    models = await client.models.list()
-    if not models.data:
+async def served_model(client: httpx.AsyncClient) -> str:
+    response = await client.get("models")
+    response.raise_for_status()
+    models = response.json().get("data") or []
+    if not models:
         raise RuntimeError("the server lists no model in /v1/models; pass --model")
-    return models.data[0].id
+    return models[0]["id"]
 
 
 async def warm_up(client, model: str, prompts: list[ChatPrompt], args, deadline: Deadline) -> dict:
@@ -258,12 +266,9 @@ async def measure_level(client, http: httpx.AsyncClient, base_url: str, model: s
 async def bench_server(entry: dict, base_url: str, prompts: list[ChatPrompt], levels: list[LoadLevel], args,
                        deadline: Deadline, save) -> None:
     """Warm up, then every level in turn, saving after each; fills `entry`."""
-    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
-
     # trust_env=False: no proxy from the environment; requests go to base_url and nowhere else
     async with httpx.AsyncClient(trust_env=False) as http, \
-            AsyncOpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0, timeout=args.request_timeout_s,
-                        http_client=DefaultAsyncHttpxClient(trust_env=False)) as client:
+            streaming_client(base_url, args.request_timeout_s) as client:
         model = entry["model"] = args.model or await served_model(client)
         entry["warmup"] = await warm_up(client, model, prompts, args, deadline)
         for level in levels:

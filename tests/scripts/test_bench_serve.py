@@ -286,13 +286,11 @@ def test_poisson_arrivals_seeded_with_the_right_mean():
 # ---- the client against the stand-in ---------------------------------------------------------------
 
 def send_one(base_url: str, text: str, timeout_s: float = 10.0, temperature: float = 0.0, model: str = MODEL):
-    from openai import AsyncOpenAI
-
     from scripts.bench.chat_prompts import ChatPrompt
-    from scripts.bench.chat_request import SamplingSettings, send_chat_request
+    from scripts.bench.chat_request import SamplingSettings, send_chat_request, streaming_client
 
     async def go():
-        async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0, timeout=10) as client:
+        async with streaming_client(base_url, 10) as client:
             return await send_chat_request(client, model, ChatPrompt("t/0", text), SamplingSettings(8, temperature),
                                            timeout_s)
 
@@ -332,7 +330,7 @@ def test_failed_requests_are_records_not_exceptions(stand_in):
     refused = send_one(stand_in, "hi", temperature=2.0)
     assert not refused.ok and "temperature too high" in refused.error and refused.tpot_s is None
     unknown = send_one(stand_in, "hi", model="nope")
-    assert not unknown.ok and "NotFoundError" in unknown.error
+    assert not unknown.ok and "RequestRefused: HTTP 404" in unknown.error and "nope" in unknown.error
     started = time.monotonic()
     stalled = send_one(stand_in, f"{STALL_MARKER} hi", timeout_s=0.3)
     assert not stalled.ok and "within 0.3 s" in stalled.error and time.monotonic() - started < STALL_S
