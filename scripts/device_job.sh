@@ -11,6 +11,11 @@ mkdir -p "$SPECDEC_CACHE/gguf"
 if ls /tmp/xfer/ggufs.tar.part.* > /dev/null 2>&1 && [ ! -e "$SPECDEC_CACHE/gguf/.unpacked" ]; then
   cat /tmp/xfer/ggufs.tar.part.* | tar xf - -C "$SPECDEC_CACHE/gguf" && touch "$SPECDEC_CACHE/gguf/.unpacked"
 fi
+# the server's event loop: uvloop, which `pip install specdec` brings with uvicorn[standard]; its wheel is carried
+# apart (.gpu/extra) where the device image lacks it
+if ls .gpu/extra/*.whl > /dev/null 2>&1 && ! python3 -c "import uvloop" 2> /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/extra/*.whl
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 python3 -c "from specdec.weights.demo_models import resolve_model; print(resolve_model('$target'))" || exit 1
 gpu_suite() {  # the whole GPU test suite on the small demo model, log in $out/gpu-all.log
