@@ -552,16 +552,18 @@ class Engine:
         tokens go out before the drafter's work is launched: a streamed answer's first token waits for no more
         than the prefill (a request the commit finishes still gets its context: it is retired after the step)."""
         self._record_prompt_logprobs(prefill)
-        if starting:
-            tokens = prefill.first_tokens
-            logprobs = [None] * len(starting)
-            if wants_logprobs(starting):  # the first token's, from the prefill's last row
-                rows = LogprobRows.start(prefill.out.logits, self.ids_tensor(tokens), starting, 1)
-                logprobs = rows.read([[t] for t in tokens])
-            for request, token, logprob in zip(starting, tokens, logprobs):
-                self.commit(request, [token], on_commit, logprob)
-        if self.drafter is not None and not prefill.context_added:
-            self.drafter.add_context([r for r, _ in chunks], prefill.out.features, prefill.lens)
+        try:
+            if starting:
+                tokens = prefill.first_tokens
+                logprobs = [None] * len(starting)
+                if wants_logprobs(starting):  # the first token's, from the prefill's last row
+                    rows = LogprobRows.start(prefill.out.logits, self.ids_tensor(tokens), starting, 1)
+                    logprobs = rows.read([[t] for t in tokens])
+                for request, token, logprob in zip(starting, tokens, logprobs):
+                    self.commit(request, [token], on_commit, logprob)
+        finally:  # also when a caller's on_commit raised: the drafter's context keeps up with the target's KV
+            if self.drafter is not None and not prefill.context_added:
+                self.drafter.add_context([r for r, _ in chunks], prefill.out.features, prefill.lens)
 
     def _capture_graphs_if_due(self) -> None:
         """Graphs not captured at start-up (FP8 scales calibrated by the first prefill) before the first decode."""

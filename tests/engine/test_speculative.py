@@ -151,6 +151,24 @@ def test_first_tokens_are_committed_before_the_drafter_gets_the_prompt(target_di
     assert_no_leak(engine)
 
 
+def test_a_failing_first_token_callback_leaves_the_drafter_context_level_with_the_target(target_dir, tmp_path):
+    """The drafter's context is written after the first tokens' commits, and also when the caller's on_commit
+    raises there: the step fails, but no request's drafter context falls behind its target KV."""
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4))
+    requests = [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in MANY_PROMPTS[:3]]
+
+    def failing(request, tokens):
+        raise RuntimeError("the caller failed")
+
+    with pytest.raises(RuntimeError, match="the caller failed"):
+        engine.step(on_commit=failing)
+    for request in requests:
+        assert engine.drafter.context_table(request).length == request.target_pages.length == len(request.prompt_ids)
+    engine.abort_all(requests)
+    engine.step()  # retires what the abort ended
+    assert_no_leak(engine)
+
+
 def committed_kv(engine, request, layer):
     """K/V the target cache holds for request positions 0 .. num_cached-1."""
     table = request.target_pages
