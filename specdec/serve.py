@@ -55,6 +55,7 @@ def main(argv=None, prog: str = PROG) -> int:
 
     from specdec.server.engine_process import EngineStartError
     from specdec.server.openai_api import build_app
+    from specdec.server.startup_heap import freeze_startup_heap
 
     try:
         llm_args = dict(target=args.target, drafter=chosen_drafter(args), **engine_options(args))
@@ -75,6 +76,7 @@ def main(argv=None, prog: str = PROG) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
     server = draining_server(uvicorn, config, engine, args.timeout_graceful_shutdown)
+    freeze_startup_heap()  # this process serves until it exits (specdec/server/startup_heap.py)
     server.run()
     return 0 if server.started else 1
 

@@ -28,6 +28,7 @@ from typing import Callable
 
 from specdec.server.async_engine import AsyncEngine
 from specdec.server.engine_loop import STOP, Abort, EngineLoop, Submit, serve
+from specdec.server.startup_heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,7 @@ def run_engine_process(conn, build: Callable, log_level: str) -> None:
     loop = EngineLoop(loaded.engine)
     if hasattr(loaded, "describe"):
         log.info("serving %s", loaded.describe())
+    log.info("%d objects of the loaded engine kept out of the garbage collector", freeze_startup_heap())
     conn.send(("ready", loaded.engine.limits, str(loaded.model_dir)))
 
     def receive(wait_s: float) -> list:
