@@ -115,6 +115,8 @@ def profile_turns(llm: LLM, repeat: int, args) -> dict:
                 with torch.profiler.record_function(TURN_RANGE):
                     walls.append(timed_generate(llm, ids)[0])
     windows = range_activity(prof, TURN_RANGE)
+    if len(windows) != len(walls):  # turns 1 and 2 alternate: a range lost would pair them wrongly
+        raise RuntimeError(f"the profiler recorded {len(windows)} turn ranges for {len(walls)} turns")
     result = {}
     for turn in (0, 1):
         picked = windows[turn::2]
