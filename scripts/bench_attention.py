@@ -18,7 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python scripts/bench_attention.py`: the repo's scripts package
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from scripts.bench_steps import event_kind  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 12, 2, 128, 16
 
@@ -67,8 +73,7 @@ def run_layout(flashinfer, requests, backend: str, repeats: int, device) -> dict
         for _ in range(repeats):
             wrapper.run(q, cache)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA
-               and not e.name().startswith(("Memcpy", "Memset"))]
+    kernels = [e for e in prof.profiler.kineto_results.events() if event_kind(e) == "kernel"]
     return {"gpu_us": sum(e.duration_ns() for e in kernels) / repeats / 1e3, "plan_us": 1e6 * statistics.median(plans)}
 
 

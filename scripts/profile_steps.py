@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from scripts.bench.gpu_profile import GPU_ACTIVITIES  # noqa: E402
 from scripts.bench_steps import event_kind, greedy, models_to_run, parse_args as bench_args, prompt_ids  # noqa: E402
 from specdec import LLM  # noqa: E402
 
@@ -34,7 +35,7 @@ def kernels_per_step(llm, prompts, tokens: int, top: int) -> str:
     steps = results[0].stats.verify_steps or results[0].stats.generated_tokens - 1
     total, count = defaultdict(int), defaultdict(int)
     for e in prof.profiler.kineto_results.events():
-        if event_kind(e) in ("kernel", "gpu_memcpy", "gpu_memset"):
+        if event_kind(e) in GPU_ACTIVITIES:
             total[e.name()[:90]] += e.duration_ns()
             count[e.name()[:90]] += 1
     lines = [f"{sum(total.values()) / steps / 1e3:.1f} us of device time per step over {steps} steps "
