@@ -65,29 +65,36 @@ class BatchLayout:
                              f"mask of shape {(self.batch_size, q, q)}; got {masks.dtype} {tuple(masks.shape)}")
         return replace(self, query_masks=masks)
 
-    def packed_query_masks(self) -> torch.Tensor:
-        """FlashInfer's custom mask of a step with query masks, packed on the masks' device with no host
-        sync: request i's q_i x kv_i bits (row-major, bit order little; earlier KV visible, its new rows as
-        its mask says) start at byte b_i = sum over j < i of q_j * kv_j. That byte is the request's *bit*
-        offset: FlashInfer derives each request's start from the lengths as that sum when it is handed
-        packed bits, and reads it as a byte offset, so each request's bytes sit there (the buffer is 8x
-        what the bits need; a tree step's masks are small)."""
+    def tree_context(self) -> "BatchLayout":
+        """A token-tree step's context part: the same queries, each seeing all of its request's KV before the
+        step's new rows, in no causal order (the tree part, the new rows under the query masks, is attended
+        separately and merged; see `FlashInferBackend`). Its pages are each request's first ones. A request
+        with no earlier KV (a capture's dummy layout, a graph rung's padding; a real tree step always follows
+        committed tokens) keeps its first slot, so that every request has some KV: its rows are never used."""
+        context = np.maximum(self.kv_lens - self.new_kv_lens, 1).astype(np.int32)
+        pages, kept = self.pages_used(), -(-context // self.page_size)
+        entry_in_request = np.arange(len(self.kv_indices)) - np.repeat(np.cumsum(pages) - pages, pages)
+        indices = self.kv_indices[entry_in_request < np.repeat(kept, pages)]
+        return BatchLayout(self.q_lens, context, np.zeros_like(self.q_lens), indices, self.page_size, causal=False,
+                           prompts=self.prompts)
+
+    def packed_tree_masks(self) -> torch.Tensor:
+        """The query masks as FlashInfer's custom mask of the tree part alone (each request's new rows against
+        its new rows, every request the same size n; see `tree_context`): request i's n x n bits, row-major,
+        bit order little, from byte i * n * n. That byte is the request's *bit* offset: FlashInfer, handed packed
+        bits, derives each request's start from the lengths as the sum of q_j * kv_j before it and reads it as a
+        byte offset, so each request's bytes sit there (8x what the bits need; a tree is small). A few tensor operations
+        on the masks' device, the same whatever the tree: no host work grows with it, and none waits for the GPU."""
         masks = self.query_masks
-        device = masks.device
-        sizes = self.q_lens.astype(np.int64) * self.kv_lens
-        total = int(sizes.sum())
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        per_request = upload(np.stack([starts, self.q_lens, self.kv_lens]).astype(np.int64), device)
-        request = torch.repeat_interleave(torch.arange(self.batch_size, device=device),
-                                          upload(sizes, device), output_size=total)
-        start, q, kv = (row[request] for row in per_request)
-        local = torch.arange(total, device=device) - start
-        row, col = local // kv, local % kv
-        first_new = kv - q
-        bits = (col < first_new) | masks[request, row, (col - first_new).clamp(min=0)]
-        packed = torch.zeros(-(-total // 4) * 4 + 4, dtype=torch.int32, device=device)  # 4-byte aligned
-        packed.index_add_(0, start + local // 8, bits.int() << (local % 8).int())
-        return packed.to(torch.uint8)
+        batch, n, _ = masks.shape
+        bits = masks.reshape(batch, n * n)
+        if (n * n) % 8:
+            bits = torch.nn.functional.pad(bits, (0, 8 - (n * n) % 8))
+        weights = 2 ** torch.arange(8, dtype=torch.int32, device=masks.device)  # made on the device: no host copy
+        packed = (bits.view(batch, -1, 8).int() * weights).sum(dim=2).to(torch.uint8)
+        out = torch.zeros(batch, n * n, dtype=torch.uint8, device=masks.device)
+        out[:, :packed.shape[1]] = packed
+        return out.view(-1)
 
     @classmethod
     def for_tokens(cls, q_lens, kv_lens, page_tables, page_size: int, causal: bool) -> "BatchLayout":

@@ -27,6 +27,13 @@ query tile is sized for that count as in an eager plan: without it a CUDA-graph 
 for the ragged worst case, the verify graph then rounds differently from the decode graph, and
 greedy speculation with FP8 KV matched greedy decoding on only 11 of 24 SmolLM2 prompts (eager: 24).
 
+A token-tree step (`BatchLayout.query_masks`) is attended in two parts merged by their log-sum-exps
+(`flashinfer.merge_state_in_place`), as cascade attention does: the context, every query over its request's
+KV before the step (the paged fa2 wrappers, no mask, split over the KV like any fa2 step), and the tree, every
+query over the step's own rows as stored, under its mask (a ragged fa2 wrapper with a custom mask of n x n
+bits per request). One paged plan with a mask over the whole KV would make the host build and pack
+queries x context bits every step, and its kernel walks the mask for every KV tile.
+
 A backend made with `device_lengths` (the DFlash drafter's) runs fa2 for every step, whose kernels read each
 request's KV length from the page metadata on the device when they run: a graph rung may then be planned for
 upper bounds of the lengths (the next draft step, queued before the verify's acceptance reaches the host), and
@@ -47,7 +54,6 @@ from attention.kv_cache import FP8_DTYPE, LayerKV
 from attention.transfer import pinned, upload
 
 WORKSPACE_BYTES = 256 << 20
-TREE = "tree"  # the wrappers of steps with query masks (token trees)
 
 
 def _keep_mask_offsets_pinned() -> None:
@@ -56,7 +62,7 @@ def _keep_mask_offsets_pinned() -> None:
     stream (everything queued before it), which would hold a tree step's planning until its drafting has
     run on the GPU; the offsets returned pinned keep it asynchronous, as every other plan input is here."""
     prefill = getattr(flashinfer, "prefill", None)
-    compute = getattr(prefill, "_compute_page_mask_indptr", None)
+    compute = getattr(prefill, "_compute_mask_indptr", None)
     if compute is None or getattr(compute, "returns_pinned", False):
         return
 
@@ -65,7 +71,7 @@ def _keep_mask_offsets_pinned() -> None:
         return offsets.pin_memory() if offsets.device.type == "cpu" and torch.cuda.is_available() else offsets
 
     pinned_offsets.returns_pinned = True
-    prefill._compute_page_mask_indptr = pinned_offsets
+    prefill._compute_mask_indptr = pinned_offsets
 
 
 _keep_mask_offsets_pinned()
@@ -74,33 +80,46 @@ _keep_mask_offsets_pinned()
 class GraphSlot:
     """The wrappers (one per cache dtype) and index buffers of one CUDA-graph batch size (their addresses
     never change), and pinned host buffers to plan from (reused once the copies of the slot's last plan have
-    run: `staged`)."""
+    run: `staged`). A token-tree rung (`tree`) plans its paged wrappers for the trees' context part, over
+    buffers of their own, and keeps the step's page metadata (what its write slots and K/V moves read) in
+    `kv_indptr` / `kv_indices`; its tree part has ragged wrappers with a custom mask of `example`'s tree size."""
 
     def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int, fa2: bool,
-                 tree: bool = False):
+                 tree_size: int = 0):
         dev = backend.device
         self.batch_size = batch_size
         self.qo_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
         self.kv_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
         self.kv_indices = torch.zeros(max_pages, dtype=torch.int32, device=dev)
         self.last_page_len = torch.ones(batch_size, dtype=torch.int32, device=dev)
-        self.host = {name: torch.zeros(size, dtype=torch.int32, pin_memory=dev.type == "cuda") for name, size in (
-            ("qo_indptr", batch_size + 1), ("kv_indptr", batch_size + 1), ("kv_indices", max_pages),
-            ("last_page_len", batch_size), ("kv_lens", batch_size))}
+        self.tree_size = tree_size  # a token-tree rung's tokens per request (0: not a tree rung)
+        self.tree = tree_size > 0
+        # what the paged wrappers read: the step's own metadata, or a tree's context part's
+        self.planned = (self.kv_indptr, self.kv_indices, self.last_page_len) if not self.tree else (
+            torch.zeros_like(self.kv_indptr), torch.zeros_like(self.kv_indices), torch.ones_like(self.last_page_len))
+        host_sizes = [("qo_indptr", batch_size + 1), ("kv_indptr", batch_size + 1), ("kv_indices", max_pages),
+                      ("last_page_len", batch_size), ("kv_lens", batch_size)]
+        if self.tree:
+            host_sizes += [("step_kv_indptr", batch_size + 1), ("step_kv_indices", max_pages)]
+        self.host = {name: torch.zeros(size, dtype=torch.int32, pin_memory=dev.type == "cuda")
+                     for name, size in host_sizes}
         # one wrapper per cache dtype over the same index buffers (each plan writes the same values), made
         # here so that the graph memory estimate counts them; the kernel is the rung's (`FlashInferBackend.fa2`)
         self.fa2 = fa2
         self.staged: torch.cuda.Event | None = None  # recorded after the copies of the slot's last plan
-        # token trees: the custom mask (fa2), in the backend's one mask buffer (slots are planned one at a time)
-        self.tree = tree
-        masks = dict(custom_mask_buf=backend.tree_mask_buffer(),
-                     mask_indptr_buf=torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)) if tree else {}
+        kv_indptr, kv_indices, last_page_len = self.planned
         self.wrappers = {dtype: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr,
-            paged_kv_indptr_buf=self.kv_indptr, paged_kv_indices_buf=self.kv_indices,
-            paged_kv_last_page_len_buf=self.last_page_len,
-            backend="fa2" if tree else kernel_backend(dtype, fa2), **masks)
-            for dtype in backend.kv_dtypes}
+            paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices, paged_kv_last_page_len_buf=last_page_len,
+            backend=kernel_backend(dtype, fa2)) for dtype in backend.kv_dtypes}
+        self.tree_wrappers = {}
+        if self.tree:
+            tree_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
+            masks = torch.zeros(batch_size * tree_size * tree_size, dtype=torch.uint8, device=dev)
+            mask_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
+            self.tree_wrappers = {dtype: flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=tree_indptr, kv_indptr_buf=tree_indptr,
+                custom_mask_buf=masks, mask_indptr_buf=mask_indptr, backend="fa2") for dtype in backend.kv_dtypes}
 
     def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
         """values in the pinned host buffer `name`; returns that slice (after the copies of the slot's last plan
@@ -126,30 +145,24 @@ class FlashInferBackend(AttentionBackend):
         self.kv_dtypes = tuple(dict.fromkeys(kv_dtypes))  # a cache whose layers mix dtypes plans once per dtype
         self.q_dtype = q_dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        # by kind of step: other steps (False), steps that run fa2 whatever the cache dtype (True, `fa2`), token
-        # trees (TREE: a custom mask, which only the fa2 kernels take)
-        self.eager_wrappers = {kind: {dtype: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend="fa2" if kind == TREE else kernel_backend(dtype, kind))
-            for dtype in self.kv_dtypes} for kind in (False, True, TREE)}
+        # by kind of step: other steps (False), steps that run fa2 whatever the cache dtype (True, `fa2`)
+        self.eager_wrappers = {fa2: {dtype: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=kernel_backend(dtype, fa2)) for dtype in self.kv_dtypes}
+            for fa2 in (False, True)}
         self.wrappers = self.eager_wrappers[False]  # those of the planned step
-        self.tree_mask_bytes = 0  # the graph rungs' shared custom-mask buffer (token trees), 0: none
-        self._tree_masks: torch.Tensor | None = None
-
-    def tree_mask_buffer(self) -> torch.Tensor:
-        """The custom-mask buffer of every token-tree graph rung, of `tree_mask_bytes` (set by the runner
-        before the rungs are made: a tree step's queries times the longest KV, see
-        `BatchLayout.packed_query_masks`)."""
-        if self._tree_masks is None:
-            if self.tree_mask_bytes <= 0:
-                raise ValueError("token-tree graph rungs need tree_mask_bytes set first")
-            self._tree_masks = torch.zeros(self.tree_mask_bytes, dtype=torch.uint8, device=self.device)
-        return self._tree_masks
+        # token trees' tree part (see the module's doc); None while the planned step has no query masks
+        self.eager_tree_wrappers = {dtype: flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2") for dtype in self.kv_dtypes}
+        self.tree_wrappers: dict | None = None
 
     def fa2(self, layout: BatchLayout | None) -> bool:
         """Whether steps of `layout` run the fa2 kernels whatever the cache dtype: every step of a backend of
-        `device_lengths` (fa2 kernels read the KV lengths on the device), else all but a lone request's decode
-        or verify and large prefills (see the module's doc). None: a graph rung of no example layout."""
+        `device_lengths` (fa2 kernels read the KV lengths on the device) and every token-tree step, else all
+        but a lone request's decode or verify and large prefills (see the module's doc). None: a graph rung of
+        no example layout."""
         if self.plans_upper_bounds:
+            return True
+        if layout is not None and layout.query_masks is not None:
             return True
         return layout is not None and not lone_decode_or_verify(layout) and not prefill_heavy(layout)
 
@@ -158,47 +171,62 @@ class FlashInferBackend(AttentionBackend):
         self.layout, self.slot = layout, None
         requests, positions = layout.new_kv_rows() if write_slots else (np.zeros(0, np.int32),) * 2
         kv_indptr = layout.kv_indptr()
-        n_idx, b, n_new = len(layout.kv_indices), layout.batch_size, len(requests)
+        tree = layout.query_masks is not None
+        planned = layout.tree_context() if tree else layout  # what the paged wrappers attend over
+        n_idx, b, n_new, n_planned = len(layout.kv_indices), layout.batch_size, len(requests), len(planned.kv_indices)
         # one host-to-device copy for everything the kernels read on the GPU
-        gpu = upload(np.concatenate([layout.kv_indices, kv_indptr, requests, positions]), self.device)
-        self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu = gpu.split([n_idx, b + 1, n_new, n_new])
+        gpu = upload(np.concatenate([layout.kv_indices, kv_indptr, requests, positions]
+                                    + ([planned.kv_indices] if tree else [])), self.device)
+        self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu, context_indices = gpu.split(
+            [n_idx, b + 1, n_new, n_new, n_planned if tree else 0])
         if write_slots:
             self.set_write_slots(*slots_on_device(self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu,
                                                   layout.page_size))
-        tree = layout.query_masks is not None
-        self.wrappers = self.eager_wrappers[TREE if tree else self.fa2(layout)]
-        self._plan_wrappers(layout, pinned(layout.qo_indptr()), pinned(kv_indptr), self.kv_indices,
-                            pinned(layout.last_page_lens()), pinned(layout.kv_lens),
-                            packed_mask=layout.packed_query_masks() if tree else None)
+        self.wrappers = self.eager_wrappers[self.fa2(layout)]
+        self._plan_wrappers(planned, pinned(planned.qo_indptr()), pinned(planned.kv_indptr()),
+                            context_indices if tree else self.kv_indices, pinned(planned.last_page_lens()),
+                            pinned(planned.kv_lens))
+        self.tree_wrappers = self._plan_trees(self.eager_tree_wrappers, layout, pinned(layout.qo_indptr())) if tree \
+            else None
 
     def graph_slot(self, batch_size: int, max_pages: int, example: BatchLayout | None = None) -> GraphSlot:
         """The buffers and wrappers of one rung; `example` (a layout of the steps it will replay, padded to
-        its size) picks the kernel its graph is captured with."""
+        its size) picks the kernel its graph is captured with, and a token-tree rung's tree size."""
+        tree = example is not None and example.query_masks is not None
         return GraphSlot(self, batch_size, max_pages, self.fa2(example),
-                         tree=example is not None and example.query_masks is not None)
+                         tree_size=int(example.q_lens.max()) if tree else 0)
 
     def plan_graph(self, slot: GraphSlot, layout: BatchLayout, scratch_page: int) -> None:
         """A graph replay: `layout` padded to the slot's batch size goes into the slot's buffers. The
         captured graph computes its own write slots from them (see `slots_on_device`)."""
         layout = layout.padded(slot.batch_size, scratch_page)
         self.layout = layout
-        n = len(layout.kv_indices)
-        slot.kv_indices[:n].copy_(slot.stage("kv_indices", layout.kv_indices), non_blocking=True)
         tree = layout.query_masks is not None
         if self.fa2(layout) != slot.fa2 or tree != slot.tree:
             kind = "token trees" if slot.tree else "the fa2 kernels" if slot.fa2 else "other kernels"
             raise ValueError(f"a rung captured for {kind} cannot replay this layout "
                              f"(q_lens {layout.q_lens.tolist()}, masks: {tree})")
-        packed = layout.packed_query_masks() if tree else None
-        if packed is not None and len(packed) > self.tree_mask_bytes:
-            raise ValueError(f"a token-tree step's mask of {len(packed)} bytes exceeds the {self.tree_mask_bytes} "
-                             "its graphs were made for")
+        if tree and int(layout.q_lens.max()) > slot.tree_size:
+            raise ValueError(f"a token-tree step of {int(layout.q_lens.max())} tokens per request exceeds the "
+                             f"trees its rung of {slot.batch_size} was made for")
         self.wrappers, self.slot = slot.wrappers, slot
         self.kv_indices, self.kv_indptr = slot.kv_indices, slot.kv_indptr
-        self._plan_wrappers(layout, slot.stage("qo_indptr", layout.qo_indptr()),
-                            slot.stage("kv_indptr", layout.kv_indptr()), slot.kv_indices[:n],
-                            slot.stage("last_page_len", layout.last_page_lens()), slot.stage("kv_lens", layout.kv_lens),
-                            uniform_q_len=int(layout.q_lens[0]), packed_mask=packed)
+        planned = layout
+        if tree:  # the step's own page metadata, for its write slots and K/V moves; the wrappers get the context's
+            planned = layout.tree_context()
+            n = len(layout.kv_indices)
+            slot.kv_indices[:n].copy_(slot.stage("step_kv_indices", layout.kv_indices), non_blocking=True)
+            slot.kv_indptr.copy_(slot.stage("step_kv_indptr", layout.kv_indptr()), non_blocking=True)
+        n = len(planned.kv_indices)
+        indices = slot.planned[1][:n]
+        indices.copy_(slot.stage("kv_indices", planned.kv_indices), non_blocking=True)
+        self._plan_wrappers(planned, slot.stage("qo_indptr", planned.qo_indptr()),
+                            slot.stage("kv_indptr", planned.kv_indptr()), indices,
+                            slot.stage("last_page_len", planned.last_page_lens()), slot.stage("kv_lens", planned.kv_lens),
+                            uniform_q_len=int(layout.q_lens[0]))
+        # the tree part's indptr equals the context's qo_indptr, staged above
+        self.tree_wrappers = self._plan_trees(slot.tree_wrappers, layout, slot.host["qo_indptr"][:layout.batch_size + 1]) \
+            if tree else None
         if self.device.type == "cuda":
             slot.staged = torch.cuda.Event()
             slot.staged.record()
@@ -216,7 +244,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan_wrappers(self, layout: BatchLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                        kv_indices_gpu: torch.Tensor, last_page_len: torch.Tensor, kv_lens: torch.Tensor,
-                       uniform_q_len: int | None = None, packed_mask: torch.Tensor | None = None) -> None:
+                       uniform_q_len: int | None = None) -> None:
         # indptr, last_page_len and kv_lens are pinned CPU tensors: plan reads them on the host, and its
         # copies of them to the GPU stay asynchronous. The KV lengths and both maxima are handed over
         # because the layout already knows them: plan would otherwise derive them from the indptrs with a
@@ -227,17 +255,35 @@ class FlashInferBackend(AttentionBackend):
             wrapper.plan(qo_indptr, kv_indptr, kv_indices_gpu, last_page_len, self.num_qo_heads, self.num_kv_heads,
                          self.head_dim, layout.page_size, causal=layout.causal, sm_scale=self.sm_scale,
                          q_data_type=self.q_dtype, kv_data_type=kv_dtype, non_blocking=True,
-                         uniform_q_len=uniform_q_len, packed_custom_mask=packed_mask,
-                         disable_split_kv=self.plans_upper_bounds, window_left=self.window_left, **lengths)
+                         uniform_q_len=uniform_q_len, disable_split_kv=self.plans_upper_bounds,
+                         window_left=self.window_left, **lengths)
+
+    def _plan_trees(self, wrappers: dict, layout: BatchLayout, indptr: torch.Tensor) -> dict:
+        """The tree part of a token-tree step: every request's new rows against its new rows (each request the
+        same size), under the query masks, packed on the device. `indptr`: the requests' row offsets, pinned."""
+        masks = layout.packed_tree_masks()
+        size = int(layout.q_lens[0])
+        for kv_dtype, wrapper in wrappers.items():
+            wrapper.plan(indptr, indptr, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                         packed_custom_mask=masks, sm_scale=self.sm_scale, q_data_type=self.q_dtype,
+                         kv_data_type=kv_dtype, non_blocking=True, uniform_q_len=size, disable_split_kv=True)
+        return wrappers
 
     def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
         layer.write(self.write_pages, self.write_offsets, k, v)
 
     def attend(self, q: torch.Tensor, layer: LayerKV, out: torch.Tensor | None = None) -> torch.Tensor:
-        wrapper = self.wrappers[layer.data.dtype]
-        if layer.is_fp8:
-            return wrapper.run(q, layer.data, k_scale=layer.k_scale, v_scale=layer.v_scale, out=out)
-        return wrapper.run(q, layer.data, out=out)
+        dtype = layer.data.dtype
+        scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale) if layer.is_fp8 else {}
+        if self.tree_wrappers is None:
+            return self.wrappers[dtype].run(q, layer.data, out=out, **scales)
+        # a token tree: the context part, then the tree part over the step's rows as stored, merged into the first
+        out, lse = self.wrappers[dtype].run(q, layer.data, out=out, return_lse=True, **scales)
+        rows = q.shape[0]
+        stored = layer.stored(self.write_pages[:rows], self.write_offsets[:rows])
+        tree_out, tree_lse = self.tree_wrappers[dtype].run(q, stored[:, 0], stored[:, 1], return_lse=True, **scales)
+        flashinfer.merge_state_in_place(out, lse, tree_out, tree_lse)
+        return out
 
 
 def kernel_backend(kv_dtype: torch.dtype, fa2: bool = False) -> str:

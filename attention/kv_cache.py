@@ -72,6 +72,10 @@ class LayerKV:
         raw = self._raw()
         raw[dst_pages, :, dst_offsets] = raw[src_pages, :, src_offsets]
 
+    def stored(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """K and V [n, 2, num_kv_heads, head_dim] of the given slots as stored (in the cache dtype)."""
+        return self._raw()[pages, :, offsets].view(self.data.dtype)
+
     def read(self, pages: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V [n, num_kv_heads, head_dim] of the given slots."""
         k = self.data[pages, 0, offsets].to(dtype)

@@ -1,7 +1,8 @@
 """Where one decode step's time goes, at batch 1 with CUDA graphs: the GPU kernels per step (torch
 profiler, grouped by name) and the host functions per step (cProfile), for AR and DFlash.
 
-    python scripts/profile_steps.py [--model NAME_OR_DIR] [--kv auto|fp8] [--top 15]
+    python scripts/profile_steps.py [--model NAME_OR_DIR] [--kv auto|fp8] [--top 15] [--verify chain tree]
+                                    [--prompt-tokens 120]
 
 Same models as scripts/bench_steps.py (by default a random-weight target of the default target's shape
 and the shipped drafter).
@@ -66,10 +67,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as work:
         model, model_dir, drafter, _ = models_to_run(args, Path(work))
         prompts = prompt_ids(model_dir, 1, args.prompt_tokens)
-        for name, draft in (("AR", None), ("DFlash", drafter)):
-            llm = LLM(model, drafter=draft, device="cuda", kv_cache_dtype=own.kv, num_kv_pages=256, max_num_seqs=64)
+        systems = [("AR", None, {})] + [(f"DFlash {verify}", drafter, {"verify": verify}) for verify in args.verify]
+        for name, draft, options in systems:
+            llm = LLM(model, drafter=draft, device="cuda", kv_cache_dtype=own.kv, max_num_seqs=64, **options)
             llm.generate(prompts, greedy(own.tokens))
-            print(f"## {name} ({own.kv} KV), batch 1\n{kernels_per_step(llm, prompts, own.tokens, own.top)}\n")
+            print(f"## {name} ({own.kv} KV), batch 1, {args.prompt_tokens}-token prompt\n"
+                  f"{kernels_per_step(llm, prompts, own.tokens, own.top)}\n")
             print(host_per_step(llm, prompts, own.tokens, own.top))
             del llm
             torch.cuda.empty_cache()

@@ -131,8 +131,6 @@ class TargetRunner(ModelRunner):
         if tree_nodes:  # token-tree verify steps, captured up to TREE_GRAPH_MAX_BATCH requests
             tree_rows = max(size * self.tree_q(size) for size in range(1, min(max_batch, TREE_GRAPH_MAX_BATCH) + 1))
             self.tree_inputs = StaticInputs({"ids": tree_rows, "starts": max_batch, "depths": tree_rows}, self.device)
-            # every tree rung's custom mask: its queries times the longest KV a request can have
-            self.attn.tree_mask_bytes = tree_rows * (c.max_position_embeddings + tree_nodes + 1)
 
     def tree_q(self, size: int) -> int:
         """Tokens per request (the anchor and the nodes) of a token-tree step of `size` requests: a tree of

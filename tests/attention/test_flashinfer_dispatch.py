@@ -14,28 +14,40 @@ from attention.kv_cache import FP8_DTYPE, KVCache
 
 
 class RecordingWrapper:
+    """A paged wrapper: records its plans and runs (`paged` False: a ragged one, the tree part of token trees)."""
     instances = []
+    paged = True
 
     def __init__(self, workspace, layout, backend="auto", **kwargs):
         self.backend, self.plans, self.lengths, self.runs, self.masks = backend, [], [], [], []
+        self.buffers = kwargs
+        self.planned_args = []
         RecordingWrapper.instances.append(self)
 
     def plan(self, *args, kv_data_type=None, seq_lens=None, max_token_per_sequence=None, max_sequence_kv=None,
-             packed_custom_mask=None, **kwargs):
+             packed_custom_mask=None, causal=False, **kwargs):
         self.plans.append(kv_data_type)
         self.masks.append(packed_custom_mask)
-        self.lengths.append((seq_lens.tolist(), max_token_per_sequence, max_sequence_kv))
+        self.planned_args.append((args, causal))
+        if seq_lens is not None:
+            self.lengths.append((seq_lens.tolist(), max_token_per_sequence, max_sequence_kv))
 
-    def run(self, q, data, out=None, **scales):
-        self.runs.append((data.dtype, sorted(scales)))
-        return q if out is None else out.copy_(q)
+    def run(self, q, *data, out=None, return_lse=False, **scales):
+        self.runs.append((data[0].dtype, sorted(scales)))
+        out = q.clone() if out is None else out.copy_(q)
+        return (out, torch.zeros(q.shape[:2])) if return_lse else out
+
+
+class RecordingRaggedWrapper(RecordingWrapper):
+    paged = False
 
 
 @pytest.fixture
 def backend_class(monkeypatch):
     """FlashInferBackend imported over the recorder, and forgotten afterwards (the real one stays importable)."""
     monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
-        BatchPrefillWithPagedKVCacheWrapper=RecordingWrapper))
+        BatchPrefillWithPagedKVCacheWrapper=RecordingWrapper, BatchPrefillWithRaggedKVCacheWrapper=RecordingRaggedWrapper,
+        merge_state_in_place=lambda v, s, v_other, s_other: None))
     monkeypatch.delitem(sys.modules, "attention.flashinfer_backend", raising=False)
     from attention.flashinfer_backend import FlashInferBackend
 
@@ -49,7 +61,7 @@ def test_each_layer_runs_the_wrapper_of_its_dtype(backend_class):
     RecordingWrapper.instances = []
     backend = FlashInferBackend(4, 2, 8, 8 ** -0.5, device=torch.device("cpu"),
                                 kv_dtypes=(torch.bfloat16, FP8_DTYPE, FP8_DTYPE), q_dtype=torch.bfloat16)
-    bf16, fp8 = RecordingWrapper.instances[:2]  # those of steps other than several uniform ones
+    bf16, fp8 = paged_wrappers()[:2]  # those of steps other than several uniform ones
     assert (bf16.backend, fp8.backend) == ("auto", "fa2")
     cache = KVCache(3, 8, 4, 2, 8, (torch.bfloat16, FP8_DTYPE, FP8_DTYPE), "cpu")
     backend.plan(BatchLayout.for_tokens([3], [3], [[0]], 4, causal=True))
@@ -113,7 +125,7 @@ def test_a_graph_rung_picks_its_kernel_by_its_size(backend_class):
     for size, kernel in ((1, "auto"), (4, "fa2")):
         RecordingWrapper.instances = []
         slot = backend.graph_slot(size, 16, BatchLayout.dummy(size, 1, 4, 4, 15, causal=True))
-        (wrapper,) = RecordingWrapper.instances
+        (wrapper,) = paged_wrappers()
         backend.plan_graph(slot, decode, scratch_page=15)
         assert wrapper.backend == kernel and wrapper.plans
     lone = backend.graph_slot(1, 16, BatchLayout.dummy(1, 1, 4, 4, 15, causal=True))
@@ -136,25 +148,77 @@ def test_a_backend_of_device_lengths_runs_fa2_for_every_step_eager_or_graphed(ba
     assert planned.backend == "fa2"
     RecordingWrapper.instances = []
     slot = backend.graph_slot(1, 16, BatchLayout.dummy(1, 4, 4, 4, 15, causal=False))
-    (wrapper,) = RecordingWrapper.instances
+    (wrapper,) = paged_wrappers()
     backend.plan_graph(slot, draft, scratch_page=15)
     backend.plan_graph(slot, BatchLayout.for_tokens([2], [5], [[0, 1]], 4, causal=True), scratch_page=15)
     assert wrapper.backend == "fa2" and len(wrapper.plans) == 2
 
 
-def test_token_trees_plan_the_fa2_wrappers_with_their_packed_masks(backend_class):
+def paged_wrappers() -> list[RecordingWrapper]:
+    return [w for w in RecordingWrapper.instances if w.paged]
+
+
+def tree_step(tree_size: int, kv_lens: list[int], page_size: int = 4) -> BatchLayout:
+    tables, first = [], 0
+    for kv in kv_lens:
+        tables.append(list(range(first, first + -(-kv // page_size))))
+        first += len(tables[-1])
+    masks = torch.ones(len(kv_lens), tree_size, tree_size, dtype=torch.bool).tril()
+    layout = BatchLayout.for_tokens([tree_size] * len(kv_lens), kv_lens, tables, page_size, causal=True)
+    return layout.with_query_masks(masks)
+
+
+def test_token_trees_plan_fa2_over_the_context_and_a_ragged_tree_part_with_their_masks(backend_class):
+    """A tree step: the paged fa2 wrappers planned over each request's KV before the step, in no causal order,
+    and the ragged wrappers over the step's rows with the packed masks; every layer runs both."""
     FlashInferBackend = backend_class  # noqa: N806
 
     RecordingWrapper.instances = []
     backend = FlashInferBackend(4, 2, 8, 8 ** -0.5, device=torch.device("cpu"), kv_dtypes=(torch.bfloat16,),
                                 q_dtype=torch.bfloat16)
-    plain, several, tree = RecordingWrapper.instances
-    assert (plain.backend, several.backend, tree.backend) == ("auto", "fa2", "fa2")  # fa3 takes no custom mask
-    layout = BatchLayout.for_tokens([3], [7], [[0, 1]], 4, causal=True)
-    backend.plan(layout.with_query_masks(torch.ones(1, 3, 3, dtype=torch.bool).tril()))
-    assert tree.plans and not plain.plans and tree.masks[-1] is not None
+    plain, several = paged_wrappers()
+    (ragged,) = [w for w in RecordingWrapper.instances if not w.paged]
+    assert (plain.backend, several.backend, ragged.backend) == ("auto", "fa2", "fa2")
+    layout = tree_step(3, [7, 12])  # contexts of 4 and 9 tokens: 1 and 3 pages
     backend.plan(layout)
-    assert plain.plans and plain.masks[-1] is None
+    assert several.plans and not plain.plans and ragged.masks[-1] is not None
+    (qo_indptr, kv_indptr, kv_indices, last_page_len, *_), causal = several.planned_args[-1]
+    assert not causal and qo_indptr.tolist() == [0, 3, 6] and kv_indptr.tolist() == [0, 1, 4]
+    assert kv_indices.tolist() == [0, 2, 3, 4] and last_page_len.tolist() == [4, 1]
+    assert several.lengths[-1] == ([4, 9], 3, 9)
+    (tree_qo, tree_kv, *_), _ = ragged.planned_args[-1]
+    assert tree_qo.tolist() == tree_kv.tolist() == [0, 3, 6]
+    # the step's own page metadata stays what its write slots and K/V moves read
+    assert backend.kv_indptr.tolist() == [0, 2, 5] and backend.write_pages.tolist() == [1, 1, 1, 4, 4, 4]
+    backend.attend(torch.zeros(6, 4, 8, dtype=torch.bfloat16), KVCache(1, 8, 4, 2, 8, torch.bfloat16, "cpu").layers[0])
+    assert len(several.runs) == len(ragged.runs) == 1
+    backend.plan(layout.__class__.for_tokens([3], [7], [[0, 1]], 4, causal=True))
+    assert backend.tree_wrappers is None and len(ragged.plans) == 1
+
+
+def test_a_tree_rung_keeps_the_steps_page_metadata_apart_from_the_contexts(backend_class):
+    """A token-tree graph rung plans its paged wrappers over buffers of their own (the context's pages), while
+    the rung's kv_indptr / kv_indices get the step's (the captured graph's write slots read them)."""
+    FlashInferBackend = backend_class  # noqa: N806
+
+    backend = FlashInferBackend(4, 2, 8, 8 ** -0.5, device=torch.device("cpu"), kv_dtypes=(torch.bfloat16,),
+                                q_dtype=torch.bfloat16)
+    RecordingWrapper.instances = []
+    slot = backend.graph_slot(4, 16, tree_step(3, [3] * 4))
+    (paged,) = paged_wrappers()
+    (ragged,) = [w for w in RecordingWrapper.instances if not w.paged]
+    assert paged.backend == ragged.backend == "fa2" and slot.tree_size == 3
+    assert paged.buffers["paged_kv_indices_buf"] is not slot.kv_indices
+    assert len(ragged.buffers["custom_mask_buf"]) == 4 * 3 * 3
+    backend.plan_graph(slot, tree_step(3, [7, 12]), scratch_page=15)
+    assert slot.kv_indptr.tolist()[:3] == [0, 2, 5] and slot.kv_indices.tolist()[:5] == [0, 1, 2, 3, 4]
+    assert paged.buffers["paged_kv_indices_buf"].tolist()[:4] == [0, 2, 3, 4]
+    (_, kv_indptr, *_), causal = paged.planned_args[-1]
+    assert not causal and kv_indptr.tolist() == [0, 1, 4, 5, 6]  # the padding keeps one slot of the scratch page
+    with pytest.raises(ValueError, match="exceeds"):
+        backend.plan_graph(slot, tree_step(4, [7]), scratch_page=15)
+    with pytest.raises(ValueError, match="cannot replay"):
+        backend.plan_graph(slot, BatchLayout.for_tokens([3], [7], [[0, 1]], 4, causal=True), scratch_page=15)
 
 
 def test_query_masks_must_fit_the_layout():
@@ -168,20 +232,25 @@ def test_query_masks_must_fit_the_layout():
         causal_free.with_query_masks(torch.ones(1, 3, 3, dtype=torch.bool))
 
 
-def test_packed_query_masks_are_what_flashinfer_reads():
-    """FlashInfer, handed packed bits, starts request i at byte sum over j < i of q_j * kv_j (its mask indptr
-    from the lengths) and reads bit (row * kv_i + col) from there, little bit order: read that way, every
-    request's mask is its earlier KV followed by its own query mask."""
+def test_packed_tree_masks_are_what_flashinfer_reads():
+    """FlashInfer, handed packed bits for the tree part (each request's n new rows against its n new rows),
+    starts request i at byte i * n * n (its mask indptr from the lengths) and reads bit (row * n + col) from
+    there, little bit order: read that way, every request's bits are its mask."""
     import numpy as np
 
     generator = torch.Generator().manual_seed(0)
-    q_lens, kv_lens = [3, 3, 3], [7, 3, 12]
-    masks = torch.rand(3, 3, 3, generator=generator) < 0.5
-    layout = BatchLayout.for_tokens(q_lens, kv_lens, [[0, 1], [2], [3, 4, 5]], 4, causal=True).with_query_masks(masks)
-    packed = layout.packed_query_masks().numpy()
-    byte_start = 0
-    for i, (q, kv) in enumerate(zip(q_lens, kv_lens)):
-        bits = np.unpackbits(packed[byte_start:byte_start + -(-q * kv // 8)], bitorder="little")[:q * kv]
-        want = np.concatenate([np.ones((q, kv - q), bool), masks[i].numpy()], axis=1)
-        np.testing.assert_array_equal(bits.reshape(q, kv).astype(bool), want)
-        byte_start += q * kv
+    for n in (3, 4):  # 9 bits a request (padded), 16 (whole bytes)
+        masks = torch.rand(3, n, n, generator=generator) < 0.5
+        layout = BatchLayout.for_tokens([n] * 3, [n + 7, n, n + 12], [[0, 1, 2], [3], [4, 5, 6, 7]], 4, causal=True)
+        packed = layout.with_query_masks(masks).packed_tree_masks().numpy()
+        assert len(packed) == 3 * n * n
+        for i in range(3):
+            bits = np.unpackbits(packed[i * n * n:i * n * n + -(-n * n // 8)], bitorder="little")[:n * n]
+            np.testing.assert_array_equal(bits.reshape(n, n).astype(bool), masks[i].numpy())
+
+
+def test_a_tree_steps_context_is_each_requests_kv_before_its_new_rows():
+    layout = tree_step(3, [7, 12, 3])  # the last has no context: one slot of its first page is kept
+    context = layout.tree_context()
+    assert context.kv_lens.tolist() == [4, 9, 1] and context.q_lens.tolist() == [3, 3, 3] and not context.causal
+    assert context.kv_indices.tolist() == [0, 2, 3, 4, 5] and context.kv_indptr().tolist() == [0, 1, 4, 5]

@@ -103,29 +103,87 @@ def test_a_cache_mixing_dtypes_runs_each_layer_as_a_cache_of_its_own_dtype(name)
 
 
 @pytest.mark.parametrize("kv", sorted(KV_DTYPES))
-def test_token_tree_masks_match_reference(kv):
+@pytest.mark.parametrize("history", [[40, 7, 130], [1300, 7, 2100]], ids=["short", "long"])
+def test_token_tree_masks_match_reference(kv, history):
     """Each query sees its request's earlier KV and the new rows its mask allows (a token tree): FlashInfer's
-    custom mask (fa2, packed on the GPU) against the torch reference, requests of different lengths."""
+    context part (paged fa2, split over long KV) and tree part (ragged fa2, the mask packed on the GPU) merged,
+    against the torch reference, requests of different lengths."""
     g = torch.Generator(device="cuda").manual_seed(3)
     nodes = 9
     masks = (torch.rand(3, nodes, nodes, device="cuda", generator=g) < 0.4) | torch.eye(nodes, dtype=torch.bool,
                                                                                         device="cuda")
     masks = masks.tril()  # a tree's ancestors come before it
-    cases = [PagedCase([40, 7, 130], [nodes] * 3, [nodes] * 3, True, page_size=16, kv_dtype=KV_DTYPES[kv],
-                       device="cuda", dtype=torch.bfloat16, scales=(0.05, 0.03) if kv == "fp8" else (1.0, 1.0))
-             for _ in range(2)]
+    make = lambda: PagedCase(history, [nodes] * 3, [nodes] * 3, True, page_size=16, kv_dtype=KV_DTYPES[kv],  # noqa: E731
+                             device="cuda", dtype=torch.bfloat16, scales=(0.05, 0.03) if kv == "fp8" else (1.0, 1.0))
+    cases = [make() for _ in range(2)]
     outs = []
     for case, backend in zip(cases, [flashinfer_backend(KV_DTYPES[kv]), TorchBackend(HQ, HKV, D, D ** -0.5,
                                                                                      device="cuda")]):
         case.layout = case.layout.with_query_masks(masks)
         outs.append(run(backend, case))
     err = rel_error(*outs)
-    print(f"tree masks {kv}: rel err {err:.2e}")
+    print(f"tree masks {kv} {history}: rel err {err:.2e}")
     assert err <= REL_BOUND
     # the masks matter: with plain causal order the outputs differ
-    causal = PagedCase([40, 7, 130], [nodes] * 3, [nodes] * 3, True, page_size=16, kv_dtype=KV_DTYPES[kv],
-                       device="cuda", dtype=torch.bfloat16, scales=(0.05, 0.03) if kv == "fp8" else (1.0, 1.0))
-    assert rel_error(run(flashinfer_backend(KV_DTYPES[kv]), causal), outs[1]) > 10 * REL_BOUND
+    assert rel_error(run(flashinfer_backend(KV_DTYPES[kv]), make()), outs[1]) > 10 * REL_BOUND
+
+
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
+def test_a_tree_graph_rung_attends_as_the_reference_for_every_step_it_replays(kv):
+    """A token-tree rung of 4 (the context's pages in buffers of its own, the masks packed into its buffer at
+    each plan), captured once and replayed for two steps of 3 requests with other contexts and masks: each
+    replay writes the step's K/V and attends as the torch reference does."""
+    from attention.batch_layout import slots_on_device
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    nodes, size = 7, 4
+    scales = (0.05, 0.03) if kv == "fp8" else (1.0, 1.0)
+
+    def tree_case(history, seed, masks):
+        case = PagedCase(history, [nodes] * 3, [nodes] * 3, True, page_size=16, kv_dtype=KV_DTYPES[kv],
+                         device="cuda", dtype=torch.bfloat16, scales=scales, seed=seed)
+        case.layout = case.layout.with_query_masks(masks)
+        return case
+
+    steps, expected = [], []
+    for seed, history in enumerate(([300, 20, 41], [5, 900, 64])):
+        masks = ((torch.rand(3, nodes, nodes, device="cuda", generator=g) < 0.5)
+                 | torch.eye(nodes, dtype=torch.bool, device="cuda")).tril()
+        steps.append(tree_case(history, seed, masks))
+        reference = tree_case(history, seed, masks)  # the same cache, queries and new K/V
+        expected.append(run(TorchBackend(HQ, HKV, D, D ** -0.5, device="cuda"), reference))
+    backend = flashinfer_backend(KV_DTYPES[kv])
+    layer, scratch = steps[0].layer, steps[0].kv.scratch_page  # the graph's cache: each step's history copied in
+    slot = backend.graph_slot(size, 256, steps[0].layout.padded(size, scratch))
+    queries = torch.zeros(size * nodes, HQ, D, dtype=torch.bfloat16, device="cuda")
+    keys, values = (torch.zeros(size * nodes, HKV, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    positions = torch.zeros(size * nodes, dtype=torch.long, device="cuda")
+    requests = torch.arange(size, device="cuda").repeat_interleave(nodes)
+
+    def forward():
+        backend.set_write_slots(*slots_on_device(backend.kv_indices, backend.kv_indptr, requests, positions, 16))
+        backend.write_kv(layer, keys, values)
+        return backend.attend(queries, layer)
+
+    graph = out = None
+    for step, want in zip(steps, expected):
+        layer.data.copy_(step.layer.data)
+        rows = len(step.q)
+        for buffer, values_ in ((queries, step.q), (keys, step.new_k), (values, step.new_v)):
+            buffer.zero_()
+            buffer[:rows].copy_(values_)
+        positions.copy_(torch.from_numpy(step.layout.padded(size, scratch).new_kv_positions()).long())
+        backend.plan_graph(slot, step.layout, scratch)
+        if graph is None:
+            forward()  # warm-up outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = forward()
+        graph.replay()
+        torch.cuda.synchronize()
+        err = rel_error(out[:rows], want)
+        print(f"tree rung {kv} {step.layout.kv_lens.tolist()}: rel err {err:.2e}")
+        assert err <= REL_BOUND
 
 
 # (history, new_kv, q_lens, causal): short ones, and long ones, where a plan would split each request's KV
