@@ -154,6 +154,10 @@ class FlashInferBackend(AttentionBackend):
         self.eager_tree_wrappers = {dtype: flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
             self.workspace, "NHD", backend="fa2") for dtype in self.kv_dtypes}
         self.tree_wrappers: dict | None = None
+        # (layer, k, v) of the last write_kv since the step's plan: a tree part reads the step's rows from here
+        # rather than back from the cache where they are stored as they are (the model's dtype). Reset by every
+        # plan: a piecewise graph's attention runs apart from its write, which a replay does not pass through here
+        self.written: tuple | None = None
 
     def fa2(self, layout: BatchLayout | None) -> bool:
         """Whether steps of `layout` run the fa2 kernels whatever the cache dtype: every step of a backend of
@@ -168,7 +172,7 @@ class FlashInferBackend(AttentionBackend):
 
     def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
         """An eager step of any layout; write_slots=False leaves the write slots to the caller."""
-        self.layout, self.slot = layout, None
+        self.layout, self.slot, self.written = layout, None, None
         requests, positions = layout.new_kv_rows() if write_slots else (np.zeros(0, np.int32),) * 2
         kv_indptr = layout.kv_indptr()
         tree = layout.query_masks is not None
@@ -200,7 +204,7 @@ class FlashInferBackend(AttentionBackend):
         """A graph replay: `layout` padded to the slot's batch size goes into the slot's buffers. The
         captured graph computes its own write slots from them (see `slots_on_device`)."""
         layout = layout.padded(slot.batch_size, scratch_page)
-        self.layout = layout
+        self.layout, self.written = layout, None
         tree = layout.query_masks is not None
         if self.fa2(layout) != slot.fa2 or tree != slot.tree:
             kind = "token trees" if slot.tree else "the fa2 kernels" if slot.fa2 else "other kernels"
@@ -271,6 +275,7 @@ class FlashInferBackend(AttentionBackend):
 
     def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
         layer.write(self.write_pages, self.write_offsets, k, v)
+        self.written = (layer, k, v)
 
     def attend(self, q: torch.Tensor, layer: LayerKV, out: torch.Tensor | None = None) -> torch.Tensor:
         dtype = layer.data.dtype
@@ -280,8 +285,11 @@ class FlashInferBackend(AttentionBackend):
         # a token tree: the context part, then the tree part over the step's rows as stored, merged into the first
         out, lse = self.wrappers[dtype].run(q, layer.data, out=out, return_lse=True, **scales)
         rows = q.shape[0]
-        stored = layer.stored(self.write_pages[:rows], self.write_offsets[:rows])
-        tree_out, tree_lse = self.tree_wrappers[dtype].run(q, stored[:, 0], stored[:, 1], return_lse=True, **scales)
+        written_layer, k, v = self.written or (None, None, None)
+        if written_layer is not layer or layer.is_fp8 or k.dtype != dtype:
+            stored = layer.stored(self.write_pages[:rows], self.write_offsets[:rows])
+            k, v = stored[:, 0], stored[:, 1]
+        tree_out, tree_lse = self.tree_wrappers[dtype].run(q, k[:rows], v[:rows], return_lse=True, **scales)
         flashinfer.merge_state_in_place(out, lse, tree_out, tree_lse)
         return out
 

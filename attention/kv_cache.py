@@ -65,13 +65,6 @@ class LayerKV:
     def _as_raw(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(torch.uint8) if self.is_fp8 else x
 
-    def move_rows(self, src_pages: torch.Tensor, src_offsets: torch.Tensor, dst_pages: torch.Tensor,
-                  dst_offsets: torch.Tensor) -> None:
-        """K and V of the source slots into the destination slots, as stored (FP8 rows move unchanged);
-        every source is read before any destination is written."""
-        raw = self._raw()
-        raw[dst_pages, :, dst_offsets] = raw[src_pages, :, src_offsets]
-
     def stored(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """K and V [n, 2, num_kv_heads, head_dim] of the given slots as stored (in the cache dtype)."""
         return self._raw()[pages, :, offsets].view(self.data.dtype)
@@ -141,7 +134,16 @@ class KVCache:
             raise ValueError(f"{len(self.layer_dtypes)} layer dtypes for {num_layers} layers")
         self.scratch_page = num_pages
         shape = (num_pages + 1, 2, page_size, num_kv_heads, head_dim)
-        self.layers = [LayerKV(torch.zeros(shape, dtype=d, device=device)) for d in self.layer_dtypes]
+        # the layers of one dtype are views of one tensor [layers, *shape]: a row moves in all of them with one
+        # indexed copy (`move_rows`) instead of one per layer
+        self.stacked: dict[torch.dtype, torch.Tensor] = {}
+        self.layers = []
+        for d in dict.fromkeys(self.layer_dtypes):
+            self.stacked[d] = torch.zeros(self.layer_dtypes.count(d), *shape, dtype=d, device=device)
+        taken = dict.fromkeys(self.stacked, 0)
+        for d in self.layer_dtypes:
+            self.layers.append(LayerKV(self.stacked[d][taken[d]]))
+            taken[d] += 1
 
     @property
     def is_fp8(self) -> bool:
@@ -157,9 +159,11 @@ class KVCache:
     def move_rows(self, src_pages: torch.Tensor, src_offsets: torch.Tensor, dst_pages: torch.Tensor,
                   dst_offsets: torch.Tensor) -> None:
         """Every layer's K/V rows from the source slots to the destination slots (a token tree's accepted
-        path into consecutive positions)."""
-        for layer in self.layers:
-            layer.move_rows(src_pages, src_offsets, dst_pages, dst_offsets)
+        path into consecutive positions): one indexed copy per cache dtype, every source read before any
+        destination is written (FP8 rows move as stored)."""
+        for stacked in self.stacked.values():
+            raw = stacked.view(torch.uint8) if stacked.dtype == FP8_DTYPE else stacked
+            raw[:, dst_pages, :, dst_offsets] = raw[:, src_pages, :, src_offsets]
 
     def calibrate_on_first_write(self) -> None:
         for layer in self.layers:

@@ -69,7 +69,8 @@ def main(argv=None) -> int:
         prompts = prompt_ids(model_dir, 1, args.prompt_tokens)
         systems = [("AR", None, {})] + [(f"DFlash {verify}", drafter, {"verify": verify}) for verify in args.verify]
         for name, draft, options in systems:
-            llm = LLM(model, drafter=draft, device="cuda", kv_cache_dtype=own.kv, max_num_seqs=64, **options)
+            llm = LLM(model, drafter=draft, device="cuda", kv_cache_dtype=own.kv, num_kv_pages=512, max_num_seqs=64,
+                      **options)
             llm.generate(prompts, greedy(own.tokens))
             print(f"## {name} ({own.kv} KV), batch 1, {args.prompt_tokens}-token prompt\n"
                   f"{kernels_per_step(llm, prompts, own.tokens, own.top)}\n")

@@ -99,7 +99,7 @@ class TreeDecoding:
         return path, accepted, bonus, tree.tokens.gather(1, on_path), chain
 
     def _move(self, size: int) -> tuple:
-        self.runner.kv.move_rows(*self.moves[:, :size * self.depth])  # one copy per layer
+        self.runner.kv.move_rows(*self.moves[:, :size * self.depth])  # one copy per cache dtype
         return ()
 
     def _park_moves(self, rows: int) -> None:

@@ -34,6 +34,7 @@ class RecordingWrapper:
 
     def run(self, q, *data, out=None, return_lse=False, **scales):
         self.runs.append((data[0].dtype, sorted(scales)))
+        self.inputs = data
         out = q.clone() if out is None else out.copy_(q)
         return (out, torch.zeros(q.shape[:2])) if return_lse else out
 
@@ -190,10 +191,17 @@ def test_token_trees_plan_fa2_over_the_context_and_a_ragged_tree_part_with_their
     assert tree_qo.tolist() == tree_kv.tolist() == [0, 3, 6]
     # the step's own page metadata stays what its write slots and K/V moves read
     assert backend.kv_indptr.tolist() == [0, 2, 5] and backend.write_pages.tolist() == [1, 1, 1, 4, 4, 4]
-    backend.attend(torch.zeros(6, 4, 8, dtype=torch.bfloat16), KVCache(1, 8, 4, 2, 8, torch.bfloat16, "cpu").layers[0])
+    layer = KVCache(1, 8, 4, 2, 8, torch.bfloat16, "cpu").layers[0]
+    k, v = torch.randn(2, 6, 2, 8).bfloat16()
+    backend.write_kv(layer, k, v)
+    backend.attend(torch.zeros(6, 4, 8, dtype=torch.bfloat16), layer)
     assert len(several.runs) == len(ragged.runs) == 1
+    assert ragged.inputs[0].data_ptr() == k.data_ptr()  # the step's rows as written, not read back
+    backend.plan(layout)  # a plan forgets the last write: the rows are read from the cache, as stored
+    backend.attend(torch.zeros(6, 4, 8, dtype=torch.bfloat16), layer)
+    assert torch.equal(ragged.inputs[0], k) and ragged.inputs[0].data_ptr() != k.data_ptr()
     backend.plan(layout.__class__.for_tokens([3], [7], [[0, 1]], 4, causal=True))
-    assert backend.tree_wrappers is None and len(ragged.plans) == 1
+    assert backend.tree_wrappers is None and len(ragged.plans) == 2  # the two tree steps only
 
 
 def test_a_tree_rung_keeps_the_steps_page_metadata_apart_from_the_contexts(backend_class):
