@@ -266,6 +266,8 @@ class TargetRunner(ModelRunner):
         if tree is not None:
             layout = layout.with_query_masks(tree.masks)
         self.attn.plan(layout, write_slots=False)  # the step writes K/V to the slots staged here
+        # what attention reads as this step's slots between the pieces (a token tree's rows, read back)
+        self.attn.set_write_slots(self.mixed.inputs["pages"], self.mixed.inputs["offsets"])
         self.stage_token_rows(self.mixed_step, layout)
         self.mixed.inputs.fill("ids", ids)
         self.mixed.inputs.upload()
