@@ -58,6 +58,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.pending: dict[int, tuple[int, int]] = {}  # request id -> (row in the verify features, count)
         self.queued: dict[int, int] = {}  # request id -> its row of `drafts_out` drafted ahead (`propose_next`)
         self.queued_drafts = 0  # how many drafts per request the queued rows hold
+        self.queued_candidates = False  # whether the queued step also gave each position's top k (token trees)
         self.unsettled: dict[int, int] = {}  # request id -> its verified anchor's position, until `settle`
 
     # ---- setup -------------------------------------------------------------------------------
@@ -227,9 +228,12 @@ class DFlashDrafter(ModelRunner, Drafter):
     def propose_candidates(self, requests: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.candidates_out is None:
             raise ValueError("this drafter was attached without candidates (DraftContext.candidates = 0)")
-        self.queued = {}  # drafts queued ahead have no candidates: drafted again (their context is written)
-        self._step(requests, eager=False, candidates=True)
-        return tuple(t[:len(requests)] for t in self.candidates_out)
+        queued, self.queued = self.queued, {}
+        batch = len(requests)
+        if self.queued_candidates and [queued.get(r.request_id) for r in requests] == list(range(batch)):
+            return tuple(t[:batch] for t in self.candidates_out)  # the batch drafted ahead, with candidates
+        self._step(requests, eager=False, candidates=True)  # drafted again (a queued draft's context is written)
+        return tuple(t[:batch] for t in self.candidates_out)
 
     def draft_logits(self, requests: list[DraftRequest]) -> torch.Tensor:
         """The same step, always eager, returning the block's logits [B, bs-1, vocab] (for checks)."""
@@ -238,15 +242,19 @@ class DFlashDrafter(ModelRunner, Drafter):
 
     @torch.no_grad()
     def propose_next(self, requests: list[DraftRequest], anchors: torch.Tensor, counts: torch.Tensor,
-                     rows: list[int], most: list[int], length: int | None = None) -> bool:
-        bs, batch, length = self.block_size, len(requests), self._length(length)
+                     rows: list[int], most: list[int], length: int | None = None, candidates: bool = False) -> bool:
+        bs, batch = self.block_size, len(requests)
+        if candidates and self.candidates_out is None:
+            return False
+        length = self._length(None if candidates else length)
+        step = CANDIDATES_STEP if candidates else (DRAFT_STEP, length)
         if any(r.request_id in self.pending or r.request_id not in self.tables for r in requests):
             return False  # a context not yet written up to the request's position (a step not drafted by `propose`)
         tables = [self.tables[r.request_id] for r in requests]
         starts = np.array([t.length for t in tables], dtype=np.int64)  # each request's last written position + 1
         # positions each request commits: planned for the most when the step replays a graph that reads its real
         # lengths on the device; read back when it runs eagerly on the CPU (where reading back costs nothing)
-        upper = self.attn.plans_upper_bounds and self.replays((DRAFT_STEP, length), batch)
+        upper = self.attn.plans_upper_bounds and self.replays(step, batch)
         if not upper and self.device.type == "cuda":
             return False  # reading the counts back would be a second wait for the GPU in the step
         planned = np.asarray(most, dtype=np.int64) if upper else counts[:batch].cpu().numpy().astype(np.int64)
@@ -268,10 +276,11 @@ class DFlashDrafter(ModelRunner, Drafter):
             self.inputs["starts"][:batch].add_(committed)
             self.inputs["anchors"][:batch].copy_(anchors[:batch])
 
-        self.dispatch((DRAFT_STEP, length), batch, layout, self.inputs,
-                      lambda size: self._draft_body(size, length=length), after_upload=results_into_inputs)
+        self.dispatch(step, batch, layout, self.inputs,
+                      lambda size: self._draft_body(size, candidates, None if candidates else length),
+                      after_upload=results_into_inputs)
         self.queued = {r.request_id: i for i, r in enumerate(requests)}
-        self.queued_drafts = length
+        self.queued_drafts, self.queued_candidates = length, candidates
         self.unsettled = {r.request_id: int(start) for r, start in zip(requests, starts)}
         return True
 

@@ -110,14 +110,15 @@ class Drafter(ABC):
                                   "a drafter with candidates (DFlash)")
 
     def propose_next(self, requests: list[DraftRequest], anchors: torch.Tensor, counts: torch.Tensor,
-                     rows: list[int], most: list[int], length: int | None = None) -> bool:
+                     rows: list[int], most: list[int], length: int | None = None, candidates: bool = False) -> bool:
         """Queue the next step's draft right after a step's forward, before its results reach the host, so that
         the GPU drafts while the host commits. On the device: request i's next anchor anchors[i], after it commits
         counts[i] positions (a verified request: its anchor and accepted drafts, whose features are the rows
         rows[i] ..; one whose prompt the step completed: 0), at most most[i]. True when queued: the caller then
         calls `settle` (not `extend`) once the counts are on the host, and the next `propose` of these requests
         gives the queued drafts, at least `length` of each (`queued_length`). False (the default): nothing was
-        queued."""
+        queued. With `candidates` the queued step also gives each position's top k, which the next
+        `propose_candidates` of the same batch takes (a token tree's step queues the next one's)."""
         return False
 
     @property

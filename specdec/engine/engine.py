@@ -132,7 +132,8 @@ class Engine:
             drafter.allocate_cache(self.num_pages)
             self.decoding: DecodePhase = SpeculativeDecoding(
                 self.runner, drafter, VerifyPolicy(block, chain_lengths, tree=trees),
-                TreeDecoding(self.runner, drafter) if trees else None, draft_ahead=config.overlap_steps)
+                TreeDecoding(self.runner, drafter, draft_ahead=config.overlap_steps) if trees else None,
+                draft_ahead=config.overlap_steps)
         else:
             self.decoding = PlainDecoding(self.runner)
         # one entry per cached page: the target's KV page and, when the drafter keeps a context cache, its page

@@ -7,6 +7,9 @@
     path, a, bonus = tree.accept(target tokens)         # greedy argmax or the target's sample at every node (one graph)
     K/V of the accepted path move into place (start + 1 .. start + a) on the device; the rest of the tree
     goes back; the drafter's context grows by the features of the anchor and the accepted path.
+    With `draft_ahead` (and no prompt chunk in the step) the next step's draft with candidates is queued
+    before the readback, from the acceptance on the device (`Drafter.propose_next`): the GPU drafts while
+    the host commits, and that context growth happens in the queued draft.
 
 Everything between the draft and the step's one device-to-host transfer stays on the device: the tree's
 building and its acceptance are replayed from CUDA graphs per batch rung (`BatchGraphs`), the verify is
@@ -43,9 +46,11 @@ CANDIDATES_PER_POSITION = 4
 
 
 class TreeDecoding:
-    def __init__(self, runner: TargetRunner, drafter: Drafter):
+    def __init__(self, runner: TargetRunner, drafter: Drafter, draft_ahead: bool = False):
         self.runner = runner
         self.drafter = drafter
+        # queue the next step's draft with candidates before reading this step's tokens (`Drafter.propose_next`)
+        self.draft_ahead = draft_ahead
         self.depth = drafter.block_size - 1
         self.tokens_per_step = drafter.block_size  # the most a step commits per request (a path of bs - 1 + bonus)
         self.verify_length = 0  # tokens per request the last step verified: the anchor and the nodes
@@ -134,6 +139,10 @@ class TreeDecoding:
             self.runner.run_prefill(prefill)
             chunk_rows = sum(prefill.lens)
         self.runner.features_out[chunk_rows:chunk_rows + batch * block].copy_(features)
+        # the next step's draft with candidates, queued before the readback so the GPU drafts while the host
+        # commits (not with prompt chunks in the step: their requests' contexts are written after it)
+        ahead = self.draft_ahead and prefill is None and self.drafter.propose_next(
+            running, bonus, accepted + 1, [i * block for i in range(batch)], [block] * batch, candidates=True)
         host = to_host(torch.cat([path_tokens, accepted[:, None], bonus[:, None], chain[:, None]], dim=1), prefill)
         committed, counts = [], []
         self.chain_accepted = [row[self.depth + 2] for row in host]
@@ -142,7 +151,11 @@ class TreeDecoding:
             committed.append(row[:a] + [row[self.depth + 1]])
             counts.append(a + 1)
             request.target_pages.truncate(start + a + 1)  # the cache ends after the accepted path
-        self.drafter.extend(running, self.runner.features_out, [chunk_rows + i * block for i in range(batch)], counts)
+        if ahead:
+            self.drafter.settle(running, counts)
+        else:
+            self.drafter.extend(running, self.runner.features_out, [chunk_rows + i * block for i in range(batch)],
+                                counts)
         return committed
 
     def _move_into_place(self, starts: np.ndarray, path: torch.Tensor, accepted: torch.Tensor) -> None:

@@ -33,8 +33,8 @@ def count_ahead(engine) -> dict:
     drafter = engine.drafter
     propose_next, propose = drafter.propose_next, drafter.propose
 
-    def queue(requests, anchors, committed, rows, most, length=None):
-        queued = propose_next(requests, anchors, committed, rows, most, length)
+    def queue(requests, anchors, committed, rows, most, length=None, **options):
+        queued = propose_next(requests, anchors, committed, rows, most, length, **options)
         counts["queued"] += queued
         counts["starters"] += queued * most.count(0)  # requests whose prompts the step completed
         return queued
@@ -120,6 +120,42 @@ def test_a_step_that_runs_a_token_tree_drafts_again(target_dir, tmp_path):
     assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_token_tree_steps_queue_the_next_trees_candidates(target_dir, tmp_path, temperature):
+    """verify="tree": a tree step without prompt chunks queues the next step's draft with candidates before its
+    readback, and the next tree step of the same batch takes it; steps after arrivals or departures draft again.
+    Every step commits what it commits when each tree step drafts for itself, outputs equal plain decoding's at
+    T=0, and no page leaks."""
+    def run(ahead):
+        engine = engine_for(target_dir, tmp_path, ahead, verify="tree", max_num_seqs=4, max_prefill_tokens=9)
+        drafter, taken = engine.drafter, {"ahead": 0, "again": 0}
+        propose_candidates = drafter.propose_candidates
+
+        def take(requests):
+            whole = drafter.queued_candidates and [drafter.queued.get(r.request_id) for r in requests] == list(
+                range(len(requests)))
+            taken["ahead" if whole else "again"] += 1
+            return propose_candidates(requests)
+
+        drafter.propose_candidates = take
+        params = [SamplingParams(max_new_tokens=8 + 5 * i, temperature=temperature, seed=i)
+                  for i in range(len(MANY_PROMPTS))]
+        requests = run_staggered(engine, MANY_PROMPTS, params)
+        assert_no_leak(engine)
+        return requests, taken
+
+    ahead, taken = run(True)
+    in_order, in_order_taken = run(False)
+    assert [r.output_ids for r in ahead] == [r.output_ids for r in in_order]
+    assert [r.stats.acceptance_lengths for r in ahead] == [r.stats.acceptance_lengths for r in in_order]
+    assert taken["ahead"] > 5 and taken["again"] > 0 and in_order_taken["ahead"] == 0
+    if temperature == 0.0:
+        plain = spec_engine(target_dir, None, eos=(2, 9))
+        want = run_staggered(plain, MANY_PROMPTS, [SamplingParams(max_new_tokens=8 + 5 * i)
+                                                   for i in range(len(MANY_PROMPTS))])
+        assert [r.output_ids for r in ahead] == [r.output_ids for r in want]
+
+
 def test_a_queued_draft_scores_the_drafts_the_policy_picks_for_the_next_step(target_dir, tmp_path):
     """auto with costs that verify 2 tokens a request at 3 or more requests and the whole block (4) below, and
     requests that end one after another: each queued draft scores as many drafts as the policy picks for the batch
@@ -139,9 +175,9 @@ def test_a_queued_draft_scores_the_drafts_the_policy_picks_for_the_next_step(tar
     drafter, queued, taken = engine.drafter, [], []
     propose_next, propose = drafter.propose_next, drafter.propose
 
-    def queue(requests, anchors, committed, rows, most, length=None):
+    def queue(requests, anchors, committed, rows, most, length=None, **options):
         queued.append((len(requests), length))
-        return propose_next(requests, anchors, committed, rows, most, length)
+        return propose_next(requests, anchors, committed, rows, most, length, **options)
 
     def take(requests, length=None):
         taken.append((length, drafter.queued_length))

@@ -259,6 +259,29 @@ def synchronizations_in_one_step(engine: Engine, batch: int, sampling: dict) -> 
     return syncs
 
 
+def test_tree_steps_drafted_ahead_equal_tree_steps_drafted_in_order(model_dirs):
+    """verify="tree" with each tree step's next draft with candidates queued before its tokens are read back
+    (planned for the whole block accepted, the real lengths read on the device) commits what tree steps that
+    draft for themselves commit: batch 1 token for token, larger batches with staggered arrivals up to near-ties;
+    one wait for the GPU per step; no page leaked."""
+    ordered = make_engine(model_dirs, True, "auto", False, verify="tree", tree_nodes=31, overlap_steps=False)
+    ahead = make_engine(model_dirs, True, "auto", False, verify="tree", tree_nodes=31, overlap_steps=True)
+    queued = count_calls(ahead.drafter, "settle")
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    for batch, per_step in ((1, 1), (5, 5), (12, 3)):
+        ids = prompts(batch)
+        want, got = staggered(ordered, ids, params, per_step), staggered(ahead, ids, params, per_step)
+        if batch == 1:
+            assert got[0].output_ids == want[0].output_ids
+        found = divergences(ordered, want, got)
+        assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in found), found
+        for engine in (ordered, ahead):
+            assert engine.pool.num_free == engine.pool.num_pages
+            assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
+    assert len(queued) > NEW_TOKENS  # the candidates really were queued ahead
+    assert len(waits_of_a_decoding_step(ahead, params)) == 1
+
+
 def waits_of_a_decoding_step(engine: Engine, params: SamplingParams) -> list[str]:
     """The waits for the GPU (`synchronizing_calls`) of one step of 5 requests decoding; then they are aborted."""
     requests = [engine.add_request(p, params) for p in prompts(5)]
