@@ -49,6 +49,16 @@ def count_ahead(engine) -> dict:
     return counts
 
 
+def run_many_staggered(engine, temperature: float) -> list:
+    """MANY_PROMPTS joining every other step, request i ending after 8 + 5i tokens (seeded sampling at
+    `temperature`); the engine is left with no page leaked."""
+    params = [SamplingParams(max_new_tokens=8 + 5 * i, temperature=temperature, seed=i)
+              for i in range(len(MANY_PROMPTS))]
+    requests = run_staggered(engine, MANY_PROMPTS, params)
+    assert_no_leak(engine)
+    return requests
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_steps_drafted_ahead_commit_what_steps_drafted_in_order_commit(target_dir, tmp_path, temperature):
     """Requests join every other step and end at different steps (EOS, limits); chunked prompts ride along, and
@@ -56,11 +66,7 @@ def test_steps_drafted_ahead_commit_what_steps_drafted_in_order_commit(target_di
     def run(ahead):
         engine = engine_for(target_dir, tmp_path, ahead, max_num_seqs=4, max_prefill_tokens=9)
         counts = count_ahead(engine) if ahead else None
-        params = [SamplingParams(max_new_tokens=8 + 5 * i, temperature=temperature, seed=i)
-                  for i in range(len(MANY_PROMPTS))]
-        requests = run_staggered(engine, MANY_PROMPTS, params)
-        assert_no_leak(engine)
-        return requests, counts
+        return run_many_staggered(engine, temperature), counts
 
     ahead, counts = run(True)
     in_order, _ = run(False)
@@ -138,11 +144,7 @@ def test_token_tree_steps_queue_the_next_trees_candidates(target_dir, tmp_path, 
             return propose_candidates(requests)
 
         drafter.propose_candidates = take
-        params = [SamplingParams(max_new_tokens=8 + 5 * i, temperature=temperature, seed=i)
-                  for i in range(len(MANY_PROMPTS))]
-        requests = run_staggered(engine, MANY_PROMPTS, params)
-        assert_no_leak(engine)
-        return requests, taken
+        return run_many_staggered(engine, temperature), taken
 
     ahead, taken = run(True)
     in_order, in_order_taken = run(False)

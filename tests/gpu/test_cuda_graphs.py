@@ -165,6 +165,25 @@ def test_overlapped_steps_equal_steps_in_order(model_dirs, eager):
     assert overlapped.pool.num_free == overlapped.pool.num_pages
 
 
+def ahead_against_in_order(ordered: Engine, ahead: Engine, params: SamplingParams, cases) -> list[tuple]:
+    """For each (batch, arrivals per step) of `cases`, the same staggered requests through an engine drafting in
+    order and one drafting ahead: batch 1 token for token, larger batches up to near-ties, both engines' pools
+    (target and drafter) free afterwards. Returns each case's (in order, ahead) requests."""
+    runs = []
+    for batch, per_step in cases:
+        ids = prompts(batch)
+        want, got = staggered(ordered, ids, params, per_step), staggered(ahead, ids, params, per_step)
+        if batch == 1:
+            assert got[0].output_ids == want[0].output_ids
+        found = divergences(ordered, want, got)
+        assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in found), found
+        for engine in (ordered, ahead):
+            assert engine.pool.num_free == engine.pool.num_pages
+            assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
+        runs.append((want, got))
+    return runs
+
+
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_drafting_ahead_equals_drafting_in_order(model_dirs, kv):
     """DFlash with each step's next draft queued before its tokens are read back (the draft's attention planned
@@ -180,19 +199,10 @@ def test_drafting_ahead_equals_drafting_in_order(model_dirs, kv):
     policy.lengths = tuple(q for q in policy.lengths if q != PLAIN)
     queued = count_calls(ahead.drafter, "settle")
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    for batch, per_step in ((1, 1), (5, 5), (24, 3)):
-        ids = prompts(batch)
-        want, got = staggered(ordered, ids, params, per_step), staggered(ahead, ids, params, per_step)
-        if batch == 1:
-            assert got[0].output_ids == want[0].output_ids
-        found = divergences(ordered, want, got)
-        assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in found), found
+    for want, got in ahead_against_in_order(ordered, ahead, params, ((1, 1), (5, 5), (24, 3))):
         tau = [sum(len(r.stats.acceptance_lengths) for r in rs) / sum(len(r.output_ids) for r in rs)
                for rs in (want, got)]
         assert abs(tau[0] - tau[1]) <= 0.05 * tau[0], tau
-        for engine in (ordered, ahead):
-            assert engine.pool.num_free == engine.pool.num_pages
-            assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
     assert len(queued) > NEW_TOKENS  # the drafts really were queued ahead
     assert len(waits_of_a_decoding_step(ahead, params)) == 1
     assert ahead.pool.num_free == ahead.pool.num_pages and ahead.drafter.pool.num_free == ahead.drafter.pool.num_pages
@@ -268,16 +278,7 @@ def test_tree_steps_drafted_ahead_equal_tree_steps_drafted_in_order(model_dirs):
     ahead = make_engine(model_dirs, True, "auto", False, verify="tree", tree_nodes=31, overlap_steps=True)
     queued = count_calls(ahead.drafter, "settle")
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    for batch, per_step in ((1, 1), (5, 5), (12, 3)):
-        ids = prompts(batch)
-        want, got = staggered(ordered, ids, params, per_step), staggered(ahead, ids, params, per_step)
-        if batch == 1:
-            assert got[0].output_ids == want[0].output_ids
-        found = divergences(ordered, want, got)
-        assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in found), found
-        for engine in (ordered, ahead):
-            assert engine.pool.num_free == engine.pool.num_pages
-            assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
+    ahead_against_in_order(ordered, ahead, params, ((1, 1), (5, 5), (12, 3)))
     assert len(queued) > NEW_TOKENS  # the candidates really were queued ahead
     assert len(waits_of_a_decoding_step(ahead, params)) == 1
 
