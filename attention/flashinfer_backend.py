@@ -224,13 +224,12 @@ class FlashInferBackend(AttentionBackend):
         n = len(planned.kv_indices)
         indices = slot.planned[1][:n]
         indices.copy_(slot.stage("kv_indices", planned.kv_indices), non_blocking=True)
-        self._plan_wrappers(planned, slot.stage("qo_indptr", planned.qo_indptr()),
-                            slot.stage("kv_indptr", planned.kv_indptr()), indices,
-                            slot.stage("last_page_len", planned.last_page_lens()), slot.stage("kv_lens", planned.kv_lens),
-                            uniform_q_len=int(layout.q_lens[0]))
-        # the tree part's indptr equals the context's qo_indptr, staged above
-        self.tree_wrappers = self._plan_trees(slot.tree_wrappers, layout, slot.host["qo_indptr"][:layout.batch_size + 1]) \
-            if tree else None
+        qo_indptr = slot.stage("qo_indptr", planned.qo_indptr())
+        self._plan_wrappers(planned, qo_indptr, slot.stage("kv_indptr", planned.kv_indptr()), indices,
+                            slot.stage("last_page_len", planned.last_page_lens()),
+                            slot.stage("kv_lens", planned.kv_lens), uniform_q_len=int(layout.q_lens[0]))
+        # the tree part's indptr: the context's qo_indptr (the same queries), staged above
+        self.tree_wrappers = self._plan_trees(slot.tree_wrappers, layout, qo_indptr) if tree else None
         if self.device.type == "cuda":
             slot.staged = torch.cuda.Event()
             slot.staged.record()

@@ -47,7 +47,8 @@ class RecordingRaggedWrapper(RecordingWrapper):
 def backend_class(monkeypatch):
     """FlashInferBackend imported over the recorder, and forgotten afterwards (the real one stays importable)."""
     monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
-        BatchPrefillWithPagedKVCacheWrapper=RecordingWrapper, BatchPrefillWithRaggedKVCacheWrapper=RecordingRaggedWrapper,
+        BatchPrefillWithPagedKVCacheWrapper=RecordingWrapper,
+        BatchPrefillWithRaggedKVCacheWrapper=RecordingRaggedWrapper,
         merge_state_in_place=lambda v, s, v_other, s_other: None))
     monkeypatch.delitem(sys.modules, "attention.flashinfer_backend", raising=False)
     from attention.flashinfer_backend import FlashInferBackend
