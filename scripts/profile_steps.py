@@ -1,5 +1,6 @@
-"""Where one decode step's time goes, at batch 1 with CUDA graphs: the GPU kernels per step (torch
-profiler, grouped by name) and the host functions per step (cProfile), for AR and DFlash.
+"""Where one decode step's time goes, at batch 1 with CUDA graphs: the GPU kernels per step and the host's
+CUDA calls per step (torch profiler, grouped by name; a call's longest duration shows a launch that waited),
+and the host functions per step (cProfile), for AR and DFlash.
 
     python scripts/profile_steps.py [--model NAME_OR_DIR] [--kv auto|fp8] [--top 15] [--verify chain tree]
                                     [--prompt-tokens 120]
@@ -30,20 +31,47 @@ from scripts.bench_steps import event_kind, greedy, models_to_run, parse_args as
 from specdec import LLM  # noqa: E402
 
 
+# the host's calls into CUDA as the profiler records them (launches, copies, waits)
+API_ACTIVITIES = ("cuda_runtime", "cuda_driver")
+
+
 def kernels_per_step(llm, prompts, tokens: int, top: int) -> str:
+    """The GPU's kernels per step, and the host's CUDA calls per step: a graph launch that takes long on the
+    host is either costly to submit or blocked behind work still queued (its longest call tells which)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         results = llm.generate(prompts, greedy(tokens))
     steps = results[0].stats.verify_steps or results[0].stats.generated_tokens - 1
-    total, count = defaultdict(int), defaultdict(int)
+    device, api = Tally(), Tally()
     for e in prof.profiler.kineto_results.events():
-        if event_kind(e) in GPU_ACTIVITIES:
-            total[e.name()[:90]] += e.duration_ns()
-            count[e.name()[:90]] += 1
-    lines = [f"{sum(total.values()) / steps / 1e3:.1f} us of device time per step over {steps} steps "
-             "(prefill included); top kernels per step:"]
-    for name in sorted(total, key=total.get, reverse=True)[:top]:
-        lines.append(f"  {total[name] / steps / 1e3:8.1f} us  x{count[name] / steps:5.1f}  {name}")
-    return "\n".join(lines)
+        kind = event_kind(e)
+        if kind in GPU_ACTIVITIES:
+            device.add(e.name()[:90], e.duration_ns())
+        elif kind in API_ACTIVITIES:
+            api.add(e.name()[:90], e.duration_ns())
+    return "\n".join([f"{device.total() / steps / 1e3:.1f} us of device time per step over {steps} steps "
+                      "(prefill included); top kernels per step:", *device.lines(steps, top),
+                      f"{api.total() / steps / 1e3:.1f} us of the host's CUDA calls per step; the largest:",
+                      *api.lines(steps, top, longest=True)])
+
+
+class Tally:
+    """Durations summed by name, with counts and the longest one."""
+
+    def __init__(self):
+        self.ns, self.calls, self.longest = defaultdict(int), defaultdict(int), defaultdict(int)
+
+    def add(self, name: str, ns: int) -> None:
+        self.ns[name] += ns
+        self.calls[name] += 1
+        self.longest[name] = max(self.longest[name], ns)
+
+    def total(self) -> int:
+        return sum(self.ns.values())
+
+    def lines(self, steps: int, top: int, longest: bool = False) -> list[str]:
+        return [f"  {self.ns[name] / steps / 1e3:8.1f} us  x{self.calls[name] / steps:5.1f}"
+                + (f"  longest {self.longest[name] / 1e3:8.1f} us" if longest else "") + f"  {name}"
+                for name in sorted(self.ns, key=self.ns.get, reverse=True)[:top]]
 
 
 def host_per_step(llm, prompts, tokens: int, top: int) -> str:
