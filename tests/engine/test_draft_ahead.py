@@ -194,11 +194,15 @@ def test_a_queued_draft_scores_the_drafts_the_policy_picks_for_the_next_step(tar
     assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("verify", ["chain", "tree"])
 @pytest.mark.parametrize("point", ["propose_next", "settle"])
-def test_an_exception_around_a_draft_ahead_leaves_the_engine_clean(target_dir, tmp_path, point, monkeypatch):
+def test_an_exception_around_a_draft_ahead_leaves_the_engine_clean(target_dir, tmp_path, point, verify, monkeypatch):
+    """A draft queued ahead (for a chain, or a tree's candidates) whose queueing or settling fails: every request
+    of the call ends, no page leaks, and the engine then gives what a fresh one gives."""
     params = SamplingParams(max_new_tokens=12)
-    engine = engine_for(target_dir, tmp_path, True, num_kv_pages=64, max_num_seqs=3)
-    fresh = [r.output_ids for r in engine_for(target_dir, tmp_path, False).generate_ids(MANY_PROMPTS[:3], params)]
+    engine = engine_for(target_dir, tmp_path, True, num_kv_pages=64, max_num_seqs=3, verify=verify)
+    fresh = [r.output_ids for r in engine_for(target_dir, tmp_path, False, verify=verify).generate_ids(
+        MANY_PROMPTS[:3], params)]
     rng = random.Random(point)
     for _ in range(4):
         with monkeypatch.context() as patch:
