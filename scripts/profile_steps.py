@@ -17,7 +17,6 @@ import io
 import pstats
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +25,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from scripts.bench.gpu_profile import GPU_ACTIVITIES  # noqa: E402
+from scripts.bench.gpu_profile import GPU_ACTIVITIES, Tally  # noqa: E402
 from scripts.bench_steps import event_kind, greedy, models_to_run, parse_args as bench_args, prompt_ids  # noqa: E402
 from specdec import LLM  # noqa: E402
 
@@ -52,26 +51,6 @@ def kernels_per_step(llm, prompts, tokens: int, top: int) -> str:
                       "(prefill included); top kernels per step:", *device.lines(steps, top),
                       f"{api.total() / steps / 1e3:.1f} us of the host's CUDA calls per step; the largest:",
                       *api.lines(steps, top, longest=True)])
-
-
-class Tally:
-    """Durations summed by name, with counts and the longest one."""
-
-    def __init__(self):
-        self.ns, self.calls, self.longest = defaultdict(int), defaultdict(int), defaultdict(int)
-
-    def add(self, name: str, ns: int) -> None:
-        self.ns[name] += ns
-        self.calls[name] += 1
-        self.longest[name] = max(self.longest[name], ns)
-
-    def total(self) -> int:
-        return sum(self.ns.values())
-
-    def lines(self, steps: int, top: int, longest: bool = False) -> list[str]:
-        return [f"  {self.ns[name] / steps / 1e3:8.1f} us  x{self.calls[name] / steps:5.1f}"
-                + (f"  longest {self.longest[name] / 1e3:8.1f} us" if longest else "") + f"  {name}"
-                for name in sorted(self.ns, key=self.ns.get, reverse=True)[:top]]
 
 
 def host_per_step(llm, prompts, tokens: int, top: int) -> str:

@@ -60,15 +60,38 @@ def kernel_group(name: str) -> str:
     return re.split(r"[<(]", name.removeprefix("void "), maxsplit=1)[0][:80] or name[:80]
 
 
+class Tally:
+    """Durations summed by name, with counts and the longest one (kernels by name, the host's CUDA calls)."""
+
+    def __init__(self):
+        self.ns, self.calls, self.longest = defaultdict(int), defaultdict(int), defaultdict(int)
+
+    def add(self, name: str, ns: int) -> None:
+        self.ns[name] += ns
+        self.calls[name] += 1
+        self.longest[name] = max(self.longest[name], ns)
+
+    def total(self) -> int:
+        return sum(self.ns.values())
+
+    def ranked(self, top: int) -> list[str]:
+        """The `top` names that took most time, most first."""
+        return sorted(self.ns, key=self.ns.get, reverse=True)[:top]
+
+    def lines(self, steps: int, top: int, longest: bool = False) -> list[str]:
+        """Report lines of the `top` names: us and calls per step over `steps` (and the longest call)."""
+        return [f"  {self.ns[name] / steps / 1e3:8.1f} us  x{self.calls[name] / steps:5.1f}"
+                + (f"  longest {self.longest[name] / 1e3:8.1f} us" if longest else "") + f"  {name}"
+                for name in self.ranked(top)]
+
+
 def top_kernels(steps: list[list[tuple[int, int, str]]], top: int = 12) -> list[tuple[str, float, float]]:
     """The kernel groups that took most GPU time over `steps`: (name, us per step, launches per step)."""
-    total, count = defaultdict(int), defaultdict(int)
+    tally = Tally()
     for step in steps:
         for start, stop, name in step:
-            total[kernel_group(name)] += stop - start
-            count[kernel_group(name)] += 1
-    ranked = sorted(total, key=total.get, reverse=True)[:top]
-    return [(name, total[name] / len(steps) / 1e3, count[name] / len(steps)) for name in ranked]
+            tally.add(kernel_group(name), stop - start)
+    return [(name, tally.ns[name] / len(steps) / 1e3, tally.calls[name] / len(steps)) for name in tally.ranked(top)]
 
 
 def covered_ns(intervals: list[tuple[int, int]]) -> int:

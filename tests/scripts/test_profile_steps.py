@@ -1,6 +1,6 @@
-"""scripts/profile_steps.py's tally of the profiler's events (the profile itself needs a GPU)."""
+"""The tally of profiler events that scripts/profile_steps.py reports (the profile itself needs a GPU)."""
 
-from scripts.profile_steps import Tally
+from scripts.bench.gpu_profile import Tally
 
 
 def test_a_tally_gives_time_and_calls_per_step_largest_first_with_the_longest_call():
