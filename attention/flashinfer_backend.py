@@ -82,7 +82,8 @@ class GraphSlot:
     never change), and pinned host buffers to plan from (reused once the copies of the slot's last plan have
     run: `staged`). A token-tree rung (`tree`) plans its paged wrappers for the trees' context part, over
     buffers of their own, and keeps the step's page metadata (what its write slots and K/V moves read) in
-    `kv_indptr` / `kv_indices`; its tree part has ragged wrappers with a custom mask of `example`'s tree size."""
+    `kv_indptr` / `kv_indices`; its tree part has ragged wrappers with a custom mask of `example`'s tree size,
+    planned once per tree size (later steps write only their masks)."""
 
     def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int, fa2: bool,
                  tree_size: int = 0):
@@ -113,13 +114,17 @@ class GraphSlot:
             paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices, paged_kv_last_page_len_buf=last_page_len,
             backend=kernel_backend(dtype, fa2)) for dtype in backend.kv_dtypes}
         self.tree_wrappers = {}
+        # the tree size the tree part was last planned for: its plan depends on nothing else (every request of a
+        # rung has that many rows), so later steps of that size only write their masks into `tree_masks`
+        self.tree_planned = 0
         if self.tree:
             tree_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
-            masks = torch.zeros(batch_size * tree_size * tree_size, dtype=torch.uint8, device=dev)
+            self.tree_masks = torch.zeros(batch_size * tree_size * tree_size, dtype=torch.uint8, device=dev)
             mask_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
             self.tree_wrappers = {dtype: flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
                 backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=tree_indptr, kv_indptr_buf=tree_indptr,
-                custom_mask_buf=masks, mask_indptr_buf=mask_indptr, backend="fa2") for dtype in backend.kv_dtypes}
+                custom_mask_buf=self.tree_masks, mask_indptr_buf=mask_indptr, backend="fa2")
+                for dtype in backend.kv_dtypes}
 
     def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
         """values in the pinned host buffer `name`; returns that slice (after the copies of the slot's last plan
@@ -229,7 +234,7 @@ class FlashInferBackend(AttentionBackend):
                             slot.stage("last_page_len", planned.last_page_lens()),
                             slot.stage("kv_lens", planned.kv_lens), uniform_q_len=int(layout.q_lens[0]))
         # the tree part's indptr: the context's qo_indptr (the same queries), staged above
-        self.tree_wrappers = self._plan_trees(slot.tree_wrappers, layout, qo_indptr) if tree else None
+        self.tree_wrappers = self._plan_trees(slot.tree_wrappers, layout, qo_indptr, slot) if tree else None
         if self.device.type == "cuda":
             slot.staged = torch.cuda.Event()
             slot.staged.record()
@@ -261,15 +266,22 @@ class FlashInferBackend(AttentionBackend):
                          uniform_q_len=uniform_q_len, disable_split_kv=self.plans_upper_bounds,
                          window_left=self.window_left, **lengths)
 
-    def _plan_trees(self, wrappers: dict, layout: BatchLayout, indptr: torch.Tensor) -> dict:
+    def _plan_trees(self, wrappers: dict, layout: BatchLayout, indptr: torch.Tensor,
+                    slot: GraphSlot | None = None) -> dict:
         """The tree part of a token-tree step: every request's new rows against its new rows (each request the
-        same size), under the query masks, packed on the device. `indptr`: the requests' row offsets, pinned."""
+        same size), under the query masks, packed on the device. `indptr`: the requests' row offsets, pinned.
+        A graph rung already planned for this tree size keeps its plan: the masks go into its mask buffer."""
         masks = layout.packed_tree_masks()
         size = int(layout.q_lens[0])
+        if slot is not None and slot.tree_planned == size:
+            slot.tree_masks[:len(masks)].copy_(masks)
+            return wrappers
         for kv_dtype, wrapper in wrappers.items():
             wrapper.plan(indptr, indptr, self.num_qo_heads, self.num_kv_heads, self.head_dim,
                          packed_custom_mask=masks, sm_scale=self.sm_scale, q_data_type=self.q_dtype,
                          kv_data_type=kv_dtype, non_blocking=True, uniform_q_len=size, disable_split_kv=True)
+        if slot is not None:
+            slot.tree_planned = size
         return wrappers
 
     def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:

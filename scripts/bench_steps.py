@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import re
 import sys
 import tempfile
 import time
@@ -128,13 +129,17 @@ def step_wall(llm, prompts, max_new: int, repeats: int) -> dict:
             "steps": runs[0]["steps"], "tokens_per_step": runs[0]["tokens"] / runs[0]["steps"]}
 
 
+# a host event named like a CUDA runtime or driver call (cudaGraphLaunch, cuLaunchKernel, ...)
+CUDA_CALL = re.compile(r"cu(da)?[A-Z]")
+
+
 def event_kind(event) -> str:
     """'kernel', 'gpu_memcpy', 'gpu_memset' or another kineto activity type."""
     try:
         return event.activity_type()
-    except AttributeError:  # an older torch: device events by device type, copies by name
+    except AttributeError:  # an older torch: device events by device type, copies and CUDA calls by name
         if event.device_type() != torch.autograd.DeviceType.CUDA:
-            return "host"
+            return "cuda_runtime" if CUDA_CALL.match(event.name()) else "host"
         return "gpu_memcpy" if event.name().startswith(("Memcpy", "Memset")) else "kernel"
 
 

@@ -224,6 +224,15 @@ def test_a_tree_rung_keeps_the_steps_page_metadata_apart_from_the_contexts(backe
     assert paged.buffers["paged_kv_indices_buf"].tolist()[:4] == [0, 2, 3, 4]
     (_, kv_indptr, *_), causal = paged.planned_args[-1]
     assert not causal and kv_indptr.tolist() == [0, 1, 4, 5, 6]  # the padding keeps one slot of the scratch page
+    # the tree part's plan depends only on the tree size: a later step of that size writes just its masks
+    other = tree_step(3, [9, 5])
+    masks = torch.rand(2, 3, 3, generator=torch.Generator().manual_seed(0)) < 0.5
+    other = other.with_query_masks(masks)
+    backend.plan_graph(slot, other, scratch_page=15)
+    assert len(ragged.plans) == 1 and len(paged.plans) == 2
+    assert torch.equal(slot.tree_masks, other.padded(4, 15).packed_tree_masks())
+    backend.plan_graph(slot, tree_step(2, [9, 5]), scratch_page=15)  # another size: planned again
+    assert len(ragged.plans) == 2
     with pytest.raises(ValueError, match="exceeds"):
         backend.plan_graph(slot, tree_step(4, [7]), scratch_page=15)
     with pytest.raises(ValueError, match="cannot replay"):
