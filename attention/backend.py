@@ -50,6 +50,10 @@ class AttentionBackend(ABC):
         """(page, offset) of every K/V row the step's layers write, in the order they pass them."""
         self.write_pages, self.write_offsets = pages, offsets
 
+    def bound_sequence_pages(self, pages: int) -> None:
+        """No request's KV will span more than `pages` pages: a backend may size per-request buffers by it (the
+        FlashInfer backend's lone-request rows, `FlashInferBackend.lone_rows`). A no-op by default."""
+
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
         """The planned step's real KV lengths [batch] on the device (called by the step itself, inside its CUDA
         graph), for a step planned with upper bounds of them: its attention and write slots then read each

@@ -41,6 +41,9 @@ class BatchLayout:
     # how many of the step's requests, the last ones, are prompt chunks rather than decodes or verifies (a backend
     # may pick its kernels by it)
     prompts: int = 0
+    # a lone request's KV length at most, over its whole life (its page table's `expected_length`; 0: unknown): a
+    # backend may split its KV into chunks sized by it, the same at every step (see `query_rows`)
+    expected_kv_len: int = 0
 
     @classmethod
     def build(cls, q_lens, kv_lens, new_kv_lens, page_tables, page_size: int, causal: bool) -> "BatchLayout":
@@ -96,10 +99,30 @@ class BatchLayout:
         out[:, :packed.shape[1]] = packed
         return out.view(-1)
 
+    def query_rows(self, split_pages: int, padding_page: int) -> "BatchLayout":
+        """A lone request's causal step as one request per query, in no causal order: query j sees the KV
+        positions up to its own, kv_len - q_len + j, over the request's first pages. Then one request with no
+        query whose KV (`padding_page` 2 x `split_pages` times) spans two KV chunks of `split_pages` pages:
+        FlashInfer splits the KV of every such plan into chunks and merges them, as the graph captured with
+        it does, though the request adds no work. A decode (one query) and a verify of the same request at
+        the same position then give that position's row the same kernel, KV and chunks: the same bits."""
+        q, kv = int(self.q_lens[0]), int(self.kv_lens[0])
+        if self.batch_size != 1 or not self.causal or self.query_masks is not None:
+            raise ValueError("query rows are for one request's causal step without query masks")
+        lens = (kv - q + 1 + np.arange(q)).astype(np.int32)
+        pages = -(-lens // self.page_size)
+        indices = np.concatenate([self.kv_indices[:n] for n in pages.tolist()]
+                                 + [np.full(2 * split_pages, padding_page, dtype=np.int32)])
+        return BatchLayout(np.append(np.ones(q, np.int32), 0).astype(np.int32),
+                           np.append(lens, 2 * split_pages * self.page_size).astype(np.int32),
+                           np.zeros(q + 1, np.int32), indices.astype(np.int32), self.page_size, causal=False)
+
     @classmethod
-    def for_tokens(cls, q_lens, kv_lens, page_tables, page_size: int, causal: bool) -> "BatchLayout":
+    def for_tokens(cls, q_lens, kv_lens, page_tables, page_size: int, causal: bool,
+                   expected_kv_len: int = 0) -> "BatchLayout":
         """A layout where every new token also has a query (prefill, verify, decode)."""
-        return cls.build(q_lens, kv_lens, q_lens, page_tables, page_size, causal)
+        layout = cls.build(q_lens, kv_lens, q_lens, page_tables, page_size, causal)
+        return replace(layout, expected_kv_len=expected_kv_len) if expected_kv_len else layout
 
     @classmethod
     def dummy(cls, batch_size: int, q_len: int, kv_len: int, page_size: int, scratch_page: int,

@@ -17,11 +17,16 @@ walks the whole KV, so it needs many query rows to fill the GPU. Per layer of th
 turn of 40 new tokens over 6k 18 against 85 us, a prompt arriving among 64 verifies of 4 tokens 31 against
 82 us (among 256 verifies of 2: 68 against 348 us); fa3 wins only on large prefills (a cold prompt of 700
 tokens 17 against 40 us, of 6k 244 against 447 us; 8 cached turns of 100 new tokens 88 against 132 us).
-So every step runs fa2 but for two kinds: prefills of enough query rows (`prefill_heavy`), and a lone
-request's decode or verify, whose rows fa3 computes the same way whether it has 1 query or a block: greedy
-speculation then reproduces greedy decoding token for token at batch 1 (fa2 tiles by query count, and the
-two drift apart at near-ties; in a batch the promise is bounded anyway, since GEMMs tile by row count).
-Eager and graphed steps of the same layout use the same kernels.
+So every step runs fa2 but for prefills of enough query rows (`prefill_heavy`). A lone request's decode or
+verify must also give each position the same bits whether it has 1 query or a block: greedy speculation then
+reproduces greedy decoding token for token at batch 1 (in a batch the promise is bounded anyway, since GEMMs
+tile by row count). fa2 tiles by query count, so such a step runs as its query rows (`BatchLayout.query_rows`):
+one request per query, each over its KV up to its own position, the KV cut into chunks of a size fixed by the
+request's expected length (`rows_split_pages`): a decode and the verify row of the same position then run the
+same kernel over the same chunks. fa3 computes them alike too, with one CTA walking the whole KV: per layer
+of the default target on an H200, 41 us for a decode at 1,500 tokens and 87 us at 6,000, where the rows take
+about 10 (`scripts/bench_attention.py`). A backend whose runner bounds no request's pages
+(`bound_sequence_pages`) keeps fa3 for them. Eager and graphed steps of the same layout use the same kernels.
 fa2 graph slots are planned with `uniform_q_len` (every request has the same query count), so the
 query tile is sized for that count as in an eager plan: without it a CUDA-graph plan sizes the tile
 for the ragged worst case, the verify graph then rounds differently from the decode graph, and
@@ -86,21 +91,27 @@ class GraphSlot:
     planned once per tree size (later steps write only their masks)."""
 
     def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int, fa2: bool,
-                 tree_size: int = 0):
+                 tree_size: int = 0, rows: int = 0):
         dev = backend.device
         self.batch_size = batch_size
-        self.qo_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
         self.kv_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
         self.kv_indices = torch.zeros(max_pages, dtype=torch.int32, device=dev)
         self.last_page_len = torch.ones(batch_size, dtype=torch.int32, device=dev)
         self.tree_size = tree_size  # a token-tree rung's tokens per request (0: not a tree rung)
         self.tree = tree_size > 0
-        # what the paged wrappers read: the step's own metadata, or a tree's context part's
-        self.planned = (self.kv_indptr, self.kv_indices, self.last_page_len) if not self.tree else (
-            torch.zeros_like(self.kv_indptr), torch.zeros_like(self.kv_indices), torch.ones_like(self.last_page_len))
-        host_sizes = [("qo_indptr", batch_size + 1), ("kv_indptr", batch_size + 1), ("kv_indices", max_pages),
-                      ("last_page_len", batch_size), ("kv_lens", batch_size)]
-        if self.tree:
+        self.rows = rows  # a lone request's rung planned as its query rows: queries per step (0: not such a rung)
+        # what the paged wrappers read: the step's own metadata, or a tree's context part's, or the query rows'
+        # (one request per query, one without; each at most the longest request's pages, the last two chunks)
+        planned_batch = rows + 1 if rows else batch_size
+        planned_pages = (rows + 2) * backend.rows_pages if rows else max_pages
+        self.qo_indptr = torch.zeros(planned_batch + 1, dtype=torch.int32, device=dev)
+        self.planned = (self.kv_indptr, self.kv_indices, self.last_page_len) if not (self.tree or rows) else (
+            torch.zeros(planned_batch + 1, dtype=torch.int32, device=dev),
+            torch.zeros(planned_pages, dtype=torch.int32, device=dev),
+            torch.ones(planned_batch, dtype=torch.int32, device=dev))
+        host_sizes = [("qo_indptr", planned_batch + 1), ("kv_indptr", planned_batch + 1), ("kv_indices", planned_pages),
+                      ("last_page_len", planned_batch), ("kv_lens", planned_batch)]
+        if self.tree or rows:
             host_sizes += [("step_kv_indptr", batch_size + 1), ("step_kv_indices", max_pages)]
         self.host = {name: torch.zeros(size, dtype=torch.int32, pin_memory=dev.type == "cuda")
                      for name, size in host_sizes}
@@ -148,6 +159,12 @@ class FlashInferBackend(AttentionBackend):
         self.plans_upper_bounds = device_lengths
         self.slot: GraphSlot | None = None  # the planned step's graph rung (None: an eager plan)
         self.kv_dtypes = tuple(dict.fromkeys(kv_dtypes))  # a cache whose layers mix dtypes plans once per dtype
+        # a lone request's decode or verify runs as its query rows (`BatchLayout.query_rows`) once its runner has
+        # bounded a request's pages (`bound_sequence_pages`; 0: never); a plan may split the KV into as many chunks
+        # as FlashInfer runs CTAs in one wave (2 per SM, per KV head) over LONE_ROWS_MAX rows
+        self.rows_pages = 0
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+        self.split_items = 2 * sms // num_kv_heads
         self.q_dtype = q_dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # by kind of step: other steps (False), steps that run fa2 whatever the cache dtype (True, `fa2`)
@@ -171,9 +188,37 @@ class FlashInferBackend(AttentionBackend):
         no example layout."""
         if self.plans_upper_bounds:
             return True
-        if layout is not None and layout.query_masks is not None:
+        if layout is not None and (layout.query_masks is not None or self.lone_rows(layout)):
             return True
         return layout is not None and not lone_decode_or_verify(layout) and not prefill_heavy(layout)
+
+    def bound_sequence_pages(self, pages: int) -> None:
+        self.rows_pages = pages
+
+    def lone_rows(self, layout: BatchLayout | None) -> bool:
+        """Whether `layout`, a lone request's decode or verify, runs as its query rows over KV chunks sized by
+        its expected length (`BatchLayout.query_rows`, `rows_split_pages`)."""
+        return (self.rows_pages > 0 and self.split_items >= LONE_ROWS_MAX and not self.plans_upper_bounds
+                and layout is not None and lone_decode_or_verify(layout) and layout.causal
+                and layout.query_masks is None and int(layout.q_lens[0]) <= LONE_ROWS_MAX)
+
+    def rows_split_pages(self, layout: BatchLayout) -> int:
+        """Pages per KV chunk of a lone request's query rows: its length at most (and the largest verify past it)
+        in as many chunks as a plan of LONE_ROWS_MAX rows may run in one wave. The same at every step of the
+        request, whatever its queries; a request of unknown length gets its current length's."""
+        bound = max(layout.expected_kv_len, int(layout.kv_lens[0])) + LONE_ROWS_MAX
+        chunks = self.split_items // LONE_ROWS_MAX
+        return -(-(-(-bound // layout.page_size)) // chunks)
+
+    def _planned(self, layout: BatchLayout, padding_page: int) -> tuple[BatchLayout, dict]:
+        """What the paged wrappers attend over for `layout` (a tree's context part, a lone request's query
+        rows, else the layout itself) and the plan's extra arguments."""
+        if layout.query_masks is not None:
+            return layout.tree_context(), {}
+        if self.lone_rows(layout):
+            split = self.rows_split_pages(layout)
+            return layout.query_rows(split, padding_page), dict(fixed_split_size=split, uniform_q_len=None)
+        return layout, {}
 
     def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
         """An eager step of any layout; write_slots=False leaves the write slots to the caller."""
@@ -181,20 +226,22 @@ class FlashInferBackend(AttentionBackend):
         requests, positions = layout.new_kv_rows() if write_slots else (np.zeros(0, np.int32),) * 2
         kv_indptr = layout.kv_indptr()
         tree = layout.query_masks is not None
-        planned = layout.tree_context() if tree else layout  # what the paged wrappers attend over
+        # what the paged wrappers attend over (padding rows, if any, read the request's first page: never used)
+        planned, extra = self._planned(layout, int(layout.kv_indices[0]) if len(layout.kv_indices) else 0)
+        separate = planned is not layout
         n_idx, b, n_new, n_planned = len(layout.kv_indices), layout.batch_size, len(requests), len(planned.kv_indices)
         # one host-to-device copy for everything the kernels read on the GPU
         gpu = upload(np.concatenate([layout.kv_indices, kv_indptr, requests, positions]
-                                    + ([planned.kv_indices] if tree else [])), self.device)
-        self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu, context_indices = gpu.split(
-            [n_idx, b + 1, n_new, n_new, n_planned if tree else 0])
+                                    + ([planned.kv_indices] if separate else [])), self.device)
+        self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu, planned_indices = gpu.split(
+            [n_idx, b + 1, n_new, n_new, n_planned if separate else 0])
         if write_slots:
             self.set_write_slots(*slots_on_device(self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu,
                                                   layout.page_size))
         self.wrappers = self.eager_wrappers[self.fa2(layout)]
         self._plan_wrappers(planned, pinned(planned.qo_indptr()), pinned(planned.kv_indptr()),
-                            context_indices if tree else self.kv_indices, pinned(planned.last_page_lens()),
-                            pinned(planned.kv_lens))
+                            planned_indices if separate else self.kv_indices, pinned(planned.last_page_lens()),
+                            pinned(planned.kv_lens), **extra)
         self.tree_wrappers = self._plan_trees(self.eager_tree_wrappers, layout, pinned(layout.qo_indptr())) if tree \
             else None
 
@@ -202,8 +249,9 @@ class FlashInferBackend(AttentionBackend):
         """The buffers and wrappers of one rung; `example` (a layout of the steps it will replay, padded to
         its size) picks the kernel its graph is captured with, and a token-tree rung's tree size."""
         tree = example is not None and example.query_masks is not None
+        rows = int(example.q_lens[0]) if batch_size == 1 and self.lone_rows(example) else 0
         return GraphSlot(self, batch_size, max_pages, self.fa2(example),
-                         tree_size=int(example.q_lens.max()) if tree else 0)
+                         tree_size=int(example.q_lens.max()) if tree else 0, rows=rows)
 
     def plan_graph(self, slot: GraphSlot, layout: BatchLayout, scratch_page: int) -> None:
         """A graph replay: `layout` padded to the slot's batch size goes into the slot's buffers. The
@@ -211,8 +259,10 @@ class FlashInferBackend(AttentionBackend):
         layout = layout.padded(slot.batch_size, scratch_page)
         self.layout, self.written = layout, None
         tree = layout.query_masks is not None
-        if self.fa2(layout) != slot.fa2 or tree != slot.tree:
-            kind = "token trees" if slot.tree else "the fa2 kernels" if slot.fa2 else "other kernels"
+        rows = int(layout.q_lens[0]) if self.lone_rows(layout) else 0
+        if self.fa2(layout) != slot.fa2 or tree != slot.tree or rows != slot.rows:
+            kind = ("token trees" if slot.tree else f"{slot.rows} query rows" if slot.rows else
+                    "the fa2 kernels" if slot.fa2 else "other kernels")
             raise ValueError(f"a rung captured for {kind} cannot replay this layout "
                              f"(q_lens {layout.q_lens.tolist()}, masks: {tree})")
         if tree and int(layout.q_lens.max()) > slot.tree_size:
@@ -220,9 +270,8 @@ class FlashInferBackend(AttentionBackend):
                              f"trees its rung of {slot.batch_size} was made for")
         self.wrappers, self.slot = slot.wrappers, slot
         self.kv_indices, self.kv_indptr = slot.kv_indices, slot.kv_indptr
-        planned = layout
-        if tree:  # the step's own page metadata, for its write slots and K/V moves; the wrappers get the context's
-            planned = layout.tree_context()
+        planned, extra = self._planned(layout, scratch_page)
+        if planned is not layout:  # the step's own page metadata, for its write slots and K/V moves
             n = len(layout.kv_indices)
             slot.kv_indices[:n].copy_(slot.stage("step_kv_indices", layout.kv_indices), non_blocking=True)
             slot.kv_indptr.copy_(slot.stage("step_kv_indptr", layout.kv_indptr()), non_blocking=True)
@@ -232,7 +281,7 @@ class FlashInferBackend(AttentionBackend):
         qo_indptr = slot.stage("qo_indptr", planned.qo_indptr())
         self._plan_wrappers(planned, qo_indptr, slot.stage("kv_indptr", planned.kv_indptr()), indices,
                             slot.stage("last_page_len", planned.last_page_lens()),
-                            slot.stage("kv_lens", planned.kv_lens), uniform_q_len=int(layout.q_lens[0]))
+                            slot.stage("kv_lens", planned.kv_lens), **{"uniform_q_len": int(layout.q_lens[0]), **extra})
         # the tree part's indptr: the context's qo_indptr (the same queries), staged above
         self.tree_wrappers = self._plan_trees(slot.tree_wrappers, layout, qo_indptr, slot) if tree else None
         if self.device.type == "cuda":
@@ -252,7 +301,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan_wrappers(self, layout: BatchLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                        kv_indices_gpu: torch.Tensor, last_page_len: torch.Tensor, kv_lens: torch.Tensor,
-                       uniform_q_len: int | None = None) -> None:
+                       uniform_q_len: int | None = None, fixed_split_size: int | None = None) -> None:
         # indptr, last_page_len and kv_lens are pinned CPU tensors: plan reads them on the host, and its
         # copies of them to the GPU stay asynchronous. The KV lengths and both maxima are handed over
         # because the layout already knows them: plan would otherwise derive them from the indptrs with a
@@ -264,6 +313,7 @@ class FlashInferBackend(AttentionBackend):
                          self.head_dim, layout.page_size, causal=layout.causal, sm_scale=self.sm_scale,
                          q_data_type=self.q_dtype, kv_data_type=kv_dtype, non_blocking=True,
                          uniform_q_len=uniform_q_len, disable_split_kv=self.plans_upper_bounds,
+                         fixed_split_size=fixed_split_size,
                          window_left=self.window_left, **lengths)
 
     def _plan_trees(self, wrappers: dict, layout: BatchLayout, indptr: torch.Tensor,
@@ -309,6 +359,10 @@ def kernel_backend(kv_dtype: torch.dtype, fa2: bool = False) -> str:
     """fa2 for FP8 caches (fa3 needs FP8 queries) and the steps that run fa2 whatever the dtype
     (`FlashInferBackend.fa2`), "auto" (fa3 on Hopper) otherwise."""
     return "fa2" if kv_dtype == FP8_DTYPE or fa2 else "auto"
+
+
+# the most queries of a lone request's step that run as query rows (a chain verify of the block)
+LONE_ROWS_MAX = 16
 
 
 def lone_decode_or_verify(layout: BatchLayout) -> bool:

@@ -102,11 +102,14 @@ class PageTable:
     Page ids live in a numpy array that grows by doubling, so a step reads a table's pages as one
     array slice (`array`) with no per-page Python work."""
 
-    def __init__(self, pool: PagePool):
+    def __init__(self, pool: PagePool, expected_length: int = 0):
+        """expected_length: the most tokens the sequence should come to hold (prompt and answer; 0: unknown), by
+        which attention may cut a lone sequence's KV into chunks the same way at every step."""
         self.pool = pool
         self._ids = np.empty(4, dtype=np.int32)
         self.num_pages = 0
         self.length = 0
+        self.expected_length = expected_length
 
     @property
     def array(self) -> np.ndarray:

@@ -423,7 +423,10 @@ class Engine:
             self.scheduler.add(request)
 
     def _prepare(self, request: Request) -> None:
-        request.target_pages = PageTable(self.pool)
+        # its length at most: attention at batch 1 cuts the KV into chunks by it, the same at every step, so a
+        # verify's rows are a decode's bits (`BatchLayout.query_rows`)
+        request.target_pages = PageTable(self.pool, min(len(request.prompt_ids) + request.params.max_new_tokens,
+                                                        self.max_context))
         if self.drafter is not None:
             request.stats.block_size = self.drafter.block_size
         if not request.params.greedy:

@@ -113,6 +113,8 @@ class TargetRunner(ModelRunner):
         self.dtype = dtype
         self.feature_layers = feature_layers
         c, q_max = model.config, max(block_lens)
+        # a request's KV: its context and the slots a step writes past it
+        self.attn.bound_sequence_pages(-(-(c.max_position_embeddings + max(q_max, tree_nodes + 1)) // page_size))
         # static buffers of the fixed-shape steps, allocated before the KV pool is sized
         rows = max(max_batch * q_max, tree_nodes + 1 if tree_nodes else 0)  # a tree at batch 1 always fits
         self.tree_nodes = tree_nodes
@@ -178,7 +180,8 @@ class TargetRunner(ModelRunner):
         ends = np.array([t.length for t in tables], dtype=np.int32) + np.asarray(q_lens, dtype=np.int32)
         for table, n in zip(tables, q_lens):
             table.grow(n)
-        return BatchLayout.for_tokens(q_lens, ends, [t.array for t in tables], self.page_size, causal=True)
+        return BatchLayout.for_tokens(q_lens, ends, [t.array for t in tables], self.page_size, causal=True,
+                                      expected_kv_len=tables[0].expected_length if len(tables) == 1 else 0)
 
     def run_block(self, tables: list[PageTable], first_tokens: list[int], rest: torch.Tensor | None,
                   q: int, prefill: PrefillChunks | None = None, carried: Carried | None = None) -> BlockOutput:

@@ -21,7 +21,7 @@ class RecordingWrapper:
     def __init__(self, workspace, layout, backend="auto", **kwargs):
         self.backend, self.plans, self.lengths, self.runs, self.masks = backend, [], [], [], []
         self.buffers = kwargs
-        self.planned_args = []
+        self.planned_args, self.planned_kwargs = [], []
         RecordingWrapper.instances.append(self)
 
     def plan(self, *args, kv_data_type=None, seq_lens=None, max_token_per_sequence=None, max_sequence_kv=None,
@@ -29,6 +29,7 @@ class RecordingWrapper:
         self.plans.append(kv_data_type)
         self.masks.append(packed_custom_mask)
         self.planned_args.append((args, causal))
+        self.planned_kwargs.append(kwargs)
         if seq_lens is not None:
             self.lengths.append((seq_lens.tolist(), max_token_per_sequence, max_sequence_kv))
 
@@ -88,8 +89,8 @@ def test_plans_get_the_layouts_lengths(backend_class):
 
 
 @pytest.mark.parametrize("q_lens, kv_lens, prompts, kernel", [
-    ([1], [16], 0, "auto"),  # a lone request's decode: fa3, computed as its verify rows are
-    ([16], [16], 0, "auto"),  # a lone request's verify
+    ([1], [16], 0, "auto"),  # a lone request's decode without query rows (no pages bounded): fa3, computed
+    ([16], [16], 0, "auto"),  # as its verify rows are
     ([1, 1, 1], [16] * 3, 0, "fa2"),  # plain decoding of several requests: fa2, the faster kernel there
     ([16, 16, 16], [16] * 3, 0, "fa2"),  # the chain verify of several requests: fa2 too
     ([1, 16, 1], [16] * 3, 0, "fa2"),  # decodes beside verifies
@@ -272,3 +273,59 @@ def test_a_tree_steps_context_is_each_requests_kv_before_its_new_rows():
     context = layout.tree_context()
     assert context.kv_lens.tolist() == [4, 9, 1] and context.q_lens.tolist() == [3, 3, 3] and not context.causal
     assert context.kv_indices.tolist() == [0, 2, 3, 4, 5] and context.kv_indptr().tolist() == [0, 1, 4, 5]
+
+
+def rows_backend(backend_class):
+    """A backend as on a GPU whose split-KV wave holds 132 work items per KV head pair, lone rows enabled."""
+    backend = backend_class(4, 2, 8, 8 ** -0.5, device=torch.device("cpu"), kv_dtypes=(torch.bfloat16,),
+                            q_dtype=torch.bfloat16)
+    backend.split_items = 132
+    backend.bound_sequence_pages(64)
+    return backend
+
+
+def test_a_lone_requests_decode_and_verify_plan_its_query_rows(backend_class):
+    """A lone request's verify of 3 is planned as 3 requests of one query (each over its KV up to its own position),
+    with one request without queries spanning two KV chunks, and a fixed chunk size from the request's expected
+    length; a decode at one of those positions gets that row's plan, with the same chunk size."""
+    RecordingWrapper.instances = []
+    backend = rows_backend(backend_class)
+    several = paged_wrappers()[1]
+    assert several.backend == "fa2"
+    table = list(range(8))
+    # expected 20 tokens + 16: 9 pages in 132 // 16 = 8 chunks of 2 pages
+    backend.plan(BatchLayout.for_tokens([3], [13], [table], 4, causal=True, expected_kv_len=20))
+    (qo_indptr, kv_indptr, kv_indices, last_page_len, *_), causal = several.planned_args[-1]
+    assert not causal and qo_indptr.tolist() == [0, 1, 2, 3, 3]
+    assert several.lengths[-1] == ([11, 12, 13, 16], 1, 16)
+    assert kv_indices.tolist() == [0, 1, 2] + [0, 1, 2] + [0, 1, 2, 3] + [0] * 4
+    assert kv_indptr.tolist() == [0, 3, 6, 10, 14] and last_page_len.tolist() == [3, 4, 1, 4]
+    assert several.planned_kwargs[-1]["fixed_split_size"] == 2
+    # the step's own page metadata and write slots stay the request's
+    assert backend.kv_indptr.tolist() == [0, 4] and backend.write_pages.tolist() == [2, 2, 3]
+    backend.plan(BatchLayout.for_tokens([1], [12], [table], 4, causal=True, expected_kv_len=20))
+    (qo_indptr, kv_indptr, kv_indices, *_), _ = several.planned_args[-1]
+    assert qo_indptr.tolist() == [0, 1, 1] and several.lengths[-1] == ([12, 16], 1, 16)
+    assert kv_indices.tolist() == [0, 1, 2] + [0] * 4 and several.planned_kwargs[-1]["fixed_split_size"] == 2
+    # several requests, or a prompt chunk, keep their usual plans
+    backend.plan(BatchLayout.for_tokens([1, 1], [12, 5], [table, [9, 10]], 4, causal=True))
+    assert several.planned_kwargs[-1].get("fixed_split_size") is None
+
+
+def test_a_lone_rung_plans_query_rows_into_buffers_of_their_own(backend_class):
+    """The batch-1 rung of a verify of 3 is made for 3 query rows: its wrappers read buffers sized for 4
+    requests and the longest request's pages, the rung's kv_indptr / kv_indices keep the step's metadata, and
+    a layout of another kind is refused."""
+    RecordingWrapper.instances = []
+    backend = rows_backend(backend_class)
+    slot = backend.graph_slot(1, 32, BatchLayout.dummy(1, 3, 3, 4, 15, causal=True))
+    (paged,) = paged_wrappers()[2:]
+    assert slot.rows == 3 and paged.backend == "fa2"
+    assert len(paged.buffers["qo_indptr_buf"]) == 5 and len(paged.buffers["paged_kv_indices_buf"]) == 5 * 64
+    backend.plan_graph(slot, BatchLayout.for_tokens([3], [13], [list(range(8))], 4, causal=True,
+                                                    expected_kv_len=20), scratch_page=15)
+    assert slot.kv_indptr.tolist() == [0, 4] and slot.kv_indices.tolist()[:4] == [0, 1, 2, 3]
+    assert paged.buffers["paged_kv_indices_buf"].tolist()[:14] == [0, 1, 2] * 2 + [0, 1, 2, 3] + [15] * 4
+    assert paged.planned_kwargs[-1]["uniform_q_len"] is None and paged.planned_kwargs[-1]["fixed_split_size"] == 2
+    with pytest.raises(ValueError, match="3 query rows"):
+        backend.plan_graph(slot, BatchLayout.for_tokens([2], [13], [list(range(8))], 4, causal=True), 15)

@@ -186,6 +186,71 @@ def test_a_tree_graph_rung_attends_as_the_reference_for_every_step_it_replays(kv
         assert err <= REL_BOUND
 
 
+class LoneRung:
+    """A lone request's graph rung of q queries over one layer: captured at its first run (on the dummy layout,
+    whose KV is one chunk), then each run plans the step's layout into it and replays."""
+
+    def __init__(self, backend, layer, q: int, scratch: int):
+        from attention.batch_layout import slots_on_device
+
+        self.backend, self.layer, self.scratch = backend, layer, scratch
+        self.slot = backend.graph_slot(1, 256, BatchLayout.dummy(1, q, q, 16, scratch, True))
+        assert self.slot.rows == q
+        self.queries = torch.zeros(q, HQ, D, dtype=torch.bfloat16, device="cuda")
+        self.keys, self.values = (torch.zeros(q, HKV, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        self.positions = torch.zeros(q, dtype=torch.long, device="cuda")
+        self.requests = torch.zeros(q, dtype=torch.long, device="cuda")  # held: the graph reads it
+
+        def forward():
+            backend.set_write_slots(*slots_on_device(backend.kv_indices, backend.kv_indptr, self.requests,
+                                                     self.positions, 16))
+            backend.write_kv(layer, self.keys, self.values)
+            return backend.attend(self.queries, layer)
+
+        backend.plan_graph(self.slot, BatchLayout.dummy(1, q, q, 16, scratch, True), scratch)
+        self.positions.copy_(torch.arange(q))
+        forward()  # warm-up outside the graph
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = forward()
+
+    def run(self, layout: BatchLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        for buffer, values in ((self.queries, q), (self.keys, k), (self.values, v)):
+            buffer.copy_(values)
+        self.positions.copy_(torch.from_numpy(layout.new_kv_positions()).long())
+        self.backend.plan_graph(self.slot, layout, self.scratch)
+        self.graph.replay()
+        torch.cuda.synchronize()
+        return self.out.clone()
+
+
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
+def test_a_lone_requests_verify_rows_have_the_bits_of_its_decodes(kv):
+    """A lone request's verify of 16 and its decodes at the same 16 positions, each replayed from a graph rung
+    captured once on a dummy of one KV chunk: the verify attends as the reference, and each of its rows has the
+    bits of the decode at that position, with a short history (one KV chunk per row) and a long one (several)."""
+    scales = (0.05, 0.03) if kv == "fp8" else (1.0, 1.0)
+    backend = flashinfer_backend(KV_DTYPES[kv])
+    backend.bound_sequence_pages(256)
+    expected = 2400  # the request's length at most: its KV chunks are 2416 / 16 tokens in 5 or 8 chunks
+    cases = {h: PagedCase([h], [16], [16], True, page_size=16, kv_dtype=KV_DTYPES[kv], device="cuda",
+                          dtype=torch.bfloat16, scales=scales, seed=h) for h in (30, 1500)}
+    layer, scratch = cases[30].layer, cases[30].kv.scratch_page  # the graphs' cache: each case's copied in
+    verify, decode = LoneRung(backend, layer, 16, scratch), LoneRung(backend, layer, 1, scratch)
+    for history, case in cases.items():
+        layer.data.copy_(case.layer.data)
+        table = case.tables[0].array
+        step = BatchLayout.for_tokens([16], [history + 16], [table], 16, causal=True, expected_kv_len=expected)
+        rows = verify.run(step, case.q, case.new_k, case.new_v)
+        err = rel_error(rows, case.expected(D ** -0.5))
+        print(f"lone verify rows {kv} history {history}: rel err {err:.2e}")
+        assert err <= REL_BOUND
+        for j in range(16):
+            one = BatchLayout.for_tokens([1], [history + j + 1], [table], 16, causal=True, expected_kv_len=expected)
+            row = decode.run(one, case.q[j:j + 1], case.new_k[j:j + 1], case.new_v[j:j + 1])
+            assert torch.equal(row[0], rows[j]), f"position {history + j}"
+
+
 # (history, new_kv, q_lens, causal): short ones, and long ones, where a plan would split each request's KV
 UPPER_BOUND_CASES = {"verify_page_boundaries": CASES["verify_page_boundaries"],
                      "noncausal_context_plus_block": CASES["noncausal_context_plus_block"],
