@@ -133,21 +133,3 @@ def test_checkpoint_round_trip(setup, tmp_path):
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight",
             "layers.1.mlp.down_proj.weight", "layers.1.post_attention_layernorm.weight"} <= names
     assert not any("embed" in n or "lm_head" in n for n in names)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_candidates_are_each_rows_largest_in_order(dtype):
-    """A token tree's candidates: each row's k largest logits and their tokens, in descending order, as torch's
-    top-k gives them; a tie puts the smaller token first (the argmax's, the chain's draft)."""
-    from drafters.dflash import largest
-
-    logits = torch.randn(3, 5, 300, generator=torch.Generator().manual_seed(0)).to(dtype)
-    values, tokens = largest(logits, 4)
-    expected_values, expected_tokens = logits.topk(4, dim=-1)
-    assert torch.equal(values, expected_values) and torch.equal(logits.gather(-1, tokens), values)
-    if dtype == torch.float32:  # no ties among these: the same tokens too
-        assert torch.equal(tokens, expected_tokens)
-    tied = torch.zeros(1, 1, 10, dtype=dtype)
-    tied[0, 0, [7, 3]] = 1.0
-    assert largest(tied, 3)[1].flatten().tolist() == [3, 7, 0]
-    assert tokens[..., 0].tolist() == logits.argmax(dim=-1).tolist()
