@@ -200,8 +200,9 @@ class FlashInferBackend(AttentionBackend):
     def lone_rows(self, layout: BatchLayout | None) -> bool:
         """Whether `layout`, a lone request's decode or verify, runs as its query rows over KV chunks sized by
         its expected length (`BatchLayout.query_rows`, `rows_split_pages`)."""
+        # (not with a sliding window: each row would need the window of its own position, which is not tested)
         return (self.rows_pages > 0 and self.split_items >= LONE_ROWS_MAX and not self.plans_upper_bounds
-                and layout is not None and lone_decode_or_verify(layout) and layout.causal
+                and self.window_left < 0 and layout is not None and lone_decode_or_verify(layout) and layout.causal
                 and layout.query_masks is None and int(layout.q_lens[0]) <= LONE_ROWS_MAX)
 
     def rows_split_pages(self, layout: BatchLayout) -> int:

@@ -329,3 +329,18 @@ def test_a_lone_rung_plans_query_rows_into_buffers_of_their_own(backend_class):
     assert paged.planned_kwargs[-1]["uniform_q_len"] is None and paged.planned_kwargs[-1]["fixed_split_size"] == 2
     with pytest.raises(ValueError, match="3 query rows"):
         backend.plan_graph(slot, BatchLayout.for_tokens([2], [13], [list(range(8))], 4, causal=True), 15)
+
+
+def test_a_sliding_window_keeps_a_lone_requests_usual_plan(backend_class):
+    """With a sliding window a lone request's step is not split into query rows (each row would need the window of
+    its own position): it keeps the kernel it had."""
+    RecordingWrapper.instances = []
+    backend = backend_class(4, 2, 8, 8 ** -0.5, device=torch.device("cpu"), kv_dtypes=(torch.bfloat16,),
+                            q_dtype=torch.bfloat16, window_left=8)
+    backend.split_items = 132
+    backend.bound_sequence_pages(64)
+    layout = BatchLayout.for_tokens([3], [13], [list(range(8))], 4, causal=True, expected_kv_len=20)
+    assert not backend.lone_rows(layout)
+    backend.plan(layout)
+    (planned,) = [w for w in RecordingWrapper.instances if w.plans]
+    assert planned.backend == "auto" and planned.planned_kwargs[-1].get("fixed_split_size") is None
