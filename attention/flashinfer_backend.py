@@ -27,8 +27,8 @@ same kernel over the same chunks. fa3 computes them alike too, with one CTA walk
 of the default target's shape on an H200, 29 us for a decode at 1,500 tokens of context, where the rows take
 10 (decode) and 15 (a verify of 16); a plain decode step at 6,000 tokens went from 4.30 to 2.35 ms. Planning
 the rows costs ~0.1 ms more host time than fa3's plan (BENCHMARKS.md). A backend whose runner bounds no
-request's pages (`bound_sequence_pages`) keeps fa3 for them. Eager and graphed steps of the same layout use the
-same kernels.
+request's pages (`bound_sequence_pages`), or that has a sliding window, keeps fa3 for them. Eager and graphed
+steps of the same layout use the same kernels.
 fa2 graph slots are planned with `uniform_q_len` (every request has the same query count), so the
 query tile is sized for that count as in an eager plan: without it a CUDA-graph plan sizes the tile
 for the ragged worst case, the verify graph then rounds differently from the decode graph, and
