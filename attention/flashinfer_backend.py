@@ -195,6 +195,7 @@ class FlashInferBackend(AttentionBackend):
         return layout is not None and not lone_decode_or_verify(layout) and not prefill_heavy(layout)
 
     def bound_sequence_pages(self, pages: int) -> None:
+        """The longest request's pages: what a lone rung's query rows are sized by (and what enables them)."""
         self.rows_pages = pages
 
     def lone_rows(self, layout: BatchLayout | None) -> bool:
@@ -210,8 +211,8 @@ class FlashInferBackend(AttentionBackend):
         in as many chunks as a plan of LONE_ROWS_MAX rows may run in one wave. The same at every step of the
         request, whatever its queries; a request of unknown length gets its current length's."""
         bound = max(layout.expected_kv_len, int(layout.kv_lens[0])) + LONE_ROWS_MAX
-        chunks = self.split_items // LONE_ROWS_MAX
-        return -(-(-(-bound // layout.page_size)) // chunks)
+        pages, chunks = -(-bound // layout.page_size), self.split_items // LONE_ROWS_MAX
+        return -(-pages // chunks)
 
     def _planned(self, layout: BatchLayout, padding_page: int) -> tuple[BatchLayout, dict]:
         """What the paged wrappers attend over for `layout` (a tree's context part, a lone request's query
