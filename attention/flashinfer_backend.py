@@ -103,9 +103,10 @@ class GraphSlot:
         self.tree = tree_size > 0
         self.rows = rows  # a lone request's rung planned as its query rows: queries per step (0: not such a rung)
         # what the paged wrappers read: the step's own metadata, or a tree's context part's, or the query rows'
-        # (one request per query, one without; each at most the longest request's pages, the last two chunks)
+        # (one request per query, one without; each at most the longest request's pages, the last two chunks, which
+        # round up to a page more at most)
         planned_batch = rows + 1 if rows else batch_size
-        planned_pages = (rows + 2) * backend.rows_pages if rows else max_pages
+        planned_pages = (rows + 2) * (backend.rows_pages + 1) if rows else max_pages
         self.qo_indptr = torch.zeros(planned_batch + 1, dtype=torch.int32, device=dev)
         self.planned = (self.kv_indptr, self.kv_indices, self.last_page_len) if not (self.tree or rows) else (
             torch.zeros(planned_batch + 1, dtype=torch.int32, device=dev),

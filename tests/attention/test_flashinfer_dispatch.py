@@ -321,7 +321,7 @@ def test_a_lone_rung_plans_query_rows_into_buffers_of_their_own(backend_class):
     slot = backend.graph_slot(1, 32, BatchLayout.dummy(1, 3, 3, 4, 15, causal=True))
     (paged,) = paged_wrappers()[2:]
     assert slot.rows == 3 and paged.backend == "fa2"
-    assert len(paged.buffers["qo_indptr_buf"]) == 5 and len(paged.buffers["paged_kv_indices_buf"]) == 5 * 64
+    assert len(paged.buffers["qo_indptr_buf"]) == 5 and len(paged.buffers["paged_kv_indices_buf"]) == 5 * 65
     backend.plan_graph(slot, BatchLayout.for_tokens([3], [13], [list(range(8))], 4, causal=True,
                                                     expected_kv_len=20), scratch_page=15)
     assert slot.kv_indptr.tolist() == [0, 4] and slot.kv_indices.tolist()[:4] == [0, 1, 2, 3]
