@@ -425,8 +425,8 @@ class Engine:
     def _prepare(self, request: Request) -> None:
         # its length at most: attention at batch 1 cuts the KV into chunks by it, the same at every step, so a
         # verify's rows are a decode's bits (`BatchLayout.query_rows`)
-        request.target_pages = PageTable(self.pool, min(len(request.prompt_ids) + request.params.max_new_tokens,
-                                                        self.max_context))
+        request.target_pages = PageTable(self.pool, self.limits.most_tokens(len(request.prompt_ids),
+                                                                            request.params.max_new_tokens))
         if self.drafter is not None:
             request.stats.block_size = self.drafter.block_size
         if not request.params.greedy:

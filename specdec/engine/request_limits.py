@@ -19,8 +19,12 @@ class RequestLimits:
     page_size: int
     lookahead: int  # slots a decode step writes past the committed length (the drafter's block, or 1)
 
+    def most_tokens(self, prompt_len: int, max_new_tokens: int) -> int:
+        """The most tokens (prompt and output) a request can come to hold."""
+        return min(prompt_len + max_new_tokens, self.max_context)
+
     def worst_case_pages(self, prompt_len: int, max_new_tokens: int) -> int:
-        return pages_for(min(prompt_len + max_new_tokens, self.max_context) + self.lookahead, self.page_size)
+        return pages_for(self.most_tokens(prompt_len, max_new_tokens) + self.lookahead, self.page_size)
 
     def max_new_tokens_that_fit(self, prompt_len: int) -> int:
         """The largest max_new_tokens a prompt of this length can be served with (context and pool)."""
