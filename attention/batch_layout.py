@@ -46,7 +46,8 @@ class BatchLayout:
     expected_kv_len: int = 0
 
     @classmethod
-    def build(cls, q_lens, kv_lens, new_kv_lens, page_tables, page_size: int, causal: bool) -> "BatchLayout":
+    def build(cls, q_lens, kv_lens, new_kv_lens, page_tables, page_size: int, causal: bool,
+              expected_kv_len: int = 0) -> "BatchLayout":
         """page_tables[i]: request i's pages (a list or an int array); only the used ones are kept."""
         q, kv, new = _int32(q_lens), _int32(kv_lens), _int32(new_kv_lens)
         if not (len(q) == len(kv) == len(new) == len(page_tables)):
@@ -57,7 +58,7 @@ class BatchLayout:
         if any(len(t) < n for t, n in zip(page_tables, used.tolist())):
             raise ValueError(f"page tables too short for KV lengths {kv.tolist()} with pages of {page_size}")
         indices = np.concatenate([_int32(t[:n]) for t, n in zip(page_tables, used.tolist())]) if len(q) else _int32([])
-        return cls(q, kv, new, indices, page_size, causal)
+        return cls(q, kv, new, indices, page_size, causal, expected_kv_len=expected_kv_len)
 
     def with_query_masks(self, masks: torch.Tensor) -> "BatchLayout":
         """The same step with each query seeing only the new rows `masks` allows (see `query_masks`)."""
@@ -121,8 +122,7 @@ class BatchLayout:
     def for_tokens(cls, q_lens, kv_lens, page_tables, page_size: int, causal: bool,
                    expected_kv_len: int = 0) -> "BatchLayout":
         """A layout where every new token also has a query (prefill, verify, decode)."""
-        layout = cls.build(q_lens, kv_lens, q_lens, page_tables, page_size, causal)
-        return replace(layout, expected_kv_len=expected_kv_len) if expected_kv_len else layout
+        return cls.build(q_lens, kv_lens, q_lens, page_tables, page_size, causal, expected_kv_len)
 
     @classmethod
     def dummy(cls, batch_size: int, q_len: int, kv_len: int, page_size: int, scratch_page: int,

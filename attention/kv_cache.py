@@ -136,14 +136,10 @@ class KVCache:
         shape = (num_pages + 1, 2, page_size, num_kv_heads, head_dim)
         # the layers of one dtype are views of one tensor [layers, *shape]: a row moves in all of them with one
         # indexed copy (`move_rows`) instead of one per layer
-        self.stacked: dict[torch.dtype, torch.Tensor] = {}
-        self.layers = []
-        for d in dict.fromkeys(self.layer_dtypes):
-            self.stacked[d] = torch.zeros(self.layer_dtypes.count(d), *shape, dtype=d, device=device)
-        taken = dict.fromkeys(self.stacked, 0)
-        for d in self.layer_dtypes:
-            self.layers.append(LayerKV(self.stacked[d][taken[d]]))
-            taken[d] += 1
+        self.stacked = {d: torch.zeros(self.layer_dtypes.count(d), *shape, dtype=d, device=device)
+                        for d in dict.fromkeys(self.layer_dtypes)}
+        views = {d: iter(stacked) for d, stacked in self.stacked.items()}  # each dtype's layers in order
+        self.layers = [LayerKV(next(views[d])) for d in self.layer_dtypes]
 
     @property
     def is_fp8(self) -> bool:
