@@ -26,8 +26,15 @@ request's expected length (`rows_split_pages`): a decode and the verify row of t
 same kernel over the same chunks. fa3 computes them alike too, with one CTA walking the whole KV: per layer
 of the default target's shape on an H200, 29 us for a decode at 1,500 tokens of context, where the rows take
 10 (decode) and 15 (a verify of 16); a plain decode step at 6,000 tokens went from 4.30 to 2.35 ms. Planning
-the rows costs ~0.1 ms more host time than fa3's plan (BENCHMARKS.md). A backend whose runner bounds no
-request's pages (`bound_sequence_pages`), or that has a sliding window, keeps fa3 for them. Eager and graphed
+the rows costs ~0.1 ms more host time than fa3's plan (BENCHMARKS.md). A rung keeps its plan while every row
+has as many KV chunks as at that plan (`kv_split`, true for most steps: a row gains a chunk every few hundred
+tokens): FlashInfer derives its work items from those counts, and its kernels read the lengths from the page
+metadata, which is all such a step sends. A graph rung's index buffers are views of one device tensor, filled
+from pinned memory in one copy per plan (`StagedIndices`). Both shorten the host's path between a step's tokens
+reaching it and the next verify's launch, where at batch 1 the GPU runs only the queued draft (~0.43 ms): a
+verify's `plan_graph` took 0.31 ms before and 0.21-0.24 ms with the kept plan (two H200s, BENCHMARKS.md).
+A backend whose runner bounds no request's pages (`bound_sequence_pages`), or that has a sliding window, keeps
+fa3 for them. Eager and graphed
 steps of the same layout use the same kernels.
 fa2 graph slots are planned with `uniform_q_len` (every request has the same query count), so the
 query tile is sized for that count as in an eager plan: without it a CUDA-graph plan sizes the tile
@@ -58,7 +65,7 @@ import torch
 from attention.backend import AttentionBackend
 from attention.batch_layout import BatchLayout, real_page_metadata, slots_on_device
 from attention.kv_cache import FP8_DTYPE, LayerKV
-from attention.transfer import pinned, upload
+from attention.transfer import StagedIndices, pinned, upload
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -96,28 +103,28 @@ class GraphSlot:
                  tree_size: int = 0, rows: int = 0):
         dev = backend.device
         self.batch_size = batch_size
-        self.kv_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
-        self.kv_indices = torch.zeros(max_pages, dtype=torch.int32, device=dev)
-        self.last_page_len = torch.ones(batch_size, dtype=torch.int32, device=dev)
         self.tree_size = tree_size  # a token-tree rung's tokens per request (0: not a tree rung)
         self.tree = tree_size > 0
         self.rows = rows  # a lone request's rung planned as its query rows: queries per step (0: not such a rung)
         # what the paged wrappers read: the step's own metadata, or a tree's context part's, or the query rows'
         # (one request per query, one without; each at most the longest request's pages, the last two chunks, which
-        # round up to a page more at most)
+        # round up to a page more at most); sent in one copy per plan, the page indices last
         planned_batch = rows + 1 if rows else batch_size
         planned_pages = (rows + 2) * (backend.rows_pages + 1) if rows else max_pages
-        self.qo_indptr = torch.zeros(planned_batch + 1, dtype=torch.int32, device=dev)
-        self.planned = (self.kv_indptr, self.kv_indices, self.last_page_len) if not (self.tree or rows) else (
-            torch.zeros(planned_batch + 1, dtype=torch.int32, device=dev),
-            torch.zeros(planned_pages, dtype=torch.int32, device=dev),
-            torch.ones(planned_batch, dtype=torch.int32, device=dev))
-        host_sizes = [("qo_indptr", planned_batch + 1), ("kv_indptr", planned_batch + 1), ("kv_indices", planned_pages),
-                      ("last_page_len", planned_batch), ("kv_lens", planned_batch)]
-        if self.tree or rows:
-            host_sizes += [("step_kv_indptr", batch_size + 1), ("step_kv_indices", max_pages)]
-        self.host = {name: torch.zeros(size, dtype=torch.int32, pin_memory=dev.type == "cuda")
-                     for name, size in host_sizes}
+        self.index = StagedIndices({"qo_indptr": planned_batch + 1, "kv_indptr": planned_batch + 1,
+                                    "last_page_len": planned_batch, "kv_indices": planned_pages}, dev,
+                                   ones=("last_page_len",))
+        self.qo_indptr = self.index["qo_indptr"]
+        self.planned = (self.index["kv_indptr"], self.index["kv_indices"], self.index["last_page_len"])
+        # the step's own page metadata (what its write slots and K/V moves read): the planned one, or apart from it
+        self.step_index = StagedIndices({"kv_indptr": batch_size + 1, "kv_indices": max_pages}, dev) \
+            if self.tree or rows else None
+        if self.step_index is None:
+            self.kv_indptr, self.kv_indices, self.last_page_len = self.planned
+        else:
+            self.kv_indptr, self.kv_indices = self.step_index["kv_indptr"], self.step_index["kv_indices"]
+            self.last_page_len = torch.ones(batch_size, dtype=torch.int32, device=dev)
+        self.kv_lens = torch.zeros(planned_batch, dtype=torch.int32, pin_memory=dev.type == "cuda")  # plans read it
         # one wrapper per cache dtype over the same index buffers (each plan writes the same values), made
         # here so that the graph memory estimate counts them; the kernel is the rung's (`FlashInferBackend.fa2`)
         self.fa2 = fa2
@@ -131,6 +138,8 @@ class GraphSlot:
         # the tree size the tree part was last planned for: its plan depends on nothing else (every request of a
         # rung has that many rows), so later steps of that size only write their masks into `tree_masks`
         self.tree_planned = 0
+        # a query-rows rung's work split at its last plan (`kv_split`): a step of the same split keeps that plan
+        self.split: bytes | None = None
         if self.tree:
             tree_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
             self.tree_masks = torch.zeros(batch_size * tree_size * tree_size, dtype=torch.uint8, device=dev)
@@ -140,15 +149,12 @@ class GraphSlot:
                 custom_mask_buf=self.tree_masks, mask_indptr_buf=mask_indptr, backend="fa2")
                 for dtype in backend.kv_dtypes}
 
-    def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
-        """values in the pinned host buffer `name`; returns that slice (after the copies of the slot's last plan
-        have run: a draft queued ahead is planned before the step's wait, and its copies may still be queued)."""
+    def reuse_host(self) -> None:
+        """Wait until the copies of the slot's last plan have run, so that its pinned host buffers can be written
+        again (a draft queued ahead is planned before the step's wait, and its copies may still be queued)."""
         if self.staged is not None:
             self.staged.synchronize()
             self.staged = None
-        host = self.host[name][:len(values)]
-        host.numpy()[:] = values
-        return host
 
 
 class FlashInferBackend(AttentionBackend):
@@ -276,17 +282,25 @@ class FlashInferBackend(AttentionBackend):
         self.wrappers, self.slot = slot.wrappers, slot
         self.kv_indices, self.kv_indptr = slot.kv_indices, slot.kv_indptr
         planned, extra = self._planned(layout, scratch_page)
+        slot.reuse_host()
         if planned is not layout:  # the step's own page metadata, for its write slots and K/V moves
-            n = len(layout.kv_indices)
-            slot.kv_indices[:n].copy_(slot.stage("step_kv_indices", layout.kv_indices), non_blocking=True)
-            slot.kv_indptr.copy_(slot.stage("step_kv_indptr", layout.kv_indptr()), non_blocking=True)
-        n = len(planned.kv_indices)
-        indices = slot.planned[1][:n]
-        indices.copy_(slot.stage("kv_indices", planned.kv_indices), non_blocking=True)
-        qo_indptr = slot.stage("qo_indptr", planned.qo_indptr())
-        self._plan_wrappers(planned, qo_indptr, slot.stage("kv_indptr", planned.kv_indptr()), indices,
-                            slot.stage("last_page_len", planned.last_page_lens()),
-                            slot.stage("kv_lens", planned.kv_lens), **{"uniform_q_len": int(layout.q_lens[0]), **extra})
+            slot.step_index.stage("kv_indptr", layout.kv_indptr())
+            slot.step_index.stage("kv_indices", layout.kv_indices)
+            slot.step_index.send()
+        index = slot.index
+        qo_indptr, kv_indptr, last_page_len = (index.stage("qo_indptr", planned.qo_indptr()),
+                                                index.stage("kv_indptr", planned.kv_indptr()),
+                                                index.stage("last_page_len", planned.last_page_lens()))
+        index.stage("kv_indices", planned.kv_indices)
+        index.send()
+        # the rows' work split is that of the rung's last plan: the kernels read only the page metadata just sent
+        split = kv_split(planned, extra["fixed_split_size"]) if rows else None
+        if split is None or split != slot.split:
+            kv_lens = slot.kv_lens[:planned.batch_size]
+            kv_lens.numpy()[:] = planned.kv_lens
+            self._plan_wrappers(planned, qo_indptr, kv_indptr, slot.planned[1][:len(planned.kv_indices)],
+                                last_page_len, kv_lens, **{"uniform_q_len": int(layout.q_lens[0]), **extra})
+            slot.split = split
         # the tree part's indptr: the context's qo_indptr (the same queries), staged above
         self.tree_wrappers = self._plan_trees(slot.tree_wrappers, layout, qo_indptr, slot) if tree else None
         if self.device.type == "cuda":
@@ -364,6 +378,15 @@ def kernel_backend(kv_dtype: torch.dtype, fa2: bool = False) -> str:
     """fa2 for FP8 caches (fa3 needs FP8 queries) and the steps that run fa2 whatever the dtype
     (`FlashInferBackend.fa2`), "auto" (fa3 on Hopper) otherwise."""
     return "fa2" if kv_dtype == FP8_DTYPE or fa2 else "auto"
+
+
+def kv_split(layout: BatchLayout, split_pages: int) -> bytes:
+    """What FlashInfer's plan of `layout` with KV chunks of `split_pages` pages derives everything its kernels read
+    from the plan from (work items, partial-result offsets, merges): the query counts and each request's number
+    of chunks. The kernels take the KV lengths from the page metadata when they run, and count a request's chunks
+    from its length as the plan did, so a step of the same split can replay the last plan with its own metadata."""
+    chunks = -(-np.diff(layout.kv_indptr()) // split_pages)
+    return b"".join(a.astype(np.int32).tobytes() for a in (layout.qo_indptr(), chunks, np.int32([split_pages])))
 
 
 # the most queries of a lone request's step that run as query rows (a chain verify of the block)

@@ -14,7 +14,8 @@ barely grows while the batch is small. At batch 1 a verify of 64 tokens costs ab
 (the step reads the weights once), so a large tree wins there; under load the drafts deep in the chain,
 rarely accepted, cost as much target compute as the first ones, so short chains win. Per step the policy
 picks the option that maximizes expected committed tokens per second: E / (draft(b) + verify(b)), both
-measured for that option (a chain's draft scores its q - 1 drafts; a tree's drafts with candidates).
+measured for that option (a chain's draft scores its q - 1 drafts; a tree's drafts with candidates), but a
+shorter chain only where it beats a longer one by more than the costs can tell apart (CHAIN_MARGIN).
 For a chain of q, E(q) = 1 + sum over j < q of P(drafts 1..j all accepted), from running per-position
 acceptance, counted only where it was observed (a step that verified q - 1 drafts says nothing of
 position q onwards). For a tree, E is the running mean of committed tokens of tree steps of that node
@@ -54,6 +55,11 @@ def tree_prior_gain(nodes: int) -> float:
 
 
 TREE = 0  # the choice "verify a token tree" (chain choices are their token counts)
+# how finely the start-up costs tell chain lengths apart: at batch 1 they put a step verifying 16 tokens 4% above
+# one verifying 8, where the steps' kernels differed by 2% and their wall time not at all (math500 on an H200,
+# every step forced to one length: 3.04 ms per step for chains of 16, 3.11 for chains of 8, so 0.67 against
+# 0.70 ms per token). A shorter chain replaces a longer one only when its rate is higher by more than this
+CHAIN_MARGIN = 0.03
 # an overhead estimate follows the last ~10 decode-only steps of its kind (speculative or plain) and batch rung
 OVERHEAD_DECAY = 0.9
 # a step of one kind measures nothing of the other: the other's estimate fades by 1% each, so that after some
@@ -125,6 +131,8 @@ class VerifyPolicy:
         self.accepted = np.full(n, PRIOR_ACCEPTED)  # position i accepted, given 0..i-1 were
         self.seen = np.full(n, PRIOR_SEEN)  # position i verified with 0..i-1 accepted
         self.tree_tokens: dict[int, tuple[float, float]] = {}  # nodes -> (decayed committed tokens, steps)
+        # expected_tokens() until the next observation: the policy is asked several times a step
+        self._expected: np.ndarray | None = None
         # (batch rung, plain step?) -> seconds a step of that kind takes beyond its measured cost
         self.overhead: dict[tuple[int, bool], float] = {}
 
@@ -150,6 +158,8 @@ class VerifyPolicy:
         # with the overhead learned for its kind at this rung
         speculative = [o for o in options if o in seconds and o != PLAIN]
         best = max(speculative, key=lambda option: (rate(option), option)) if speculative else PLAIN
+        if best != TREE and best != PLAIN:  # the longest chain whose rate is within the margin of the best one's
+            best = max(o for o in speculative if o >= best and rate(o) * (1 + CHAIN_MARGIN) >= rate(best))
         if PLAIN in options and PLAIN in seconds and (best == PLAIN or rate(PLAIN, self._overhead(batch, True))
                                                       > rate(best, self._overhead(batch, False))):
             return PLAIN
@@ -194,11 +204,14 @@ class VerifyPolicy:
 
     def expected_tokens(self) -> np.ndarray:
         """[block_size]: expected committed tokens per request when verifying q tokens, at index q - 1."""
-        reach = np.cumprod(self.accepted / self.seen)  # P(drafts 1..j all accepted), j = 1..n
-        return 1.0 + np.concatenate([[0.0], np.cumsum(reach)])
+        if self._expected is None:
+            reach = np.cumprod(self.accepted / self.seen)  # P(drafts 1..j all accepted), j = 1..n
+            self._expected = 1.0 + np.concatenate([[0.0], np.cumsum(reach)])
+        return self._expected
 
     def observe(self, accepted: list[int], q: int) -> None:
         """A step verified q tokens per request and request r had accepted[r] of its q - 1 drafts."""
+        self._expected = None
         self.accepted *= DECAY
         self.seen *= DECAY
         # positions 0..a-1 were accepted; position a (if verified) was rejected; beyond it, unseen: position

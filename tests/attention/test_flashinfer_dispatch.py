@@ -331,6 +331,32 @@ def test_a_lone_rung_plans_query_rows_into_buffers_of_their_own(backend_class):
         backend.plan_graph(slot, BatchLayout.for_tokens([2], [13], [list(range(8))], 4, causal=True), 15)
 
 
+def test_a_lone_rung_keeps_its_plan_while_each_rows_kv_chunks_are_the_same(backend_class):
+    """A query-rows rung replans only when a row's number of KV chunks changes: a step whose rows have the chunks
+    of the last plan (their lengths differ) writes its page metadata into the rung's buffers and keeps the plan;
+    a step where a row's KV reaches a further chunk is planned anew."""
+    RecordingWrapper.instances = []
+    backend = rows_backend(backend_class)
+    slot = backend.graph_slot(1, 32, BatchLayout.dummy(1, 3, 3, 4, 15, causal=True))
+    (paged,) = paged_wrappers()[2:]
+
+    def plan(length: int) -> None:
+        step = BatchLayout.for_tokens([3], [length], [list(range(8))], 4, causal=True, expected_kv_len=20)
+        backend.plan_graph(slot, step, scratch_page=15)
+
+    plan(13)  # rows over 11, 12, 13 tokens: 3, 3, 4 pages in chunks of 2 pages, 2 each; the padding request 2
+    assert len(paged.plans) == 1 and paged.planned_kwargs[-1]["fixed_split_size"] == 2
+    plan(14)  # 12, 13, 14 tokens: 3, 4, 4 pages, still 2 chunks each
+    assert len(paged.plans) == 1
+    assert paged.buffers["qo_indptr_buf"].tolist() == [0, 1, 2, 3, 3]
+    assert paged.buffers["paged_kv_indptr_buf"].tolist() == [0, 3, 7, 11, 15]
+    assert paged.buffers["paged_kv_last_page_len_buf"].tolist() == [4, 1, 2, 4]
+    assert paged.buffers["paged_kv_indices_buf"].tolist()[:15] == [0, 1, 2] + [0, 1, 2, 3] * 2 + [15] * 4
+    plan(17)  # 15, 16, 17 tokens: the last row's 5 pages are 3 chunks
+    assert len(paged.plans) == 2
+    assert paged.planned_args[-1][0][1].tolist() == [0, 4, 8, 13, 17]
+
+
 def test_a_sliding_window_keeps_a_lone_requests_usual_plan(backend_class):
     """With a sliding window a lone request's step is not split into query rows (each row would need the window of
     its own position): it keeps the kernel it had."""

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from specdec.engine.sampling_params import SamplingParams
-from specdec.engine.verify_policy import PRIOR_SEEN, TREE, StepCosts, VerifyPolicy, verify_lengths
+from specdec.engine.verify_policy import CHAIN_MARGIN, PRIOR_SEEN, TREE, StepCosts, VerifyPolicy, verify_lengths
 from tests.conftest import build_tiny_model
 from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, spec_engine, tiny_engine
 
@@ -34,14 +34,30 @@ def test_expected_tokens_follow_the_per_position_rates():
 
 def test_the_whole_chain_where_verifying_more_costs_little_and_a_short_one_where_it_costs_much():
     costs = StepCosts(draft=dict.fromkeys((4, 8, 16), {1: 1e-3, 64: 2e-3}),
-                      verify={4: {1: 2.0e-3, 64: 4e-3}, 8: {1: 2.0e-3, 64: 6e-3}, 16: {1: 2.0e-3, 64: 9e-3}})
+                      verify={4: {1: 2.0e-3, 64: 4e-3}, 8: {1: 2.0e-3, 64: 7e-3}, 16: {1: 2.0e-3, 64: 9e-3}})
     policy = VerifyPolicy(16, (4, 8, 16), costs)
     rates = np.array([0.86, 0.81, 0.79, 0.76, 0.69, 0.61, 0.5, 0.5, 0.5, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3])
     policy.accepted[:], policy.seen[:] = rates * 100, 100
     assert policy.choose(1) == 16  # the chain costs what a short verify does
-    assert policy.choose(40) == 4  # rung 64: 16 tokens cost 2.25x 4 tokens' verify
+    assert policy.choose(40) == 4  # rung 64: 3.1 tokens in 6 ms, against 4.1 in 9 ms and 4.3 in 11 ms
     assert policy.choose(65) == 16  # above the measured ladder: the whole chain
     assert VerifyPolicy(16, (4, 8, 16)).choose(40) == 16  # nothing measured (no graphs): the whole chain
+
+
+def test_a_shorter_chain_only_where_it_pays_by_more_than_the_costs_tell_apart():
+    """The start-up costs at batch 1 of an H200 (a random-weight target of the default's shape) and math500's
+    per-position acceptance: the chain of 8 comes out 1% ahead of the whole chain by its costs, within the margin
+    (in wall time the whole chain was ahead), so the whole chain runs; a shorter chain that pays by more runs."""
+    costs = StepCosts(draft={8: {1: 0.432e-3}, 16: {1: 0.435e-3}}, verify={8: {1: 2.047e-3}, 16: {1: 2.152e-3}})
+    policy = VerifyPolicy(16, (8, 16), costs)
+    rates = np.array([0.86, 0.81, 0.79, 0.76, 0.74, 0.61, 0.58, 0.5, 0.5, 0.67, 0.5, 0, 0, 0, 0])
+    policy.accepted[:], policy.seen[:] = rates * 100, 100
+    expected = policy.expected_tokens()
+    rate = {q: expected[q - 1] / costs.at(1)[q] for q in (8, 16)}
+    assert 1 < rate[8] / rate[16] < 1 + CHAIN_MARGIN
+    assert policy.choose(1) == 16
+    policy.costs = StepCosts(draft=costs.draft, verify={8: {1: 2.047e-3}, 16: {1: 2.4e-3}})
+    assert policy.choose(1) == 8
 
 
 def test_each_option_counts_its_own_draft_step():

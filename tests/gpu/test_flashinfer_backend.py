@@ -228,13 +228,19 @@ class LoneRung:
 def test_a_lone_requests_verify_rows_have_the_bits_of_its_decodes(kv):
     """A lone request's verify of 16 and its decodes at the same 16 positions, each replayed from a graph rung
     captured once on a dummy of one KV chunk: the verify attends as the reference, and each of its rows has the
-    bits of the decode at that position, with a short history (one KV chunk per row) and a long one (several)."""
+    bits of the decode at that position, with a short history (one KV chunk per row) and long ones (several).
+    A rung replans only when a row's number of chunks changes: after the history of 1,500 tokens, that of 1,502
+    keeps both rungs' plans (every row still 5 chunks of 19 pages on a GPU of 132 SMs), and in that of 1,510 the
+    rows reach a sixth chunk."""
     scales = (0.05, 0.03) if kv == "fp8" else (1.0, 1.0)
     backend = flashinfer_backend(KV_DTYPES[kv])
     backend.bound_sequence_pages(256)
-    expected = 2400  # the request's length at most: its KV chunks are 2416 / 16 tokens in 5 or 8 chunks
+    expected = 2400  # the request's length at most: its KV chunks are 2416 / 16 tokens in up to 8 chunks
     cases = {h: PagedCase([h], [16], [16], True, page_size=16, kv_dtype=KV_DTYPES[kv], device="cuda",
-                          dtype=torch.bfloat16, scales=scales, seed=h) for h in (30, 1500)}
+                          dtype=torch.bfloat16, scales=scales, seed=h) for h in (30, 1500, 1502, 1510)}
+    plans = []
+    plan_wrappers = backend._plan_wrappers
+    backend._plan_wrappers = lambda *args, **kwargs: plans.append(backend.slot) or plan_wrappers(*args, **kwargs)
     layer, scratch = cases[30].layer, cases[30].kv.scratch_page  # the graphs' cache: each case's copied in
     verify, decode = LoneRung(backend, layer, 16, scratch), LoneRung(backend, layer, 1, scratch)
     for history, case in cases.items():
@@ -249,6 +255,10 @@ def test_a_lone_requests_verify_rows_have_the_bits_of_its_decodes(kv):
             one = BatchLayout.for_tokens([1], [history + j + 1], [table], 16, causal=True, expected_kv_len=expected)
             row = decode.run(one, case.q[j:j + 1], case.new_k[j:j + 1], case.new_v[j:j + 1])
             assert torch.equal(row[0], rows[j]), f"position {history + j}"
+    if backend.split_items == 132:  # the chunks the docstring counts
+        # per rung: the dummy it was captured on, 30, 1,500 and 1,510 (the verify's rows reach a sixth chunk there,
+        # the decodes from position 1,520 on), never 1,502
+        assert plans.count(verify.slot) == 4 and plans.count(decode.slot) == 4
 
 
 # (history, new_kv, q_lens, causal): short ones, and long ones, where a plan would split each request's KV
