@@ -59,7 +59,9 @@ TREE = 0  # the choice "verify a token tree" (chain choices are their token coun
 # one verifying 8, where the steps' kernels differed by 2% and their wall time not at all (math500 on an H200,
 # every step forced to one length: 3.04 ms per step for chains of 16, 3.11 for chains of 8, so 0.67 against
 # 0.70 ms per token). A shorter chain replaces a longer one only when its rate is higher by more than this
-CHAIN_MARGIN = 0.03
+# (under load the options' costs differ by far more: at 64 requests a chain of 4 against one of 8, 3.4 against
+# 4.7 ms)
+CHAIN_MARGIN = 0.02
 # an overhead estimate follows the last ~10 decode-only steps of its kind (speculative or plain) and batch rung
 OVERHEAD_DECAY = 0.9
 # a step of one kind measures nothing of the other: the other's estimate fades by 1% each, so that after some
