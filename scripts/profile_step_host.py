@@ -2,6 +2,7 @@
 
     python scripts/profile_step_host.py --batches 1 16 64 --out profile.txt     # GPU, about a minute
     python scripts/profile_step_host.py --quick                                 # CPU smoke run, tiny model
+    python scripts/profile_step_host.py --batches 1 --timeline   # + the host's path between two verifies
 
 The model is `bench_steps.py`'s (random weights of the default target's shape, the shipped drafter) unless
 --model names one. For each system and batch: one warm-up generate, then one generate under cProfile; the
@@ -27,6 +28,7 @@ import torch  # noqa: E402
 
 from scripts.bench_steps import greedy, longest, models_to_run, prompt_ids  # noqa: E402
 from scripts.bench.runner import release_memory  # noqa: E402
+from scripts.bench.step_timeline import StepTimeline  # noqa: E402
 from specdec import LLM  # noqa: E402
 
 
@@ -40,6 +42,8 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--top", type=int, default=45, help="functions listed per profile")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--timeline", action="store_true",
+                   help="DFlash: also the host's path from a step's tokens to the next verify's launch, per piece")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes")
     p.add_argument("--out", help="also write the report here")
     args = p.parse_args(argv)
@@ -80,6 +84,10 @@ def main(argv=None) -> int:
                       max_prefill_tokens=max(args.batches) * args.prompt_tokens, verify="chain")
             for b in args.batches:
                 out.append(f"# {system}, batch {b}\n" + profile(llm, prompts[:b], args.max_new_tokens, args.top))
+                if args.timeline and system == "DFlash":
+                    with StepTimeline(llm) as timeline:
+                        llm.generate(prompts[:b], greedy(args.max_new_tokens))
+                    out[-1] += "\n" + timeline.report() + "\n"
                 print(out[-1], flush=True)
             del llm
             release_memory(args.device)
