@@ -293,7 +293,8 @@ class FlashInferBackend(AttentionBackend):
                                                 index.stage("last_page_len", planned.last_page_lens()))
         index.stage("kv_indices", planned.kv_indices)
         index.send()
-        # the rows' work split is that of the rung's last plan: the kernels read only the page metadata just sent
+        # a query-rows rung whose rows have the KV chunks of its last plan keeps that plan: its kernels read only the
+        # page metadata just sent
         split = kv_split(planned, extra["fixed_split_size"]) if rows else None
         if split is None or split != slot.split:
             kv_lens = slot.kv_lens[:planned.batch_size]
