@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from attention.backend import AttentionBackend
-from attention.batch_layout import BatchLayout, real_page_metadata, slots_on_device
+from attention.batch_layout import BatchLayout, query_rows_on_device, real_page_metadata, slots_on_device
 from attention.kv_cache import FP8_DTYPE, LayerKV
 from attention.transfer import StagedIndices, pinned, upload
 
@@ -307,6 +307,27 @@ class FlashInferBackend(AttentionBackend):
         if self.device.type == "cuda":
             slot.staged = torch.cuda.Event()
             slot.staged.record()
+
+    def plan_graph_ahead(self, slot: GraphSlot, lowest: BatchLayout, highest: BatchLayout, start: torch.Tensor,
+                         scratch_page: int) -> bool:
+        """A lone request's verify as query rows, its position on the device: where every row has the same KV
+        chunks at `lowest` and at `highest` (so at every position between: the plan depends on nothing else, see
+        `kv_split`), the rung is planned as `highest` (the step's own page metadata, its whole page table, serves
+        any position up to it) and the rows' metadata of `start` is written over it on the device."""
+        if not (slot.rows and self.lone_rows(lowest) and self.lone_rows(highest)):
+            return False
+        (low, low_extra), (high, high_extra) = (self._planned(layout, scratch_page) for layout in (lowest, highest))
+        if kv_split(low, low_extra["fixed_split_size"]) != kv_split(high, high_extra["fixed_split_size"]):
+            return False
+        self.plan_graph(slot, highest, scratch_page)
+        q, split = int(highest.q_lens[0]), high_extra["fixed_split_size"]
+        # the step's page table, as sent for `highest`: the rows' pages are its first ones
+        table = slot.kv_indices[:len(highest.kv_indices)]
+        kv_indptr, kv_indices, last_page_len = slot.planned
+        for buffer, values in zip((kv_indptr, last_page_len, kv_indices), query_rows_on_device(
+                table, start, q, highest.page_size, split, scratch_page, len(kv_indices))):
+            buffer.copy_(values)
+        return True
 
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
         """A graph rung planned for upper bounds (`device_lengths`): its page metadata becomes the real lengths'

@@ -147,11 +147,13 @@ class PageTable:
             self.num_pages = end
         self.length += num_tokens
 
-    def truncate(self, length: int) -> None:
-        """Shrink to `length` tokens, returning the whole pages past it to the pool."""
+    def truncate(self, length: int, room: int = 0) -> None:
+        """Shrink to `length` tokens, returning the whole pages past it to the pool, but for those of `room` more
+        tokens (a step queued ahead writes there; a later `grow` takes them first, and `truncate(length)` returns
+        them)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a sequence of {self.length} tokens to {length}")
-        keep = self.pool.pages_for(length)
+        keep = self.pool.pages_for(length + room)
         if keep < self.num_pages:
             self.pool.give_back(self._ids[keep:self.num_pages].tolist())
             self.num_pages = keep

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from attention.batch_layout import BatchLayout, real_page_metadata
+from attention.batch_layout import BatchLayout, query_rows_on_device, real_page_metadata
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -37,3 +37,23 @@ def test_real_lengths_never_exceed_the_planned_ones():
                                                torch.from_numpy(planned.last_page_lens()),
                                                torch.from_numpy(planned.kv_indices.copy()), torch.tensor([17, 900]), 16)
     assert indptr.tolist() == [0, 2, 3] and last.tolist() == [1, 5] and indices.tolist() == [3, 4, 9]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_query_rows_from_a_position_on_the_device_equal_the_host_layouts(page_size, seed):
+    """A verify queued before its position reaches the host: its query rows' page metadata computed on the device
+    from the position are those `BatchLayout.query_rows` gives the layout of that position."""
+    rng = np.random.default_rng(seed)
+    q, split = int(rng.integers(1, 17)), int(rng.integers(1, 5))
+    start = int(rng.integers(0, 90))
+    table = rng.permutation(500)[:-(-(start + q + 20) // page_size)].astype(np.int32)  # room past the step
+    step = BatchLayout.for_tokens([q], [start + q], [table], page_size, causal=True)
+    rows = step.query_rows(split, padding_page=499)
+    entries = len(rows.kv_indices) + 7
+    indptr, last, indices = query_rows_on_device(torch.from_numpy(table), torch.tensor([start]), q, page_size,
+                                                 split, 499, entries)
+    assert indptr.dtype == last.dtype == indices.dtype == torch.int32
+    assert indptr.tolist() == rows.kv_indptr().tolist() and last.tolist() == rows.last_page_lens().tolist()
+    assert indices[:len(rows.kv_indices)].tolist() == rows.kv_indices.tolist()
+    assert not indices[len(rows.kv_indices):].any()
