@@ -43,6 +43,22 @@ def dflash_drafter(path, tmp_path, block_size, seed=0, **shape):
     return load_drafter(tmp_path / f"drafter-{block_size}-{seed}", target.model)
 
 
+def module_target(name: str, seed: int, kind: str = "qwen3"):
+    """A module-scoped fixture (assign it to `target_dir`): a tiny target model saved once for the module's tests."""
+    @pytest.fixture(scope="module")
+    def target_dir(tmp_path_factory):
+        path = tmp_path_factory.mktemp(name)
+        build_tiny_model(kind, path, seed=seed)
+        return path
+    return target_dir
+
+
+def dflash_engine(path, tmp_path, **config) -> Engine:
+    """An engine over the tiny target at `path` with a random block-4 DFlash drafter (EOS 2 and 9): what the tests of
+    drafting and verifying ahead run."""
+    return spec_engine(path, dflash_drafter(path, tmp_path, 4, seed=2), eos=(2, 9), **config)
+
+
 def failing_at(after: int, error: BaseException):
     """A wrapper for functions (their calls counted together) that raises `error` at the `after`-th call."""
     calls = {"n": 0}
@@ -55,6 +71,23 @@ def failing_at(after: int, error: BaseException):
             return fn(*args, **kwargs)
         return wrapped
     return failing
+
+
+def run_failing(engine, owner, name: str, after: int, prompts, params) -> None:
+    """Run `prompts` with `owner.name` raising KeyboardInterrupt at its `after`-th call: every request of the call
+    ends, the scheduler is idle and no page leaks; `owner.name` is itself again afterwards."""
+    original = getattr(owner, name)
+    setattr(owner, name, failing_at(after, KeyboardInterrupt(name))(original))
+    try:
+        requests = [engine.make_request(p, params) for p in prompts]
+        try:
+            engine.run(requests)
+        except KeyboardInterrupt:
+            assert all(r.finished for r in requests)
+    finally:
+        setattr(owner, name, original)
+    assert engine.scheduler.idle
+    assert_no_leak(engine)
 
 
 def run_staggered(engine, prompts, params_list) -> list:

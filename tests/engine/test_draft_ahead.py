@@ -10,20 +10,16 @@ import pytest
 
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import TREE, StepCosts
-from tests.conftest import VOCAB, build_tiny_model
-from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, failing_at, run_staggered, spec_engine
+from tests.conftest import VOCAB
+from tests.engine_helpers import (MANY_PROMPTS, assert_no_leak, dflash_engine, module_target, run_failing,
+                                  run_staggered, spec_engine)
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("draft-ahead")
-    build_tiny_model("qwen3", path, seed=31)
-    return path
+target_dir = module_target("draft-ahead", seed=31)
 
 
 def engine_for(target_dir, tmp_path, ahead: bool, **config):
-    return spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4, seed=2), eos=(2, 9),
-                       overlap_steps=ahead, **config)
+    return dflash_engine(target_dir, tmp_path, overlap_steps=ahead, **config)
 
 
 def count_ahead(engine) -> dict:
@@ -196,7 +192,7 @@ def test_a_queued_draft_scores_the_drafts_the_policy_picks_for_the_next_step(tar
 
 @pytest.mark.parametrize("verify", ["chain", "tree"])
 @pytest.mark.parametrize("point", ["propose_next", "settle"])
-def test_an_exception_around_a_draft_ahead_leaves_the_engine_clean(target_dir, tmp_path, point, verify, monkeypatch):
+def test_an_exception_around_a_draft_ahead_leaves_the_engine_clean(target_dir, tmp_path, point, verify):
     """A draft queued ahead (for a chain, or a tree's candidates) whose queueing or settling fails: every request
     of the call ends, no page leaks, and the engine then gives what a fresh one gives."""
     params = SamplingParams(max_new_tokens=12)
@@ -205,14 +201,5 @@ def test_an_exception_around_a_draft_ahead_leaves_the_engine_clean(target_dir, t
         MANY_PROMPTS[:3], params)]
     rng = random.Random(point)
     for _ in range(4):
-        with monkeypatch.context() as patch:
-            patch.setattr(engine.drafter, point, failing_at(rng.randint(1, 5), KeyboardInterrupt(point))(
-                getattr(engine.drafter, point)))
-            requests = [engine.make_request(p, params) for p in MANY_PROMPTS[:5]]
-            try:
-                engine.run(requests)
-            except KeyboardInterrupt:
-                assert all(r.finished for r in requests)
-        assert engine.scheduler.idle
-        assert_no_leak(engine)
+        run_failing(engine, engine.drafter, point, rng.randint(1, 5), MANY_PROMPTS[:5], params)
     assert [r.output_ids for r in engine.generate_ids(MANY_PROMPTS[:3], params)] == fresh

@@ -10,20 +10,14 @@ import pytest
 import torch
 
 from specdec.engine.sampling_params import SamplingParams
-from tests.conftest import VOCAB, build_tiny_model
-from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, failing_at, spec_engine
+from tests.conftest import VOCAB
+from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_engine, module_target, run_failing, spec_engine
 
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("verify-ahead")
-    build_tiny_model("qwen3", path, seed=31)
-    return path
+target_dir = module_target("verify-ahead", seed=31)
 
 
 def engine_for(target_dir, tmp_path, ahead: bool, **config):
-    return spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4, seed=2), eos=(2, 9), overlap_steps=True,
-                       verify_ahead=ahead, **config)
+    return dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead=ahead, **config)
 
 
 def count_blocks(engine) -> dict:
@@ -149,7 +143,7 @@ def test_requests_that_sample_or_adjust_logits_are_never_verified_ahead(target_d
 
 
 @pytest.mark.parametrize("point", ["_verify_ahead", "_take_ahead"])
-def test_an_exception_around_a_verify_ahead_leaves_the_engine_clean(target_dir, tmp_path, point, monkeypatch):
+def test_an_exception_around_a_verify_ahead_leaves_the_engine_clean(target_dir, tmp_path, point):
     """A verify queued ahead whose queueing or taking fails: every request of the call ends, no page leaks, and the
     engine then gives what a fresh one gives."""
     params = SamplingParams(max_new_tokens=12)
@@ -157,14 +151,5 @@ def test_an_exception_around_a_verify_ahead_leaves_the_engine_clean(target_dir, 
     fresh = [r.output_ids for r in engine_for(target_dir, tmp_path, False).generate_ids(MANY_PROMPTS[:1], params)]
     rng = random.Random(point)
     for _ in range(3):
-        with monkeypatch.context() as patch:
-            patch.setattr(engine.decoding, point, failing_at(rng.randint(2, 6), KeyboardInterrupt(point))(
-                getattr(engine.decoding, point)))
-            requests = [engine.make_request(MANY_PROMPTS[0], params)]
-            try:
-                engine.run(requests)
-            except KeyboardInterrupt:
-                assert all(r.finished for r in requests)
-        assert engine.scheduler.idle
-        assert_no_leak(engine)
+        run_failing(engine, engine.decoding, point, rng.randint(2, 6), MANY_PROMPTS[:1], params)
     assert [r.output_ids for r in engine.generate_ids(MANY_PROMPTS[:1], params)] == fresh
