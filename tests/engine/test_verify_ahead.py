@@ -153,3 +153,25 @@ def test_an_exception_around_a_verify_ahead_leaves_the_engine_clean(target_dir, 
     for _ in range(3):
         run_failing(engine, engine.decoding, point, rng.randint(2, 6), MANY_PROMPTS[:1], params)
     assert [r.output_ids for r in engine.generate_ids(MANY_PROMPTS[:1], params)] == fresh
+
+
+def test_chains_of_every_length_the_policy_picks_are_verified_ahead_exactly(target_dir, tmp_path):
+    """auto picking chains of 2 or 4 tokens at random (and a token tree now and then): a verify queued ahead
+    verifies the chain its queued draft was made for, and outputs are those of plain decoding."""
+    from specdec.engine.verify_policy import TREE
+
+    params = SamplingParams(max_new_tokens=30)
+    plain = [r.output_ids for r in one_at_a_time(spec_engine(target_dir, None, eos=(2, 9)), params)]
+    engine = engine_for(target_dir, tmp_path, True, verify="auto")
+    scripted_drafts(engine, target_dir)
+    counts = count_blocks(engine)
+    rng = random.Random(3)
+    engine.decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True: rng.choice(
+        [2, 4, TREE] if trees else [2, 4])
+    verified = []
+    ahead = one_at_a_time(engine, params)
+    for request in ahead:
+        verified += request.stats.verify_lengths
+    assert [r.output_ids for r in ahead] == plain
+    assert counts["taken"] > 10 and {2, 4} <= set(verified)
+    assert_no_leak(engine)
