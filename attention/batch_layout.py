@@ -222,23 +222,3 @@ def real_page_metadata(kv_indptr: torch.Tensor, last_page_len: torch.Tensor, kv_
     return (real_indptr.to(kv_indptr.dtype), ((lengths - 1) % page_size + 1).to(last_page_len.dtype),
             indices.to(kv_indices.dtype))
 
-
-def query_rows_on_device(table: torch.Tensor, start: torch.Tensor, q: int, page_size: int, split_pages: int,
-                         padding_page: int, entries: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`BatchLayout.query_rows` of a lone request's causal step of q tokens from position `start` (a device scalar,
-    [1]: a position the host does not know yet), over its page table `table` (device int32, at least the step's
-    pages), as (kv_indptr [q + 2], last_page_len [q + 1], kv_indices [entries]) int32: row j over the KV up to
-    start + j, then the request of no query over 2 x `split_pages` padding pages; indices past the last are 0.
-    Tensor operations of fixed shapes only: no host sync."""
-    rows = torch.arange(q, device=table.device)
-    lens = start.long().reshape(1) + 1 + rows
-    counts = torch.cat([torch.div(lens + page_size - 1, page_size, rounding_mode="floor"),
-                        torch.full((1,), 2 * split_pages, dtype=torch.long, device=table.device)])
-    indptr = torch.cat([torch.zeros(1, dtype=torch.long, device=table.device), counts.cumsum(0)])
-    last = torch.cat([(lens - 1) % page_size + 1, torch.full((1,), page_size, dtype=torch.long, device=table.device)])
-    entry = torch.arange(entries, device=table.device)
-    row = (torch.searchsorted(indptr, entry, right=True) - 1).clamp(0, q)
-    page = table[(entry - indptr[row]).clamp(0, len(table) - 1)].long()
-    indices = torch.where(row < q, page, padding_page)
-    indices = torch.where(entry < indptr[-1], indices, 0)
-    return indptr.int(), last.int(), indices.int()

@@ -34,8 +34,7 @@ from pinned memory in one copy per plan (`StagedIndices`). Both shorten the host
 reaching it and the next verify's launch, where at batch 1 the GPU runs only the queued draft (~0.43 ms): a
 verify's `plan_graph` took 0.31 ms before and 0.21-0.24 ms with the kept plan (two H200s, BENCHMARKS.md).
 A backend whose runner bounds no request's pages (`bound_sequence_pages`), or that has a sliding window, keeps
-fa3 for them. Eager and graphed
-steps of the same layout use the same kernels.
+fa3 for them. Eager and graphed steps of the same layout use the same kernels.
 fa2 graph slots are planned with `uniform_q_len` (every request has the same query count), so the
 query tile is sized for that count as in an eager plan: without it a CUDA-graph plan sizes the tile
 for the ragged worst case, the verify graph then rounds differently from the decode graph, and
@@ -63,7 +62,7 @@ import numpy as np
 import torch
 
 from attention.backend import AttentionBackend
-from attention.batch_layout import BatchLayout, query_rows_on_device, real_page_metadata, slots_on_device
+from attention.batch_layout import BatchLayout, real_page_metadata, slots_on_device
 from attention.kv_cache import FP8_DTYPE, LayerKV
 from attention.transfer import StagedIndices, pinned, upload
 
@@ -313,19 +312,20 @@ class FlashInferBackend(AttentionBackend):
         """A lone request's verify as query rows, its position on the device: where every row has the same KV
         chunks at `lowest` and at `highest` (so at every position between: the plan depends on nothing else, see
         `kv_split`), the rung is planned as `highest` (the step's own page metadata, its whole page table, serves
-        any position up to it) and the rows' metadata of `start` is written over it on the device."""
+        any position up to it) and the rows' metadata is cut to the lengths of `start` on the device, as a draft
+        planned for upper bounds is (`real_page_metadata`)."""
         if not (slot.rows and self.lone_rows(lowest) and self.lone_rows(highest)):
             return False
         (low, low_extra), (high, high_extra) = (self._planned(layout, scratch_page) for layout in (lowest, highest))
         if kv_split(low, low_extra["fixed_split_size"]) != kv_split(high, high_extra["fixed_split_size"]):
             return False
         self.plan_graph(slot, highest, scratch_page)
-        q, split = int(highest.q_lens[0]), high_extra["fixed_split_size"]
-        # the step's page table, as sent for `highest`: the rows' pages are its first ones
-        table = slot.kv_indices[:len(highest.kv_indices)]
+        # each row keeps its first pages up to its real length, start + 1 + j (the request of no query all of its own)
+        rows = start.long().reshape(1) + 1 + torch.arange(int(highest.q_lens[0]), device=start.device)
+        lengths = torch.cat([rows, rows.new_full((1,), int(high.kv_lens[-1]))])
         kv_indptr, kv_indices, last_page_len = slot.planned
-        for buffer, values in zip((kv_indptr, last_page_len, kv_indices), query_rows_on_device(
-                table, start, q, highest.page_size, split, scratch_page, len(kv_indices))):
+        for buffer, values in zip((kv_indptr, last_page_len, kv_indices), real_page_metadata(
+                kv_indptr, last_page_len, kv_indices, lengths, highest.page_size)):
             buffer.copy_(values)
         return True
 

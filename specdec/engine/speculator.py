@@ -187,16 +187,9 @@ class SpeculativeDecoding:
             return None
         if prefill is None and [r.request_id for r in running] == block.request_ids:
             return block
-        self.drop_ahead(running)
+        for request in running:  # each keeps its committed length and no page more
+            request.target_pages.truncate(request.target_pages.length)
         return None
-
-    def drop_ahead(self, requests: list[Request]) -> None:
-        """Forget a queued verify (`_take_ahead`): each of `requests` keeps its committed length and no page more."""
-        self.ahead = None
-        for request in requests:
-            table = request.target_pages
-            if table is not None:
-                table.truncate(table.length)
 
     def _queue_next_draft(self, running: list[Request], starting: list[Request], bonus: torch.Tensor,
                           accepted: torch.Tensor, first_tokens: torch.Tensor | None, q: int) -> bool:
@@ -230,7 +223,6 @@ class SpeculativeDecoding:
         """A plain decoding step (`plain_pays`), queued without waiting for its tokens as plain decoding's overlapped
         steps are (specdec/engine/flight.py). The drafter's context grows by the positions its forward computes (the
         running requests' inputs and the prompt chunks), so a later speculative step drafts from where they are."""
-        self.drop_ahead(running)
         self.drafter.catch_up(running)
         self.verify_length = PLAIN
         return self.plain.launch(running, prefill, carried, starting, after_forward=self._plain_context)
