@@ -59,14 +59,6 @@ class AttentionBackend(ABC):
         graph), for a step planned with upper bounds of them: its attention and write slots then read each
         request's first pages up to its real length. A no-op where plans are exact (the default)."""
 
-    def plan_graph_ahead(self, slot, lowest: BatchLayout, highest: BatchLayout, start: torch.Tensor,
-                         scratch_page: int) -> bool:
-        """A graph replay of a lone request's step queued before its position reaches the host: `start` [1] on the
-        device, between the positions of `lowest` and `highest` (layouts of the step at either end, over the same
-        page table). Planned, with the page metadata of `start` written on the device, where the backend can
-        plan it without knowing `start` (True); otherwise nothing is planned (False, the default)."""
-        return False
-
     @abstractmethod
     def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [layout.num_new_kv, num_kv_heads, head_dim] -> their cache slots."""

@@ -221,4 +221,3 @@ def real_page_metadata(kv_indptr: torch.Tensor, last_page_len: torch.Tensor, kv_
     indices = torch.where(entry < real_indptr[-1], kv_indices[source], 0)
     return (real_indptr.to(kv_indptr.dtype), ((lengths - 1) % page_size + 1).to(last_page_len.dtype),
             indices.to(kv_indices.dtype))
-

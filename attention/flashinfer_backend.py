@@ -307,28 +307,6 @@ class FlashInferBackend(AttentionBackend):
             slot.staged = torch.cuda.Event()
             slot.staged.record()
 
-    def plan_graph_ahead(self, slot: GraphSlot, lowest: BatchLayout, highest: BatchLayout, start: torch.Tensor,
-                         scratch_page: int) -> bool:
-        """A lone request's verify as query rows, its position on the device: where every row has the same KV
-        chunks at `lowest` and at `highest` (so at every position between: the plan depends on nothing else, see
-        `kv_split`), the rung is planned as `highest` (the step's own page metadata, its whole page table, serves
-        any position up to it) and the rows' metadata is cut to the lengths of `start` on the device, as a draft
-        planned for upper bounds is (`real_page_metadata`)."""
-        if not (slot.rows and self.lone_rows(lowest) and self.lone_rows(highest)):
-            return False
-        (low, low_extra), (high, high_extra) = (self._planned(layout, scratch_page) for layout in (lowest, highest))
-        if kv_split(low, low_extra["fixed_split_size"]) != kv_split(high, high_extra["fixed_split_size"]):
-            return False
-        self.plan_graph(slot, highest, scratch_page)
-        # each row keeps its first pages up to its real length, start + 1 + j (the request of no query all of its own)
-        rows = start.long().reshape(1) + 1 + torch.arange(int(highest.q_lens[0]), device=start.device)
-        lengths = torch.cat([rows, rows.new_full((1,), int(high.kv_lens[-1]))])
-        kv_indptr, kv_indices, last_page_len = slot.planned
-        for buffer, values in zip((kv_indptr, last_page_len, kv_indices), real_page_metadata(
-                kv_indptr, last_page_len, kv_indices, lengths, highest.page_size)):
-            buffer.copy_(values)
-        return True
-
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
         """A graph rung planned for upper bounds (`device_lengths`): its page metadata becomes the real lengths'
         (each request keeps its first pages up to min(real, planned) length), on the device, with no host work.

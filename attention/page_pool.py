@@ -147,13 +147,11 @@ class PageTable:
             self.num_pages = end
         self.length += num_tokens
 
-    def truncate(self, length: int, room: int = 0) -> None:
-        """Shrink to `length` tokens, returning the whole pages past it to the pool, but for those of `room` more
-        tokens (a step queued ahead writes there; a later `grow` takes them first, and `truncate(length)` returns
-        them)."""
+    def truncate(self, length: int) -> None:
+        """Shrink to `length` tokens, returning the whole pages past it to the pool."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a sequence of {self.length} tokens to {length}")
-        keep = self.pool.pages_for(length + room)
+        keep = self.pool.pages_for(length)
         if keep < self.num_pages:
             self.pool.give_back(self._ids[keep:self.num_pages].tolist())
             self.num_pages = keep

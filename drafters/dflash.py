@@ -120,11 +120,6 @@ class DFlashDrafter(ModelRunner, Drafter):
     def queued_length(self) -> int | None:
         return self.queued_drafts if self.queued else None
 
-    def queued_drafts_for(self, requests: list[DraftRequest]) -> torch.Tensor | None:
-        if self.queued_candidates or [self.queued.get(r.request_id) for r in requests] != list(range(len(requests))):
-            return None
-        return self.drafts_out[:len(requests), :self.queued_drafts]
-
     # ---- lifecycle ---------------------------------------------------------------------------
     @torch.no_grad()
     def add_context(self, requests: list[DraftRequest], features: torch.Tensor, lens: list[int]) -> None:

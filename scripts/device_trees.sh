@@ -9,7 +9,7 @@
 # ROUNDS (load benchmark requests per level, in multiples of the concurrency; default 2),
 # STAGES (default "tests math500 load humaneval all-tests"; "steps" adds the step benchmark of chain and
 # tree steps with the real target: wall vs GPU kernel time at batch 1 and 8; "b1pairs" math500 at batch 1 with
-# chain, auto and chain with --verify-ahead, alternating, twice, each pinned to one core).
+# chain and auto, alternating, twice, each pinned to one core).
 set -uo pipefail
 out=${TREES_OUT:-/tmp/trees}
 default_stages="tests math500 load humaneval all-tests"
@@ -35,14 +35,11 @@ if wanted math500; then
 fi
 if wanted b1pairs; then  # chain and auto alternating, each pinned to one core: a batch-1 step waits on the host,
   # whose speed varied between processes by up to ~15% unpinned (BENCHMARKS.md)
-  # (and chain with each step's next verify queued ahead: --verify-ahead)
   for round in 1 2; do
-    for run in chain auto chain-ahead; do
-      stage "math500, batch 1, $run, pinned, round $round"
-      options=(--verify "${run%-ahead}")
-      [[ $run == *-ahead ]] && options+=(--verify-ahead)
-      taskset -c 4 python3 -m eval.math500 --drafter "$drafter" --limit "$limit" --max-num-seqs 1 "${options[@]}" \
-        --no-progress --output "$out/math500-b1-$run-pinned-$round" 2>&1 | grep "TPOT\|verify steps\|identical"
+    for verify in chain auto; do
+      stage "math500, batch 1, verify $verify, pinned, round $round"
+      taskset -c 4 python3 -m eval.math500 --drafter "$drafter" --limit "$limit" --max-num-seqs 1 --verify "$verify" \
+        --no-progress --output "$out/math500-b1-$verify-pinned-$round" 2>&1 | grep "TPOT\|verify steps"
     done
   done
 fi

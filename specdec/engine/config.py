@@ -97,11 +97,6 @@ class EngineConfig:
     overlap_steps: bool = _setting(True, "plain decoding: the host prepares and queues the next step before "
                                           "waiting for this one's tokens; speculative decoding: the next step's "
                                           "draft is queued before this step's tokens are read")
-    # speculative decoding of a lone greedy request: the next step's verify is queued too, with this step's acceptance
-    # (its position and page metadata computed on the device; specdec/engine/speculator.py, AheadBlock), so that the
-    # host's work between two steps runs while the GPU verifies. Off by default until measured on a GPU
-    verify_ahead: bool = _setting(False, "speculative decoding of one greedy request at a time: also queue the next "
-                                         "step's verify before this step's tokens are read (needs overlap_steps)")
     # speculative steps (specdec/engine/verify_policy.py): chain = every draft of the block every step;
     # auto = per step the chain length (the block, a half, a quarter, an eighth) with the most committed tokens per
     # second, from running acceptance and step times measured after graph capture (without CUDA graphs:

@@ -127,11 +127,6 @@ class Drafter(ABC):
         that scores every draft): a step that takes them verifies at most that many."""
         return None
 
-    def queued_drafts_for(self, requests: list[DraftRequest]) -> torch.Tensor | None:
-        """The drafts [len(requests), queued_length] of the draft `propose_next` queued for exactly `requests`, on
-        the device, left queued (`propose` takes them); None when there is none."""
-        return None
-
     def settle(self, requests: list[DraftRequest], counts: list[int]) -> None:
         """After `propose_next`: request i committed counts[i] positions."""
         raise NotImplementedError(f"{type(self).__name__} queues no draft ahead")

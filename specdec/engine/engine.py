@@ -133,7 +133,7 @@ class Engine:
             self.decoding: DecodePhase = SpeculativeDecoding(
                 self.runner, drafter, VerifyPolicy(block, chain_lengths, tree=trees),
                 TreeDecoding(self.runner, drafter, draft_ahead=config.overlap_steps) if trees else None,
-                draft_ahead=config.overlap_steps, verify_ahead=config.verify_ahead)
+                draft_ahead=config.overlap_steps)
         else:
             self.decoding = PlainDecoding(self.runner)
         # one entry per cached page: the target's KV page and, when the drafter keeps a context cache, its page
@@ -342,8 +342,6 @@ class Engine:
             on_commit(request, tokens)
 
         decode = plan.decode
-        if self.drafter is not None:  # a verify queued ahead would be dropped by the next step's arrivals
-            self.decoding.ahead_allowed = not self.scheduler.waiting
         # penalties and grammars follow every output token on the host: a step with such a request runs in order,
         # after the step in flight has landed. With a drafter, the policy's plain steps (no draft pays at this
         # batch) run overlapped as well; a speculative step needs the tokens in flight on the host first

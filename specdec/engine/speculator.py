@@ -13,18 +13,12 @@ One device-to-host transfer per step (drafts, a and bonus together); a step with
 output) adds one, of the drafts, which its masks walk on the host while the verify runs. With `draft_ahead`
 the next step's draft is queued right after the transfer (from the acceptance on the device, see
 `Drafter.propose_next`), so the GPU drafts while the host reads and commits; its length is the policy's choice
-for the next step's batch then, and that step verifies no more drafts than it holds. With `verify_ahead`, a lone
-greedy request's step also queues the next step's verify from that draft, at the position its acceptance gives on
-the device (`AheadBlock`; its table keeps the slots the queued verify writes), so that the host's work between two
-steps runs while the GPU verifies; the next step takes it if its batch is still that request alone, and drops it
-otherwise. The engine commits the tokens;
+for the next step's batch then, and that step verifies no more drafts than it holds. The engine commits the tokens;
 one it cuts short (EOS, a stop, max_new_tokens) finishes the request, which then gives back its
 target pages and drafter state, so the rollback and the drafter's context need not wait for it.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -40,32 +34,13 @@ from specdec.engine.verify_policy import PLAIN, TREE, VerifyPolicy
 from specdec.runtime.target_runner import Carried, PrefillChunks, TargetRunner
 
 
-@dataclass
-class AheadBlock:
-    """A lone request's next verify, queued with its acceptance before the last step's tokens were read
-    (`verify_ahead`): everything the step that takes it reads, on its way to the host."""
-
-    request_ids: list[int]
-    q: int
-    drafts: torch.Tensor
-    features: torch.Tensor | None  # the verify's features (what the next draft's context rows are read from)
-    accepted: torch.Tensor
-    bonus: torch.Tensor
-    transfer: StepTransfer
-
-
 class SpeculativeDecoding:
     def __init__(self, runner: TargetRunner, drafter: Drafter, policy: VerifyPolicy | None = None,
-                 tree: TreeDecoding | None = None, draft_ahead: bool = True, verify_ahead: bool = False):
+                 tree: TreeDecoding | None = None, draft_ahead: bool = True):
         self.runner = runner
         self.drafter = drafter
         # queue each chain step's next draft before reading its tokens (not with trees only: they draft candidates)
         self.draft_ahead = draft_ahead
-        # and, for a lone greedy request, the next verify too (`AheadBlock`): the host's work between two steps then
-        # runs while the GPU verifies; the engine allows it while no request waits to be admitted
-        self.verify_ahead = verify_ahead and draft_ahead
-        self.ahead_allowed = True
-        self.ahead: AheadBlock | None = None
         self.tokens_per_step = drafter.block_size  # the most a step commits per request
         self.policy = policy or VerifyPolicy(drafter.block_size, (drafter.block_size,))
         if self.policy.tree and tree is None:
@@ -94,102 +69,54 @@ class SpeculativeDecoding:
     def step(self, running: list[Request], prefill: PrefillChunks | None = None) -> list[list[int]]:
         batch = len(running)
         self.logprobs = None
-        starts = [r.num_cached for r in running]
-        block = self._take_ahead(running, prefill)
-        if block is not None:  # this step's verify was queued by the last one
-            q, drafts, accepted, bonus, transfer = block.q, block.drafts, block.accepted, block.bonus, block.transfer
-            features, first_tokens, rows = block.features, None, None
-            running[0].target_pages.grow(q)  # its block's slots, kept for it (written already)
-        else:
-            nodes = self.tree.nodes_for(batch) if self.tree is not None else 0
-            # logprobs, penalties and grammars work on the rows of a chain's verify: a step with a request that asks
-            # for one verifies a chain (of the length the policy picks)
-            chains_only = wants_logprobs(running) or any(adjusts_logits(r.params) for r in running)
-            q = self.policy.choose(batch, nodes, trees=not chains_only, plain=False)
-            self.option = q
-            if q == TREE:
-                tokens = self.tree.step(running, prefill)
-                self.verify_length = self.tree.verify_length
-                self.policy.observe_tree([len(t) - 1 for t in tokens], nodes)
-                # what the whole chain would have had accepted: its running acceptance stays current while trees run
-                self.policy.observe(self.tree.chain_accepted, self.policy.block_size)
-                return tokens
-            queued = self.drafter.queued_length  # a draft queued ahead, chosen for the batch of its time
-            if queued is not None:
-                q = min(q, queued + 1)
-            drafts = self.drafter.propose(running, q - 1)[:, :q - 1]  # [B, q-1] on the device
-            # grammars walk the drafts on the host: their copy is queued before the verify, which runs while the
-            # masks are computed
-            drafts_host = HostCopy(drafts) if any(r.matcher is not None for r in running) else None
-            out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], drafts,
-                                         q, prefill)
-            first_tokens = self._prefilled(prefill)
-            targets = sample_block(out, running, q, drafts, drafts_host)
-            accepted, bonus = accept(drafts, targets.view(batch, q))
-            rows = LogprobRows.start(out.logits, targets, running, q)  # committed token j is the target's at row j
-            transfer = StepTransfer(torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1), prefill,
-                                    first_tokens)
-            features = out.features
+        nodes = self.tree.nodes_for(batch) if self.tree is not None else 0
+        # logprobs, penalties and grammars work on the rows of a chain's verify: a step with a request that asks for
+        # one verifies a chain (of the length the policy picks)
+        chains_only = wants_logprobs(running) or any(adjusts_logits(r.params) for r in running)
+        q = self.policy.choose(batch, nodes, trees=not chains_only, plain=False)
+        self.option = q
+        if q == TREE:
+            tokens = self.tree.step(running, prefill)
+            self.verify_length = self.tree.verify_length
+            self.policy.observe_tree([len(t) - 1 for t in tokens], nodes)
+            # what the whole chain would have had accepted: its running acceptance stays current while trees run
+            self.policy.observe(self.tree.chain_accepted, self.policy.block_size)
+            return tokens
+        queued = self.drafter.queued_length  # a draft queued ahead, chosen for the batch of its time
+        if queued is not None:
+            q = min(q, queued + 1)
         self.option = self.verify_length = q  # the chain that runs: its wall time is weighed against its cost
+        starts = [r.num_cached for r in running]
+        drafts = self.drafter.propose(running, q - 1)[:, :q - 1]  # [B, q-1] on the device
+        # grammars walk the drafts on the host: their copy is queued before the verify, which runs while the
+        # masks are computed
+        drafts_host = HostCopy(drafts) if any(r.matcher is not None for r in running) else None
+        out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], drafts, q,
+                                     prefill)
+        first_tokens = self._prefilled(prefill)
+        targets = sample_block(out, running, q, drafts, drafts_host)
+        accepted, bonus = accept(drafts, targets.view(batch, q))
+        rows = LogprobRows.start(out.logits, targets, running, q)  # committed token j is the target's at row j
+        transfer = StepTransfer(torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1), prefill,
+                                first_tokens)
         starting = prefill.starting if first_tokens is not None else []
         drafting = running + starting
         ahead = self._queue_next_draft(running, starting, bonus, accepted, first_tokens, q)
-        if ahead and prefill is None:  # (a step with prompt chunks has company next step)
-            self.ahead = self._verify_ahead(running, starts, q, accepted, bonus)
-        room = self.ahead.q if self.ahead is not None else 0  # the slots the next verify, queued, writes
         host = transfer.read()
         tokens = []
         for row, request, start in zip(host, running, starts):
             a = row[q - 1]
             tokens.append(row[:a] + [row[q]])
             # keep K/V of the anchor and the accepted drafts; the bonus is the new pending token
-            request.target_pages.truncate(start + a + 1, room=room)
+            request.target_pages.truncate(start + a + 1)
         if rows is not None:
             self.logprobs = rows.read(tokens)
         self.policy.observe([len(t) - 1 for t in tokens], q)
         if ahead:
             self.drafter.settle(drafting, [len(t) for t in tokens] + [0] * len(starting))
         else:  # request i's verify features start at row i * q
-            self.drafter.extend(running, features, [i * q for i in range(batch)], [len(t) for t in tokens])
+            self.drafter.extend(running, out.features, [i * q for i in range(batch)], [len(t) for t in tokens])
         return tokens
-
-    def _verify_ahead(self, running: list[Request], starts: list[int], q: int, accepted: torch.Tensor,
-                      bonus: torch.Tensor) -> AheadBlock | None:
-        """The next step's verify of a lone greedy request, queued now with its acceptance (`AheadBlock`): from the
-        draft just queued, at the position this step's acceptance gives (on the device). None where it cannot be
-        (not allowed, a batch, a request whose tokens the host follows or that samples, no room, or a plan that
-        needs the position on the host)."""
-        request = running[0]
-        length = self.drafter.queued_length
-        if not (self.verify_ahead and self.ahead_allowed and len(running) == 1 and length and request.params.greedy
-                and not wants_logprobs(running) and not adjusts_logits(request.params)):
-            return None
-        q_next = length + 1
-        if request.max_total_tokens is not None and starts[0] + q + q_next > request.max_total_tokens:
-            return None  # it would write past the model's context
-        drafts = self.drafter.queued_drafts_for(running)
-        if drafts is None:
-            return None
-        out = self.runner.run_block_ahead(request.target_pages, starts[0] + 1, accepted, q - 1, bonus, drafts, q_next)
-        if out is None:
-            return None
-        self.drafter.propose(running, length)  # the queued draft is this verify's: taken
-        targets = sample_block(out, running, q_next, drafts)
-        accepted_next, bonus_next = accept(drafts, targets.view(1, q_next))
-        transfer = StepTransfer(torch.cat([drafts, accepted_next[:, None].long(), bonus_next[:, None]], dim=1), None)
-        return AheadBlock([request.request_id], q_next, drafts, out.features, accepted_next, bonus_next, transfer)
-
-    def _take_ahead(self, running: list[Request], prefill: PrefillChunks | None) -> AheadBlock | None:
-        """The verify the last step queued, if this step is still its request's alone; otherwise it is dropped (the
-        GPU's work for it stays unread) and its request's table gives back the slots kept for it."""
-        block, self.ahead = self.ahead, None
-        if block is None:
-            return None
-        if prefill is None and [r.request_id for r in running] == block.request_ids:
-            return block
-        for request in running:  # each keeps its committed length and no page more
-            request.target_pages.truncate(request.target_pages.length)
-        return None
 
     def _queue_next_draft(self, running: list[Request], starting: list[Request], bonus: torch.Tensor,
                           accepted: torch.Tensor, first_tokens: torch.Tensor | None, q: int) -> bool:
@@ -213,8 +140,7 @@ class SpeculativeDecoding:
     def plain_pays(self, running: list[Request]) -> bool:
         """Whether the policy runs the step of `running` as a plain decoding step (PLAIN): no draft pays at this
         batch. Not for requests whose tokens the host must follow one by one (penalties, grammars)."""
-        return (self.ahead is None and PLAIN in self.policy.lengths
-                and self.policy.choose(len(running), trees=False) == PLAIN
+        return (PLAIN in self.policy.lengths and self.policy.choose(len(running), trees=False) == PLAIN
                 and not any(adjusts_logits(r.params) for r in running))
 
     @torch.no_grad()

@@ -206,40 +206,6 @@ class TargetRunner(ModelRunner):
                       after_upload=device_tokens_into_ids if rest is not None or carried is not None else None)
         return self._block_output(batch * q)
 
-    def run_block_ahead(self, table: PageTable, base: int, advance: torch.Tensor, most: int, anchor: torch.Tensor,
-                        drafts: torch.Tensor, q: int) -> BlockOutput | None:
-        """A lone request's next block of q tokens ([anchor, *drafts], both on the device), queued before the host
-        knows where it starts: at position base + advance (advance [1] on the device, at most `most`; the table holds
-        base + most tokens, the last step's block). The table grows by the block, room for the furthest start: the
-        caller truncates it to the real one (base + advance + q) once it has read it. Replayed from its CUDA graph
-        where the backend can plan it so (`plan_graph_ahead`); run eagerly on the CPU, where reading `advance` costs
-        nothing; None (nothing queued, the table as it was) otherwise."""
-        if table.length != base + most or not table.can_grow(q):
-            return None
-        inputs = self.inputs[q]
-        first = Carried(torch.zeros(1, dtype=torch.long, device=self.device), anchor.reshape(1).long())
-        if self.device.type == "cpu":
-            table.truncate(base + int(advance[0]))
-            return self.run_block([table], [0], drafts, q, carried=first)
-        ladder = self.ladders.get(q)
-        rung = ladder.rung_for(1) if ladder is not None else None
-        if rung is None:
-            return None
-        start = advance.reshape(1).long() + base
-        table.grow(q)
-        layouts = [BatchLayout.for_tokens([q], [base + a + q], [table.array], self.page_size, causal=True,
-                                          expected_kv_len=table.expected_length) for a in (0, most)]
-        if not self.attn.plan_graph_ahead(ladder.slot(rung), *layouts, start, self.kv.scratch_page):
-            table.truncate(base + most)
-            return None
-        inputs.fill("ids", np.zeros((1, q), dtype=np.int64))
-        inputs.fill("starts", [base])
-        inputs.upload()
-        write_device_tokens(inputs["ids"].view(-1, q)[:1], drafts, first)
-        inputs["starts"][:1].copy_(start)
-        ladder.replay(rung)
-        return self._block_output(q)
-
     def run_prefill(self, prefill: PrefillChunks) -> None:
         """Prompt chunks alone (a step with nothing to decode); sets `prefill.out`."""
         self._run_mixed([], [], None, 1, prefill)

@@ -37,26 +37,3 @@ def test_real_lengths_never_exceed_the_planned_ones():
                                                torch.from_numpy(planned.last_page_lens()),
                                                torch.from_numpy(planned.kv_indices.copy()), torch.tensor([17, 900]), 16)
     assert indptr.tolist() == [0, 2, 3] and last.tolist() == [1, 5] and indices.tolist() == [3, 4, 9]
-
-
-@pytest.mark.parametrize("page_size", [1, 4, 16])
-@pytest.mark.parametrize("seed", range(4))
-def test_query_rows_planned_further_on_become_those_of_the_real_position(page_size, seed):
-    """A verify queued before its position reaches the host is planned as its query rows at the furthest position;
-    each row cut on the device to its real length (the request of no query keeping its own) gives the rows
-    `BatchLayout.query_rows` makes at the real position."""
-    rng = np.random.default_rng(seed)
-    q, split = int(rng.integers(1, 17)), int(rng.integers(1, 5))
-    start, further = int(rng.integers(0, 90)), int(rng.integers(0, 16))
-    table = rng.permutation(500)[:-(-(start + further + q) // page_size)].astype(np.int32)
-    rows_at = {s: BatchLayout.for_tokens([q], [s + q], [table], page_size, causal=True).query_rows(split, 499)
-               for s in (start, start + further)}
-    planned, real = rows_at[start + further], rows_at[start]
-    indices = torch.zeros(len(planned.kv_indices) + 7, dtype=torch.int32)  # a rung's buffer is longer
-    indices[:len(planned.kv_indices)] = torch.from_numpy(planned.kv_indices)
-    lengths = torch.tensor([start + 1 + j for j in range(q)] + [int(planned.kv_lens[-1])])
-    indptr, last, out = real_page_metadata(torch.from_numpy(planned.kv_indptr()),
-                                           torch.from_numpy(planned.last_page_lens()), indices, lengths, page_size)
-    assert indptr.tolist() == real.kv_indptr().tolist() and last.tolist() == real.last_page_lens().tolist()
-    assert out[:len(real.kv_indices)].tolist() == real.kv_indices.tolist()
-    assert not out[len(real.kv_indices):].any()

@@ -261,38 +261,6 @@ def test_a_lone_requests_verify_rows_have_the_bits_of_its_decodes(kv):
         assert plans.count(verify.slot) == 4 and plans.count(decode.slot) == 4
 
 
-@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
-def test_a_verify_planned_before_its_position_is_known_has_the_bits_of_one_planned_at_it(kv):
-    """A lone request's verify of 16 queued before its position reaches the host (`plan_graph_ahead`: the rung
-    planned for the furthest position the step's acceptance allows, the query rows' page metadata of the real one
-    written on the device) gives the bits of the same verify planned at its position. Where the rows at either
-    end differ in KV chunks (here: 5 against 6 chunks of 19 pages) it is refused, and nothing is planned."""
-    scales = (0.05, 0.03) if kv == "fp8" else (1.0, 1.0)
-    backend = flashinfer_backend(KV_DTYPES[kv])
-    backend.bound_sequence_pages(256)
-    history, expected = 1400, 2400  # every row 5 chunks of 19 pages from position 1,395 to 1,410
-    case = PagedCase([history], [16], [16], True, page_size=16, kv_dtype=KV_DTYPES[kv], device="cuda",
-                     dtype=torch.bfloat16, scales=scales, seed=11)
-    table = case.tables[0]
-    real = BatchLayout.for_tokens([16], [history + 16], [table.array], 16, causal=True, expected_kv_len=expected)
-    layer, scratch = case.layer, case.kv.scratch_page
-    verify = LoneRung(backend, layer, 16, scratch)
-    planned_at_it = verify.run(real, case.q, case.new_k, case.new_v)
-    table.grow(10)  # room for the furthest position (its slots are never read)
-    ends = [BatchLayout.for_tokens([16], [start + 16], [table.array], 16, causal=True, expected_kv_len=expected)
-            for start in (history - 5, history + 10)]
-    start = torch.tensor([history], device="cuda")
-    assert backend.plan_graph_ahead(verify.slot, *ends, start, scratch)
-    verify.graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(verify.out, planned_at_it)
-    assert rel_error(verify.out, case.expected(D ** -0.5)) <= REL_BOUND
-    table.grow(120)
-    split = [BatchLayout.for_tokens([16], [start + 16], [table.array], 16, causal=True, expected_kv_len=expected)
-             for start in (1490, 1520)]
-    assert not backend.plan_graph_ahead(verify.slot, *split, start, scratch)
-
-
 # (history, new_kv, q_lens, causal): short ones, and long ones, where a plan would split each request's KV
 UPPER_BOUND_CASES = {"verify_page_boundaries": CASES["verify_page_boundaries"],
                      "noncausal_context_plus_block": CASES["noncausal_context_plus_block"],
