@@ -11,6 +11,10 @@ mkdir -p "$SPECDEC_CACHE/gguf"
 if ls /tmp/xfer/ggufs.tar.part.* > /dev/null 2>&1 && [ ! -e "$SPECDEC_CACHE/gguf/.unpacked" ]; then
   cat /tmp/xfer/ggufs.tar.part.* | tar xf - -C "$SPECDEC_CACHE/gguf" && touch "$SPECDEC_CACHE/gguf/.unpacked"
 fi
+# the project's packages the device image lacks, carried as wheels (scripts/pack_device_deps.sh), once per machine
+if ls .gpu/deps/*.whl > /dev/null 2>&1 && ! python3 -c "import llguidance, fastapi, math_verify" 2> /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/deps/*.whl
+fi
 # the server's event loop: uvloop, which `pip install specdec` brings with uvicorn[standard]; its wheel is carried
 # apart (.gpu/extra) where the device image lacks it
 if ls .gpu/extra/*.whl > /dev/null 2>&1 && ! python3 -c "import uvloop" 2> /dev/null; then
