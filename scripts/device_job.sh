@@ -15,6 +15,11 @@ fi
 if ls .gpu/deps/*.whl > /dev/null 2>&1 && ! python3 -c "import llguidance, fastapi, math_verify" 2> /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/deps/*.whl
 fi
+# a machine whose first call did not carry .gpu/fi.tar.xz is marked set up without flashinfer: say so before any work
+python3 -c "import flashinfer.prefill" 2> /dev/null || {
+  echo "flashinfer is missing from /tmp/site: carry .gpu/fi.tar.xz and run tar xJf .gpu/fi.tar.xz -C /tmp/site" >&2
+  exit 1
+}
 # the server's event loop: uvloop, which `pip install specdec` brings with uvicorn[standard]; its wheel is carried
 # apart (.gpu/extra) where the device image lacks it
 if ls .gpu/extra/*.whl > /dev/null 2>&1 && ! python3 -c "import uvloop" 2> /dev/null; then
