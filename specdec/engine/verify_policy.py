@@ -29,14 +29,15 @@ target's decode step), which the engine runs overlapped as plain decoding does (
 drafter's context keeps up, so speculation resumes when the batch shrinks. The start-up costs are measured on
 short contexts: under load both kinds of step take longer, by different amounts (a speculative step's host work is
 not hidden behind the GPU as an overlapped plain step's is; its verify attends over the context with q tokens per
-request, a plain step's with one; a plain step also writes the drafter's context). So what each kind takes beyond
+request, a plain step's with one; a plain step also writes the drafter's context). So what each option takes beyond
 its measured cost is learned from the wall time of decode-only steps, per option and batch rung, and added to that
 option's cost wherever options are compared. At batch 1 that is what tells the chains apart: the start-up costs put
 a chain of 8 4% below one of 16 (GPU time), while their steps' wall times, bound by the host, were not lower for 8
 (3.11 against 3.04 ms on an H200); compared by start-up costs alone, `auto` took chains of 8 on about a third of its
 steps (wherever the running acceptance of positions 9-15 dipped), and its steps took longer than either length's
-alone (math500: 3.5 against 3.2 ms per step, 0.72-0.80 ms per token against the chain's 0.67-0.70). An option not yet run at a rung counts as taking
-nothing beyond its cost: it is tried once, and again whenever the others' measured overheads have faded below it.
+alone (math500: 3.5 against 3.2 ms per step, 0.72-0.80 ms per token against the chain's 0.67-0.70). An option not
+yet run at a rung counts as taking nothing beyond its cost: it is tried once, and again whenever its measured
+overhead, fading while other options run, lets it come out best.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ CHAIN_MARGIN = 0.02
 OVERHEAD_DECAY = 0.9
 # a step of one option measures nothing of the others: their estimates fade by 1% each, so that after some dozens
 # of steps of one option another is tried again and measured anew (no estimate stays stuck on an outlier)
-OTHER_KIND_FADE = 0.99
+OTHER_OPTION_FADE = 0.99
 PLAIN = 1  # the chain of the anchor alone: a plain decoding step
 
 
@@ -187,7 +188,7 @@ class VerifyPolicy:
         self.faded.discard((rung, option))
         for key in self.overhead:
             if key[0] == rung and key[1] != option:
-                self.overhead[key] *= OTHER_KIND_FADE
+                self.overhead[key] *= OTHER_OPTION_FADE
                 self.faded.add(key)
         self.overhead[rung, option] = extra if known is None else OVERHEAD_DECAY * known + (1 - OVERHEAD_DECAY) * extra
 
