@@ -55,7 +55,7 @@ def module_target(name: str, seed: int, kind: str = "qwen3"):
 
 def dflash_engine(path, tmp_path, **config) -> Engine:
     """An engine over the tiny target at `path` with a random block-4 DFlash drafter (EOS 2 and 9): what the tests of
-    drafting and verifying ahead run."""
+    drafting ahead and of plain steps run."""
     return spec_engine(path, dflash_drafter(path, tmp_path, 4, seed=2), eos=(2, 9), **config)
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from specdec.engine import speculator
 from specdec.engine.sampling_params import SamplingParams
-from tests.conftest import build_tiny_model, build_tiny_model_with_tokenizer
-from tests.engine_helpers import MANY_PROMPTS, dflash_drafter, failing_at, spec_engine
+from tests.conftest import build_tiny_model_with_tokenizer
+from tests.engine_helpers import MANY_PROMPTS, dflash_drafter, failing_at, module_target, spec_engine
 
 
 class Injected(Exception):
@@ -43,11 +43,7 @@ def inject(engine, point: str, after: int, interrupt: bool):
     return failing(lambda request, tokens: None) if point == "callback" else None
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("failures")
-    build_tiny_model("qwen3", path, seed=5)
-    return path
+target_dir = module_target("failures", seed=5)
 
 
 def test_exception_at_a_random_point_leaves_the_engine_clean(target_dir, tmp_path):

@@ -5,18 +5,13 @@ import pytest
 import torch
 
 from specdec.engine.sampling_params import SamplingParams
-from tests.conftest import build_tiny_model
-from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, dflash_drafter, spec_engine,
-                                  tiny_engine)
+from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, dflash_drafter, module_target,
+                                  spec_engine, tiny_engine)
 
 ASK = SamplingParams(max_new_tokens=11, logprobs=4)
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("logprobs")
-    build_tiny_model("qwen3", path, seed=4)
-    return path
+target_dir = module_target("logprobs", seed=4)
 
 
 def direct_logprobs(engine, prompt: list[int], output: list[int]) -> torch.Tensor:

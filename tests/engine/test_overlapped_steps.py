@@ -11,15 +11,10 @@ import pytest
 
 from specdec.engine import decoding
 from specdec.engine.sampling_params import SamplingParams
-from tests.conftest import build_tiny_model
-from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, failing_at, spec_engine
+from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, failing_at, module_target, spec_engine
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("overlapped")
-    build_tiny_model("qwen3", path, seed=21)
-    return path
+target_dir = module_target("overlapped", seed=21)
 
 
 def overlapped(target_dir, **config):

@@ -10,23 +10,20 @@ import pytest
 
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import PLAIN, TREE, StepCosts, VerifyPolicy, verify_lengths
-from tests.conftest import VOCAB, build_tiny_model
-from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, dflash_drafter, run_staggered,
+from tests import engine_helpers
+from tests.conftest import VOCAB
+from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, module_target, run_staggered,
                                   spec_engine)
 
 EOS = (2, 9)
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("plain-steps")
-    build_tiny_model("qwen3", path, seed=31)
-    return path
+target_dir = module_target("plain-steps", seed=31)
 
 
 def dflash_engine(target_dir, tmp_path, **config):
-    config.setdefault("verify", "auto")
-    return spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4, seed=2), eos=EOS, **config)
+    """The shared DFlash engine of these tests, verifying with `auto` unless told otherwise."""
+    return engine_helpers.dflash_engine(target_dir, tmp_path, **{"verify": "auto", **config})
 
 
 def plain_outputs(target_dir, prompts, params_list) -> list[list[int]]:

@@ -13,19 +13,14 @@ from hypothesis import strategies as st
 from specdec.arguments import add_engine_arguments, engine_options
 
 from specdec.engine.sampling_params import SamplingParams
-from tests.conftest import build_tiny_model
-from tests.engine_helpers import assert_no_leak, dflash_drafter, spec_engine, tiny_engine
+from tests.engine_helpers import assert_no_leak, dflash_drafter, module_target, spec_engine, tiny_engine
 
 SYSTEM = [(7 * i + 3) % 90 + 5 for i in range(22)]  # a shared "system prompt": 5 full pages of 4 and a part
 GREEDY = SamplingParams(max_new_tokens=13)
 SEEDED = SamplingParams(max_new_tokens=13, temperature=0.9, top_p=0.95, seed=1234)
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prefix-cache")
-    build_tiny_model("qwen3", path, seed=5)
-    return path
+target_dir = module_target("prefix-cache", seed=5)
 
 
 def make_engine(path, tmp_path, drafter_block: int | None, **config):

@@ -4,15 +4,10 @@ arrivals, preemption-free and preempting pools, EOS and length limits; no page l
 import pytest
 
 from specdec.engine.sampling_params import SamplingParams
-from tests.conftest import build_tiny_model
-from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, spec_engine, tiny_engine
+from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, module_target, spec_engine, tiny_engine
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tree-spec")
-    build_tiny_model("qwen3", path, seed=9)
-    return path
+target_dir = module_target("tree-spec", seed=9)
 
 
 def ar_outputs(path, prompts, params, eos=()):

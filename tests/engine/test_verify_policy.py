@@ -5,8 +5,7 @@ import pytest
 
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import CHAIN_MARGIN, PRIOR_SEEN, TREE, StepCosts, VerifyPolicy, verify_lengths
-from tests.conftest import build_tiny_model
-from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, spec_engine, tiny_engine
+from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, module_target, spec_engine, tiny_engine
 
 
 def test_the_lengths_a_policy_chooses_from():
@@ -114,11 +113,7 @@ def test_trees_where_they_pay_and_only_where_they_are_measured():
     assert policy.choose(1, tree_nodes=63) == 16
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("verify-policy")
-    build_tiny_model("qwen3", path, seed=5)
-    return path
+target_dir = module_target("verify-policy", seed=5)
 
 
 def lengths_by_batch(engine, short_from: int, trees_below: int = 0):
