@@ -3,6 +3,7 @@
     python scripts/profile_step_host.py --batches 1 16 64 --out profile.txt     # GPU, about a minute
     python scripts/profile_step_host.py --quick                                 # CPU smoke run, tiny model
     python scripts/profile_step_host.py --batches 1 --timeline   # + the host's path between two verifies
+    python scripts/profile_step_host.py --batches 1 --systems DFlash --verify chain tree   # token-tree steps too
 
 The model is `bench_steps.py`'s (random weights of the default target's shape, the shipped drafter) unless
 --model names one. For each system and batch: one warm-up generate, then one generate under cProfile; the
@@ -42,8 +43,10 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--top", type=int, default=45, help="functions listed per profile")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--verify", nargs="+", choices=("chain", "tree", "auto"), default=["chain"],
+                   help="DFlash: the verify policies profiled, one engine each")
     p.add_argument("--timeline", action="store_true",
-                   help="DFlash: also the host's path from a step's tokens to the next verify's launch, per piece")
+                   help="DFlash chain: also the host's path from a step's tokens to the next verify's launch, per piece")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes")
     p.add_argument("--out", help="also write the report here")
     args = p.parse_args(argv)
@@ -74,17 +77,21 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="profile-host-") as work:
         model, model_dir, drafter, skipped = models_to_run(args, Path(work))
         prompts = prompt_ids(model_dir, max(args.batches), args.prompt_tokens)
-        for system in args.systems:
+        runs = [(system, verify) for system in args.systems for verify in (args.verify if system == "DFlash" else
+                                                                                   ["chain"])]
+        for system, verify in runs:
             if system == "DFlash" and drafter is None:
                 out.append(f"# DFlash skipped: {skipped}")
                 continue
+            name = system if verify == "chain" else f"{system} {verify}"
             pages = max(args.batches) * -(-(args.prompt_tokens + args.max_new_tokens + 64) // 16)
             llm = LLM(model, drafter=drafter if system == "DFlash" else None, device=str(args.device),
                       num_kv_pages=pages, max_num_seqs=max(args.batches),
-                      max_prefill_tokens=max(args.batches) * args.prompt_tokens, verify="chain")
+                      max_prefill_tokens=max(args.batches) * args.prompt_tokens, verify=verify)
             for b in args.batches:
-                out.append(f"# {system}, batch {b}\n" + profile(llm, prompts[:b], args.max_new_tokens, args.top))
-                if args.timeline and system == "DFlash":
+                out.append(f"# {name}, batch {b}\n" + profile(llm, prompts[:b], args.max_new_tokens, args.top))
+                # the timeline marks a chain step's pieces (a tree step's verify is not a block)
+                if args.timeline and system == "DFlash" and verify == "chain":
                     with StepTimeline(llm) as timeline:
                         llm.generate(prompts[:b], greedy(args.max_new_tokens))
                     out[-1] += "\n" + timeline.report() + "\n"

@@ -23,21 +23,25 @@ count (before any, the chain's E(block) times a gain measured for trees of that 
 measured on this GPU at start-up (`StepCosts`); without them a step verifies the whole chain (or the
 tree, if only trees are allowed).
 
+A lone request verifies the whole chain, never a shorter one: every chain length streams the weights once, so
+at batch 1 a shorter chain saves no time, and only the whole chain gives a lone request's rows the bits of plain
+decoding (GEMMs of other row counts may round differently; greedy speculation at batch 1 reproduces greedy
+decoding token for token). Measured on an H200 (math500, every step forced to one length): 3.04 ms per step
+for chains of 16, 3.11 for chains of 8, though the start-up costs put 8 4% below 16; compared by those costs,
+`auto` took chains of 8 on about a third of its steps, wherever the running acceptance of positions 9-15
+dipped, and ran at 0.72-0.80 ms per token against the chain's 0.67-0.70. A tree or a plain step (the anchor
+alone: where even the first draft rarely pays) stays open to it.
+
 Under heavy load the target's forward is compute-bound and even the anchor and one draft may cost more than they
 commit; `auto` then also weighs a plain decoding step (PLAIN: the anchor alone, one token per request; its cost the
 target's decode step), which the engine runs overlapped as plain decoding does (specdec/engine/flight.py) while the
 drafter's context keeps up, so speculation resumes when the batch shrinks. The start-up costs are measured on
 short contexts: under load both kinds of step take longer, by different amounts (a speculative step's host work is
 not hidden behind the GPU as an overlapped plain step's is; its verify attends over the context with q tokens per
-request, a plain step's with one; a plain step also writes the drafter's context). So what each option takes beyond
-its measured cost is learned from the wall time of decode-only steps, per option and batch rung, and added to that
-option's cost wherever options are compared. At batch 1 that is what tells the chains apart: the start-up costs put
-a chain of 8 4% below one of 16 (GPU time), while their steps' wall times, bound by the host, were not lower for 8
-(3.11 against 3.04 ms on an H200); compared by start-up costs alone, `auto` took chains of 8 on about a third of its
-steps (wherever the running acceptance of positions 9-15 dipped), and its steps took longer than either length's
-alone (math500: 3.5 against 3.2 ms per step, 0.72-0.80 ms per token against the chain's 0.67-0.70). An option not
-yet run at a rung counts as taking nothing beyond its cost: it is tried once, and again whenever its measured
-overhead, fading while other options run, lets it come out best.
+request, a plain step's with one; a plain step also writes the drafter's context). So what each kind takes beyond
+its measured cost is learned from the wall time of decode-only steps, per batch rung, and added when the best
+speculative option is weighed against a plain step (the speculative options are compared among themselves by their
+measured costs, as before).
 """
 
 from __future__ import annotations
@@ -61,17 +65,15 @@ def tree_prior_gain(nodes: int) -> float:
 
 TREE = 0  # the choice "verify a token tree" (chain choices are their token counts)
 # how finely the start-up costs tell chain lengths apart: at batch 1 they put a step verifying 16 tokens 4% above
-# one verifying 8, where the steps' kernels differed by 2% and their wall time not at all (math500 on an H200,
-# every step forced to one length: 3.04 ms per step for chains of 16, 3.11 for chains of 8, so 0.67 against
-# 0.70 ms per token). A shorter chain replaces a longer one only when its rate is higher by more than this
-# (under load the options' costs differ by far more: at 64 requests a chain of 4 against one of 8, 3.4 against
-# 4.7 ms)
+# one verifying 8, where the steps' kernels differed by 2% and their wall time not at all (above). A shorter chain
+# replaces a longer one only when its rate is higher by more than this (under load the options' costs differ by far
+# more: at 64 requests a chain of 4 against one of 8, 3.4 against 4.7 ms)
 CHAIN_MARGIN = 0.02
-# an overhead estimate follows the last ~10 decode-only steps of its option and batch rung
+# an overhead estimate follows the last ~10 decode-only steps of its kind (speculative or plain) and batch rung
 OVERHEAD_DECAY = 0.9
-# a step of one option measures nothing of the others: their estimates fade by 1% each, so that after some dozens
-# of steps of one option another is tried again and measured anew (no estimate stays stuck on an outlier)
-OTHER_OPTION_FADE = 0.99
+# a step of one kind measures nothing of the other: the other's estimate fades by 1% each, so that after some
+# dozens of steps of one kind the other is tried again and measured anew (no estimate stays stuck on an outlier)
+OTHER_KIND_FADE = 0.99
 PLAIN = 1  # the chain of the anchor alone: a plain decoding step
 
 
@@ -140,9 +142,8 @@ class VerifyPolicy:
         self.tree_tokens: dict[int, tuple[float, float]] = {}  # nodes -> (decayed committed tokens, steps)
         # expected_tokens() until the next observation: the policy is asked several times a step
         self._expected: np.ndarray | None = None
-        # (batch rung, option) -> seconds a step of that option takes beyond its measured cost
-        self.overhead: dict[tuple[int, int], float] = {}
-        self.faded: set[tuple[int, int]] = set()  # those faded since their option last ran
+        # (batch rung, plain step?) -> seconds a step of that kind takes beyond its measured cost
+        self.overhead: dict[tuple[int, bool], float] = {}
 
     @property
     def options(self) -> tuple[int, ...]:
@@ -152,51 +153,45 @@ class VerifyPolicy:
         """The chain length (tokens per request, anchor included), or TREE, for a step of `batch` requests;
         a tree step would verify `tree_nodes` draft nodes per request (`trees` False: chains only; `plain` False:
         not PLAIN, for a step that must speculate)."""
-        options = [o for o in self.options if (trees or o != TREE) and (plain or o != PLAIN)]
+        options = [o for o in self.options if (trees or o != TREE) and (plain or o != PLAIN)
+                   and (batch > 1 or o in (TREE, PLAIN, self.block_size))]  # a lone request: the whole chain
         seconds = self.costs.at(batch) if self.costs is not None and len(options) > 1 else None
         if seconds is None:
             return self.block_size if self.lengths or not trees else TREE
         expected = self.expected_tokens()
-        overhead = self._overheads(batch, [o for o in options if o in seconds])
 
-        def rate(option: int) -> float:
+        def rate(option: int, extra: float = 0.0) -> float:
             tokens = self.expected_tree_tokens(tree_nodes) if option == TREE else expected[option - 1]
-            return tokens / (seconds[option] + overhead[option])
+            return tokens / (seconds[option] + extra)
 
-        # the speculative options compared by their measured costs and what each has taken beyond them here; the best
-        # of them against a plain step
+        # the speculative options compared by their measured costs; the best of them against a plain step, each
+        # with the overhead learned for its kind at this rung
         speculative = [o for o in options if o in seconds and o != PLAIN]
         best = max(speculative, key=lambda option: (rate(option), option)) if speculative else PLAIN
         if best != TREE and best != PLAIN:  # the longest chain whose rate is within the margin of the best one's
             best = max(o for o in speculative if o >= best and rate(o) * (1 + CHAIN_MARGIN) >= rate(best))
-        if PLAIN in options and PLAIN in seconds and (best == PLAIN or rate(PLAIN) > rate(best)):
+        if PLAIN in options and PLAIN in seconds and (best == PLAIN or rate(PLAIN, self._overhead(batch, True))
+                                                      > rate(best, self._overhead(batch, False))):
             return PLAIN
         return best
 
     def observe_seconds(self, option: int, batch: int, seconds: float) -> None:
         """A decode-only step of `batch` requests that chose `option` (PLAIN: a plain step, overlapped) took `seconds`
-        of wall time: what it took beyond its measured cost updates that option's overhead at its batch rung, and the
-        other options' estimates there fade."""
+        of wall time: what it took beyond its measured cost updates the overhead of its kind at its batch rung, and
+        the other kind's estimate there fades."""
         predicted = (self.costs.at(batch) or {}).get(option) if self.costs is not None else None
         rung = self._rung(batch)
         if predicted is None or rung is None:
             return
+        plain = option == PLAIN
         extra = max(seconds - predicted, 0.0)
-        # an estimate faded since its option last ran is replaced by the new measurement: blended with it, the option
-        # would come back every few steps while its faded estimate crept back up
-        known = self.overhead.get((rung, option)) if (rung, option) not in self.faded else None
-        self.faded.discard((rung, option))
-        for key in self.overhead:
-            if key[0] == rung and key[1] != option:
-                self.overhead[key] *= OTHER_OPTION_FADE
-                self.faded.add(key)
-        self.overhead[rung, option] = extra if known is None else OVERHEAD_DECAY * known + (1 - OVERHEAD_DECAY) * extra
+        known = self.overhead.get((rung, plain))
+        self.overhead[rung, plain] = extra if known is None else OVERHEAD_DECAY * known + (1 - OVERHEAD_DECAY) * extra
+        if (rung, not plain) in self.overhead:
+            self.overhead[rung, not plain] *= OTHER_KIND_FADE
 
-    def _overheads(self, batch: int, options: list[int]) -> dict[int, float]:
-        """{option: seconds it takes beyond its measured cost} at the rung of `batch`; nothing (0) for an option not
-        yet run there, so that it is tried once and measured."""
-        rung = self._rung(batch)
-        return {o: self.overhead.get((rung, o), 0.0) for o in options}
+    def _overhead(self, batch: int, plain: bool) -> float:
+        return self.overhead.get((self._rung(batch), plain), 0.0)
 
     def _rung(self, batch: int) -> int | None:
         """The measured batch size a step of `batch` requests runs as (the whole chain's verify rungs)."""

@@ -104,7 +104,8 @@ def test_speculative_greedy_equals_plain_greedy_with_a_grammar(model_dir, tokeni
 
 
 def test_short_chains_are_exact_with_grammars_penalties_and_logprobs(model_dir, tokenizer, prompts, tmp_path):
-    """Steps with such requests verify chains only, of the length the policy picks: here the shortest (2)."""
+    """Steps with such requests verify chains only, of the length the policy picks: here the shortest (2), and the
+    whole chain for a request running alone."""
     params = [constrained(json=SCHEMAS["person"]), SamplingParams(max_new_tokens=30, frequency_penalty=1.0),
               SamplingParams(max_new_tokens=30, logprobs=2), constrained(regex=r"[a-z]{1,4}( [0-9]{1,3}){1,3}")]
     plain = engine_for(model_dir, tokenizer)
@@ -117,7 +118,8 @@ def test_short_chains_are_exact_with_grammars_penalties_and_logprobs(model_dir, 
     requests = [engine.make_request(p, params[i % 4]) for i, p in enumerate(prompts)]
     engine.run(requests)
     assert [r.output_ids for r in requests] == [e.output_ids for e in expected]
-    assert {q for r in requests for q in r.stats.verify_lengths} == {2}  # never a tree, never the whole block
+    lengths = {q for r in requests for q in r.stats.verify_lengths}
+    assert 2 in lengths and lengths <= {2, 8}  # never a tree; the whole block only at batch 1
     for got, want in zip(requests, expected):
         if want.output_logprobs is not None:
             assert [t.logprob for t in got.output_logprobs] == pytest.approx([t.logprob for t in want.output_logprobs],
