@@ -40,8 +40,17 @@ short contexts: under load both kinds of step take longer, by different amounts 
 not hidden behind the GPU as an overlapped plain step's is; its verify attends over the context with q tokens per
 request, a plain step's with one; a plain step also writes the drafter's context). So what each kind takes beyond
 its measured cost is learned from the wall time of decode-only steps, per batch rung, and added when the best
-speculative option is weighed against a plain step (the speculative options are compared among themselves by their
-measured costs, as before).
+speculative option is weighed against a plain step. The speculative options are compared among themselves by their
+measured costs scaled by what each option's own steps have taken against its cost (its slowdown: wall time over
+measured cost, learned per option and rung, 1 until the option has run there, fading back to 1 while others run).
+Scaled, not offset: under load the steps of every chain length took longer than their costs in about the same
+proportion, and an offset learned per option (a step's wall time minus its cost, compared as such) made `auto`
+verify longer chains at 256 math500 requests, 5-9% fewer tokens/s; with it, one slow plain step alone also set the
+plain steps' estimate, which kept them out for hundreds of steps on the coding requests at 256 in 2 of 3 runs (an
+H200; the kinds' pooled offsets do not). At batch 1 a tree step's host work (its plans, the K/V moves) made it
+5.5 ms of wall time against 3.0 for the chain, though its start-up cost is 3.5 ms of GPU work against 2.6: compared
+by their costs alone, or with one offset for both, `auto` took trees there now and then and ran at 0.73-0.75 ms
+per token against the chain's 0.67-0.68 (math500).
 """
 
 from __future__ import annotations
@@ -74,6 +83,9 @@ OVERHEAD_DECAY = 0.9
 # a step of one kind measures nothing of the other: the other's estimate fades by 1% each, so that after some
 # dozens of steps of one kind the other is tried again and measured anew (no estimate stays stuck on an outlier)
 OTHER_KIND_FADE = 0.99
+# likewise a speculative option's slowdown (its steps' wall time over their measured cost) counts 1% less per step of
+# another option at its rung: an option whose steps proved slow is tried again after some dozens of steps
+OTHER_OPTION_FADE = 0.99
 PLAIN = 1  # the chain of the anchor alone: a plain decoding step
 
 
@@ -144,6 +156,9 @@ class VerifyPolicy:
         self._expected: np.ndarray | None = None
         # (batch rung, plain step?) -> seconds a step of that kind takes beyond its measured cost
         self.overhead: dict[tuple[int, bool], float] = {}
+        # (batch rung, speculative option) -> (its steps' wall time over their measured cost, how much of it still
+        # counts: 1 after a step of the option, fading while other options run there)
+        self.slowdown: dict[tuple[int, int], tuple[float, float]] = {}
 
     @property
     def options(self) -> tuple[int, ...]:
@@ -160,38 +175,53 @@ class VerifyPolicy:
             return self.block_size if self.lengths or not trees else TREE
         expected = self.expected_tokens()
 
-        def rate(option: int, extra: float = 0.0) -> float:
-            tokens = self.expected_tree_tokens(tree_nodes) if option == TREE else expected[option - 1]
-            return tokens / (seconds[option] + extra)
+        rung = self._rung(batch)
 
-        # the speculative options compared by their measured costs; the best of them against a plain step, each
-        # with the overhead learned for its kind at this rung
+        def tokens(option: int) -> float:
+            return self.expected_tree_tokens(tree_nodes) if option == TREE else expected[option - 1]
+
+        def rate(option: int, extra: float = 0.0) -> float:
+            return tokens(option) / (seconds[option] + extra)
+
+        def scaled_rate(option: int) -> float:
+            slowdown, counted = self.slowdown.get((rung, option), (1.0, 0.0))
+            return tokens(option) / (seconds[option] * (1 + (slowdown - 1) * counted))
+
+        # the speculative options compared by their measured costs, each scaled by its slowdown here; the best of them
+        # against a plain step, each with the overhead learned for its kind at this rung
         speculative = [o for o in options if o in seconds and o != PLAIN]
-        best = max(speculative, key=lambda option: (rate(option), option)) if speculative else PLAIN
+        best = max(speculative, key=lambda option: (scaled_rate(option), option)) if speculative else PLAIN
         if best != TREE and best != PLAIN:  # the longest chain whose rate is within the margin of the best one's
-            best = max(o for o in speculative if o >= best and rate(o) * (1 + CHAIN_MARGIN) >= rate(best))
-        if PLAIN in options and PLAIN in seconds and (best == PLAIN or rate(PLAIN, self._overhead(batch, True))
-                                                      > rate(best, self._overhead(batch, False))):
+            best = max(o for o in speculative
+                       if o >= best and o != TREE and scaled_rate(o) * (1 + CHAIN_MARGIN) >= scaled_rate(best))
+        if PLAIN in options and PLAIN in seconds and (best == PLAIN or rate(PLAIN, self.overhead.get((rung, True), 0.0))
+                                                      > rate(best, self.overhead.get((rung, False), 0.0))):
             return PLAIN
         return best
 
     def observe_seconds(self, option: int, batch: int, seconds: float) -> None:
         """A decode-only step of `batch` requests that chose `option` (PLAIN: a plain step, overlapped) took `seconds`
         of wall time: what it took beyond its measured cost updates the overhead of its kind at its batch rung, and
-        the other kind's estimate there fades."""
+        the other kind's estimate there fades; a speculative option's slowdown (the step's wall time over its measured
+        cost) is learned likewise, and the other options' slowdowns there fade toward 1."""
         predicted = (self.costs.at(batch) or {}).get(option) if self.costs is not None else None
         rung = self._rung(batch)
         if predicted is None or rung is None:
             return
         plain = option == PLAIN
         extra = max(seconds - predicted, 0.0)
-        known = self.overhead.get((rung, plain))
-        self.overhead[rung, plain] = extra if known is None else OVERHEAD_DECAY * known + (1 - OVERHEAD_DECAY) * extra
+        self.overhead[rung, plain] = _followed(self.overhead.get((rung, plain)), extra)
         if (rung, not plain) in self.overhead:
             self.overhead[rung, not plain] *= OTHER_KIND_FADE
-
-    def _overhead(self, batch: int, plain: bool) -> float:
-        return self.overhead.get((self._rung(batch), plain), 0.0)
+        if plain:
+            return
+        for key, (slowdown, counted) in self.slowdown.items():
+            if key[0] == rung and key[1] != option:
+                self.slowdown[key] = (slowdown, counted * OTHER_OPTION_FADE)
+        # the faded part counts again once the option has run: it follows the option's own steps, while fading only
+        # decides when the option is tried again (blending a faded estimate would bring it back every few steps)
+        known = self.slowdown.get((rung, option))
+        self.slowdown[rung, option] = (_followed(None if known is None else known[0], seconds / predicted), 1.0)
 
     def _rung(self, batch: int) -> int | None:
         """The measured batch size a step of `batch` requests runs as (the whole chain's verify rungs)."""
@@ -230,6 +260,11 @@ class VerifyPolicy:
         n = len(self.seen)
         self.seen += at_least(np.minimum(a + 1, q - 1), n)
         self.accepted += at_least(a, n)
+
+
+def _followed(estimate: float | None, measured: float) -> float:
+    """An estimate that follows the last ~10 measurements (the first one taken as it is)."""
+    return measured if estimate is None else OVERHEAD_DECAY * estimate + (1 - OVERHEAD_DECAY) * measured
 
 
 def at_least(counts: np.ndarray, n: int) -> np.ndarray:

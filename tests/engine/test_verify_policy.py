@@ -60,6 +60,31 @@ def test_a_shorter_chain_only_where_it_pays_by_more_than_the_costs_tell_apart():
     assert policy.choose(2) == 8
 
 
+def test_a_tree_its_costs_favor_runs_rarely_once_its_wall_time_shows_no_gain():
+    """At batch 1 on an H200 a tree step of 63 nodes took 5.5 ms of wall time against the chain's 3.0, though its
+    start-up cost (GPU work) is 3.5 ms against 2.6: its host work is its own. With trees accepting 5.9 tokens a step
+    against the chain's 4.3, the costs favor the tree; once both have shown their wall time the chain runs, the tree
+    coming back only now and then (as its slowdown fades). The kind's overhead alone (shared by the tree and the
+    chain) would keep choosing the tree."""
+    costs = StepCosts(draft={16: {1: 0.44e-3}}, verify={16: {1: 2.15e-3}, TREE: {1: 3.5e-3}})
+    wall = {16: 3.0e-3, TREE: 5.5e-3}
+    policy = VerifyPolicy(16, (16,), costs, tree=True)
+    reached = np.array([0.86, 0.70, 0.55, 0.42, 0.29, 0.18, 0.11, 0.055, 0.027, 0.014, 0.005, 0, 0, 0, 0])
+    rates = reached / np.concatenate([[1.0], reached[:-1]]).clip(min=1e-9)  # each position's, given the earlier ones
+    policy.accepted[:], policy.seen[:] = rates * 1e6, 1e6  # math500's acceptance (4.26 tokens a chain), held there
+    policy.observe_tree([4.9], 63)
+    assert policy.choose(1, 63) == TREE  # by the costs
+    chosen = []
+    for _ in range(400):
+        chosen.append(policy.choose(1, 63))
+        if chosen[-1] == TREE:
+            policy.observe_tree([4.9], 63)
+        policy.observe_seconds(chosen[-1], 1, wall[chosen[-1]])
+    assert chosen[0] == TREE and 16 in chosen[:3]
+    assert 2 <= chosen.count(TREE) <= 8, chosen.count(TREE)
+    assert policy.slowdown[1, TREE][0] > 1.5 and policy.slowdown[1, 16][0] < 1.2
+
+
 def test_a_lone_request_verifies_the_whole_chain_whatever_a_shorter_one_would_cost():
     """At batch 1 every chain length streams the weights once (an H200's steps: 3.04 ms for 16, 3.11 for 8) and only
     the whole chain keeps plain decoding's bits: costs that favor a chain of 8 by far do not make it run. A plain step,
