@@ -23,14 +23,17 @@ count (before any, the chain's E(block) times a gain measured for trees of that 
 measured on this GPU at start-up (`StepCosts`); without them a step verifies the whole chain (or the
 tree, if only trees are allowed).
 
-A lone request verifies the whole chain, never a shorter one: every chain length streams the weights once, so
-at batch 1 a shorter chain saves no time, and only the whole chain gives a lone request's rows the bits of plain
-decoding (GEMMs of other row counts may round differently; greedy speculation at batch 1 reproduces greedy
-decoding token for token). Measured on an H200 (math500, every step forced to one length): 3.04 ms per step
-for chains of 16, 3.11 for chains of 8, though the start-up costs put 8 4% below 16; compared by those costs,
-`auto` took chains of 8 on about a third of its steps, wherever the running acceptance of positions 9-15
-dipped, and ran at 0.72-0.80 ms per token against the chain's 0.67-0.70. A tree or a plain step (the anchor
-alone: where even the first draft rarely pays) stays open to it.
+A lone request verifies the whole chain: every chain length streams the weights once, so at batch 1 a shorter
+chain saves no time, and only the whole chain gives a lone request's rows the bits of plain decoding (GEMMs of other
+row counts may round differently; greedy speculation at batch 1 reproduces greedy decoding token for token). The
+other options did not pay there either, and the costs measured at start-up could not tell: on an H200 (math500,
+20 problems) chains of 8 took 3.11 ms a step against 3.04 for 16 though their costs put 8 4% below 16, and `auto`
+taking them wherever the acceptance of positions 9-15 dipped ran at 0.72-0.80 ms per token against the chain's
+0.67-0.70; with the whole chain, plain steps and trees left open at batch 1, `auto` took ~190 steps of another kind
+and ran at 0.73-0.75 against 0.67-0.68; comparing trees by costs scaled by their steps' wall times, it took trees on
+many steps (25.5 tokens verified a step) and ran at 0.76-0.81. A tree step's host work (its plans, the K/V moves)
+makes it ~5.5 ms of wall time against the chain's ~3.0 while its GPU work is 3.5 ms; `--verify tree` runs trees at
+batch 1.
 
 Under heavy load the target's forward is compute-bound and even the anchor and one draft may cost more than they
 commit; `auto` then also weighs a plain decoding step (PLAIN: the anchor alone, one token per request; its cost the
@@ -40,17 +43,8 @@ short contexts: under load both kinds of step take longer, by different amounts 
 not hidden behind the GPU as an overlapped plain step's is; its verify attends over the context with q tokens per
 request, a plain step's with one; a plain step also writes the drafter's context). So what each kind takes beyond
 its measured cost is learned from the wall time of decode-only steps, per batch rung, and added when the best
-speculative option is weighed against a plain step. The speculative options are compared among themselves by their
-measured costs scaled by what each option's own steps have taken against its cost (its slowdown: wall time over
-measured cost, learned per option and rung, 1 until the option has run there, fading back to 1 while others run).
-Scaled, not offset: under load the steps of every chain length took longer than their costs in about the same
-proportion, and an offset learned per option (a step's wall time minus its cost, compared as such) made `auto`
-verify longer chains at 256 math500 requests, 5-9% fewer tokens/s; with it, one slow plain step alone also set the
-plain steps' estimate, which kept them out for hundreds of steps on the coding requests at 256 in 2 of 3 runs (an
-H200; the kinds' pooled offsets do not). At batch 1 a tree step's host work (its plans, the K/V moves) made it
-5.5 ms of wall time against 3.0 for the chain, though its start-up cost is 3.5 ms of GPU work against 2.6: compared
-by their costs alone, or with one offset for both, `auto` took trees there now and then and ran at 0.73-0.75 ms
-per token against the chain's 0.67-0.68 (math500).
+speculative option is weighed against a plain step (the speculative options are compared among themselves by their
+measured costs, as before).
 """
 
 from __future__ import annotations
@@ -83,9 +77,6 @@ OVERHEAD_DECAY = 0.9
 # a step of one kind measures nothing of the other: the other's estimate fades by 1% each, so that after some
 # dozens of steps of one kind the other is tried again and measured anew (no estimate stays stuck on an outlier)
 OTHER_KIND_FADE = 0.99
-# likewise a speculative option's slowdown (its steps' wall time over their measured cost) counts 1% less per step of
-# another option at its rung: an option whose steps proved slow is tried again after some dozens of steps
-OTHER_OPTION_FADE = 0.99
 PLAIN = 1  # the chain of the anchor alone: a plain decoding step
 
 
@@ -156,9 +147,6 @@ class VerifyPolicy:
         self._expected: np.ndarray | None = None
         # (batch rung, plain step?) -> seconds a step of that kind takes beyond its measured cost
         self.overhead: dict[tuple[int, bool], float] = {}
-        # (batch rung, speculative option) -> (its steps' wall time over their measured cost, how much of it still
-        # counts: 1 after a step of the option, fading while other options run there)
-        self.slowdown: dict[tuple[int, int], tuple[float, float]] = {}
 
     @property
     def options(self) -> tuple[int, ...]:
@@ -168,60 +156,46 @@ class VerifyPolicy:
         """The chain length (tokens per request, anchor included), or TREE, for a step of `batch` requests;
         a tree step would verify `tree_nodes` draft nodes per request (`trees` False: chains only; `plain` False:
         not PLAIN, for a step that must speculate)."""
-        options = [o for o in self.options if (trees or o != TREE) and (plain or o != PLAIN)
-                   and (batch > 1 or o in (TREE, PLAIN, self.block_size))]  # a lone request: the whole chain
+        if batch == 1 and self.block_size in self.lengths:  # a lone request: the whole chain (see the module's doc)
+            return self.block_size
+        options = [o for o in self.options if (trees or o != TREE) and (plain or o != PLAIN)]
         seconds = self.costs.at(batch) if self.costs is not None and len(options) > 1 else None
         if seconds is None:
             return self.block_size if self.lengths or not trees else TREE
         expected = self.expected_tokens()
 
-        rung = self._rung(batch)
-
-        def tokens(option: int) -> float:
-            return self.expected_tree_tokens(tree_nodes) if option == TREE else expected[option - 1]
-
         def rate(option: int, extra: float = 0.0) -> float:
-            return tokens(option) / (seconds[option] + extra)
+            tokens = self.expected_tree_tokens(tree_nodes) if option == TREE else expected[option - 1]
+            return tokens / (seconds[option] + extra)
 
-        def scaled_rate(option: int) -> float:
-            slowdown, counted = self.slowdown.get((rung, option), (1.0, 0.0))
-            return tokens(option) / (seconds[option] * (1 + (slowdown - 1) * counted))
-
-        # the speculative options compared by their measured costs, each scaled by its slowdown here; the best of them
-        # against a plain step, each with the overhead learned for its kind at this rung
+        # the speculative options compared by their measured costs; the best of them against a plain step, each
+        # with the overhead learned for its kind at this rung
         speculative = [o for o in options if o in seconds and o != PLAIN]
-        best = max(speculative, key=lambda option: (scaled_rate(option), option)) if speculative else PLAIN
+        best = max(speculative, key=lambda option: (rate(option), option)) if speculative else PLAIN
         if best != TREE and best != PLAIN:  # the longest chain whose rate is within the margin of the best one's
-            best = max(o for o in speculative
-                       if o >= best and o != TREE and scaled_rate(o) * (1 + CHAIN_MARGIN) >= scaled_rate(best))
-        if PLAIN in options and PLAIN in seconds and (best == PLAIN or rate(PLAIN, self.overhead.get((rung, True), 0.0))
-                                                      > rate(best, self.overhead.get((rung, False), 0.0))):
+            best = max(o for o in speculative if o >= best and rate(o) * (1 + CHAIN_MARGIN) >= rate(best))
+        if PLAIN in options and PLAIN in seconds and (best == PLAIN or rate(PLAIN, self._overhead(batch, True))
+                                                      > rate(best, self._overhead(batch, False))):
             return PLAIN
         return best
 
     def observe_seconds(self, option: int, batch: int, seconds: float) -> None:
         """A decode-only step of `batch` requests that chose `option` (PLAIN: a plain step, overlapped) took `seconds`
         of wall time: what it took beyond its measured cost updates the overhead of its kind at its batch rung, and
-        the other kind's estimate there fades; a speculative option's slowdown (the step's wall time over its measured
-        cost) is learned likewise, and the other options' slowdowns there fade toward 1."""
+        the other kind's estimate there fades."""
         predicted = (self.costs.at(batch) or {}).get(option) if self.costs is not None else None
         rung = self._rung(batch)
         if predicted is None or rung is None:
             return
         plain = option == PLAIN
         extra = max(seconds - predicted, 0.0)
-        self.overhead[rung, plain] = _followed(self.overhead.get((rung, plain)), extra)
+        known = self.overhead.get((rung, plain))
+        self.overhead[rung, plain] = extra if known is None else OVERHEAD_DECAY * known + (1 - OVERHEAD_DECAY) * extra
         if (rung, not plain) in self.overhead:
             self.overhead[rung, not plain] *= OTHER_KIND_FADE
-        if plain:
-            return
-        for key, (slowdown, counted) in self.slowdown.items():
-            if key[0] == rung and key[1] != option:
-                self.slowdown[key] = (slowdown, counted * OTHER_OPTION_FADE)
-        # the faded part counts again once the option has run: it follows the option's own steps, while fading only
-        # decides when the option is tried again (blending a faded estimate would bring it back every few steps)
-        known = self.slowdown.get((rung, option))
-        self.slowdown[rung, option] = (_followed(None if known is None else known[0], seconds / predicted), 1.0)
+
+    def _overhead(self, batch: int, plain: bool) -> float:
+        return self.overhead.get((self._rung(batch), plain), 0.0)
 
     def _rung(self, batch: int) -> int | None:
         """The measured batch size a step of `batch` requests runs as (the whole chain's verify rungs)."""
@@ -260,11 +234,6 @@ class VerifyPolicy:
         n = len(self.seen)
         self.seen += at_least(np.minimum(a + 1, q - 1), n)
         self.accepted += at_least(a, n)
-
-
-def _followed(estimate: float | None, measured: float) -> float:
-    """An estimate that follows the last ~10 measurements (the first one taken as it is)."""
-    return measured if estimate is None else OVERHEAD_DECAY * estimate + (1 - OVERHEAD_DECAY) * measured
 
 
 def at_least(counts: np.ndarray, n: int) -> np.ndarray:

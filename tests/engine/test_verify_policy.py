@@ -60,51 +60,28 @@ def test_a_shorter_chain_only_where_it_pays_by_more_than_the_costs_tell_apart():
     assert policy.choose(2) == 8
 
 
-def test_a_tree_its_costs_favor_runs_rarely_once_its_wall_time_shows_no_gain():
-    """At batch 1 on an H200 a tree step of 63 nodes took 5.5 ms of wall time against the chain's 3.0, though its
-    start-up cost (GPU work) is 3.5 ms against 2.6: its host work is its own. With trees accepting 5.9 tokens a step
-    against the chain's 4.3, the costs favor the tree; once both have shown their wall time the chain runs, the tree
-    coming back only now and then (as its slowdown fades). The kind's overhead alone (shared by the tree and the
-    chain) would keep choosing the tree."""
-    costs = StepCosts(draft={16: {1: 0.44e-3}}, verify={16: {1: 2.15e-3}, TREE: {1: 3.5e-3}})
-    wall = {16: 3.0e-3, TREE: 5.5e-3}
-    policy = VerifyPolicy(16, (16,), costs, tree=True)
-    reached = np.array([0.86, 0.70, 0.55, 0.42, 0.29, 0.18, 0.11, 0.055, 0.027, 0.014, 0.005, 0, 0, 0, 0])
-    rates = reached / np.concatenate([[1.0], reached[:-1]]).clip(min=1e-9)  # each position's, given the earlier ones
-    policy.accepted[:], policy.seen[:] = rates * 1e6, 1e6  # math500's acceptance (4.26 tokens a chain), held there
-    policy.observe_tree([4.9], 63)
-    assert policy.choose(1, 63) == TREE  # by the costs
-    chosen = []
-    for _ in range(400):
-        chosen.append(policy.choose(1, 63))
-        if chosen[-1] == TREE:
-            policy.observe_tree([4.9], 63)
-        policy.observe_seconds(chosen[-1], 1, wall[chosen[-1]])
-    assert chosen[0] == TREE and 16 in chosen[:3]
-    assert 2 <= chosen.count(TREE) <= 8, chosen.count(TREE)
-    assert policy.slowdown[1, TREE][0] > 1.5 and policy.slowdown[1, 16][0] < 1.2
-
-
-def test_a_lone_request_verifies_the_whole_chain_whatever_a_shorter_one_would_cost():
-    """At batch 1 every chain length streams the weights once (an H200's steps: 3.04 ms for 16, 3.11 for 8) and only
-    the whole chain keeps plain decoding's bits: costs that favor a chain of 8 by far do not make it run. A plain step,
-    where even the first draft rarely pays, and a tree stay open."""
+def test_a_lone_request_verifies_the_whole_chain_whatever_the_other_options_would_cost():
+    """At batch 1 every chain length streams the weights once (an H200's steps: 3.04 ms for 16, 3.11 for 8), only the
+    whole chain keeps plain decoding's bits, and a tree step's host work makes it slower than its cost says: costs
+    that favor a chain of 8, a plain step or a tree by far do not make them run. With two requests they do; with
+    trees only, a lone request's steps are trees."""
     from specdec.engine.verify_policy import PLAIN
 
     costs = StepCosts(draft={2: {1: 0.4e-3, 2: 0.4e-3}, 8: {1: 0.4e-3, 2: 0.4e-3}, 16: {1: 0.4e-3, 2: 0.4e-3}},
                       verify={PLAIN: {1: 2.0e-3, 2: 2.0e-3}, 2: {1: 2.0e-3, 2: 2.0e-3}, 8: {1: 2.0e-3, 2: 2.0e-3},
                               16: {1: 4.0e-3, 2: 4.0e-3}, TREE: {1: 2.2e-3, 2: 2.2e-3}})
-    policy = VerifyPolicy(16, (PLAIN, 2, 8, 16), costs)
     rates = np.array([0.86, 0.81, 0.79, 0.76, 0.74, 0.61, 0.58, 0.5, 0.1, 0.1, 0.1, 0, 0, 0, 0])
+    policy = VerifyPolicy(16, (PLAIN, 2, 8, 16), costs)
     policy.accepted[:], policy.seen[:] = rates * 100, 100
     assert policy.choose(2) == 8  # two requests: 8 costs half of 16 and commits nearly as much
     assert policy.choose(1) == 16
     rejecting = VerifyPolicy(16, (PLAIN, 2, 8, 16), costs)
-    rejecting.accepted[:], rejecting.seen[:] = 2, 100  # drafts almost never accepted: a plain step pays, at batch 1 too
-    assert rejecting.choose(1) == PLAIN
+    rejecting.accepted[:], rejecting.seen[:] = 2, 100  # drafts almost never accepted
+    assert rejecting.choose(2) == PLAIN and rejecting.choose(1) == 16
     trees = VerifyPolicy(16, (2, 8, 16), costs, tree=True)
     trees.accepted[:], trees.seen[:] = rates * 100, 100
-    assert trees.choose(1, tree_nodes=63) == TREE  # 1.2+ x the chain's tokens for 2.2 + 0.4 ms against 4.4
+    assert trees.choose(2, tree_nodes=63) == TREE and trees.choose(1, tree_nodes=63) == 16
+    assert VerifyPolicy(16, (), costs, tree=True).choose(1, tree_nodes=63) == TREE
 
 def test_each_option_counts_its_own_draft_step():
     """A chain's draft step scores only the drafts it verifies: where scoring all 15 costs 3x scoring 3, the short
@@ -120,23 +97,23 @@ def test_each_option_counts_its_own_draft_step():
 
 
 def test_trees_where_they_pay_and_only_where_they_are_measured():
-    """A tree costs more than the chain but accepts more: chosen at batch 1, not at 8 where its cost
+    """A tree costs more than the chain but accepts more: chosen for two requests, not for 8 where its cost
     grows; above its measured rungs it is never chosen. Before any tree step its expected tokens are
     the chain's times a gain for its size; then its own running mean."""
-    costs = StepCosts(draft=dict.fromkeys((4, 16, TREE), {1: 1e-3, 8: 1e-3, 64: 2e-3}),
-                      verify={4: {1: 2e-3, 8: 2e-3, 64: 4e-3}, 16: {1: 2e-3, 8: 3e-3, 64: 9e-3},
-                              TREE: {1: 2.2e-3, 8: 9e-3}})
+    costs = StepCosts(draft=dict.fromkeys((4, 16, TREE), {2: 1e-3, 8: 1e-3, 64: 2e-3}),
+                      verify={4: {2: 2e-3, 8: 2e-3, 64: 4e-3}, 16: {2: 2e-3, 8: 3e-3, 64: 9e-3},
+                              TREE: {2: 2.2e-3, 8: 9e-3}})
     policy = VerifyPolicy(16, (4, 16), costs, tree=True)
     rates = np.array([0.86, 0.70, 0.55, 0.42, 0.29, 0.18, 0.11, 0.06, 0.03, 0.01, 0.01, 0, 0, 0, 0])
     policy.accepted[:], policy.seen[:] = rates * 100, 100
     chain = policy.expected_tokens()[-1]
     assert policy.expected_tree_tokens(63) == pytest.approx(chain * 1.3)  # 63 nodes: +30% before any tree step
-    assert policy.choose(1, tree_nodes=63) == TREE
+    assert policy.choose(2, tree_nodes=63) == TREE
     assert policy.choose(8, tree_nodes=63) != TREE
     assert policy.choose(40, tree_nodes=15) == 4  # no tree measured at rung 64
     for _ in range(50):  # trees turn out no better than the chain: the chain again
         policy.observe_tree([round(chain) - 1] * 3, 63)
-    assert policy.choose(1, tree_nodes=63) == 16
+    assert policy.choose(2, tree_nodes=63) == 16
 
 
 @pytest.fixture(scope="module")

@@ -153,8 +153,8 @@ def test_plain_steps_between_chains_are_exact_at_batch_one(drafter_dir):
 def test_token_trees_equal_autoregressive(verify):
     """Token trees on the GPU path (FlashInfer's fa2 kernels with the trees' custom mask; batch-1 decoding
     runs fa3, so a near-tie may flip, but nothing more), with a drafter whose corrupted drafts the tree
-    recovers from its second candidates: batched, then one prompt at a time. With auto at batch 1 the
-    measured costs choose trees."""
+    recovers from its second candidates: batched, then one prompt at a time (where auto verifies the whole
+    chain)."""
     from tests.drafter_helpers import ScriptedTreeDrafter
 
     common = dict(device="cuda", num_kv_pages=2048, attention_backend="flashinfer")
