@@ -9,7 +9,9 @@ math500 problems and everyday coding requests (scripts/bench/chat_prompts.py; --
 takes scripts/bench_serve.py's prompts instead, the same ones in the same order), --max-new-tokens each,
 greedy, answers of their natural length, with `max_num_seqs` = the concurrency, so arrivals keep
 coming while others decode. Every
-`Engine.step()` is timed and split by whether it prefilled (a prompt chunk of an admitted request).
+`Engine.step()` is timed and split by whether it prefilled (a prompt chunk of an admitted request); the JSON keeps
+every step of each row (`LoadRow.steps`: its kind, batch, wall time, tokens verified, the overheads `auto` had
+learned), so a level whose tokens/s moves between runs can be traced to the steps that took the time.
 Single runs of a level vary by 10-16% on a GPU (host-bound steps): --repeats N runs each level N times on
 the same engine and reports the run with the median tokens/s.
 
@@ -66,6 +68,10 @@ class LoadRow:
     verified: float | None = None  # tokens verified per request per speculative step (the anchor included)
     runs_tokens_per_s: list[float] | None = None  # with --repeats: every run's, the row being the median run's
     plain_steps: int | None = None  # DFlash: steps `auto` ran as plain decoding steps (no draft pays at their batch)
+    # every step in order: [prompt chunks in it (0/1), decoding requests, wall ms, tokens verified per request (1: a
+    # plain step; None: plain decoding's engine, or no request decoding), the speculative and plain overheads `auto`
+    # had learned for that batch after the step (ms)]: where a level's time went and what the policy saw
+    steps: list[list] | None = None
 
 
 def parse_args(argv):
@@ -127,11 +133,12 @@ def random_prompts(vocab_size: int, count: int) -> list[list[int]]:
             for _ in range(count)]
 
 
-def timed_steps(engine) -> list[tuple[bool, int, float]]:
-    """From now on, record (prefilled, decoding batch, seconds) of every engine step (each step is also a
-    profiler range named STEP_RANGE)."""
+def timed_steps(engine) -> list[tuple]:
+    """From now on, record (prefilled, decoding batch, seconds, tokens verified per request, learned overheads) of
+    every engine step (each step is also a profiler range named STEP_RANGE); the last two None without a drafter."""
     records, schedule, step = [], engine.scheduler.schedule, engine.step
     plans = []
+    decoding = engine.decoding if engine.drafter is not None else None
 
     def recording_schedule():
         plans.append(schedule())
@@ -141,8 +148,12 @@ def timed_steps(engine) -> list[tuple[bool, int, float]]:
         start = time.perf_counter()
         with torch.profiler.record_function(STEP_RANGE):
             out = step(*args, **kwargs)
+        seconds = time.perf_counter() - start
         plan = plans.pop()
-        records.append((bool(plan.prefill), len(plan.decode), time.perf_counter() - start))
+        verified = overheads = None
+        if decoding is not None and plan.decode:
+            verified, overheads = decoding.verify_length, decoding.policy.overheads_at(len(plan.decode))
+        records.append((bool(plan.prefill), len(plan.decode), seconds, verified, overheads))
         return out
 
     engine.scheduler.schedule, engine.step = recording_schedule, timed_step
@@ -171,7 +182,14 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
                    statistics.mean(r[1] for r in decode) if decode else 0.0, len(prefill), median_ms(prefill),
                    sum(r[2] for r in prefill) / wall, statistics.mean(taus) if taus else None,
                    statistics.mean(verified) if verified else None,
-                   plain_steps=len(plain_steps) if plain_steps is not None else None)
+                   plain_steps=len(plain_steps) if plain_steps is not None else None,
+                   steps=[step_trace(r) for r in records])
+
+
+def step_trace(record: tuple) -> list:
+    prefilled, batch, seconds, verified, overheads = record
+    learned = [round(1e3 * s, 3) for s in overheads] if overheads is not None else [None, None]
+    return [int(prefilled), batch, round(1e3 * seconds, 3), verified, *learned]
 
 
 def counted_plain_steps(engine) -> list | None:

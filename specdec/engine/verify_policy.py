@@ -197,6 +197,12 @@ class VerifyPolicy:
     def _overhead(self, batch: int, plain: bool) -> float:
         return self.overhead.get((self._rung(batch), plain), 0.0)
 
+    def overheads_at(self, batch: int) -> tuple[float, float]:
+        """(speculative, plain) seconds a step of `batch` requests is learned to take beyond its measured cost (0 where
+        nothing is learned yet): what `choose` adds when it weighs the two kinds."""
+        rung = self._rung(batch)
+        return self.overhead.get((rung, False), 0.0), self.overhead.get((rung, True), 0.0)
+
     def _rung(self, batch: int) -> int | None:
         """The measured batch size a step of `batch` requests runs as (the whole chain's verify rungs)."""
         if self.costs is None:

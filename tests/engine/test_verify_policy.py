@@ -210,6 +210,7 @@ def test_what_each_kind_of_step_takes_beyond_its_measured_cost_is_learned_from_i
     for _ in range(30):
         policy.observe_seconds(2, 200, 7.0)  # 2 s beyond the measured 5 s
     assert policy.overhead == {(256, False): pytest.approx(2.0, rel=0.01)}
+    assert policy.overheads_at(200) == (pytest.approx(2.0, rel=0.01), 0.0) and policy.overheads_at(40) == (0.0, 0.0)
     assert policy.choose(200) == PLAIN  # 1.86 / 7.0 < 1 / 3.0
     assert policy.choose(40) == 16  # another rung: nothing learned there
     policy.observe_seconds(2, 300, 9.0)  # above the measured ladder: nothing to compare with

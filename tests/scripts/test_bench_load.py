@@ -19,6 +19,14 @@ def test_quick_run_reports_every_system_and_concurrency(tmp_path, capsys):
         # on CPU nothing is measured, so the policy verifies the whole chain (the tiny drafter's block)
         assert row["verified"] == (None if row["system"] == "AR" else 4.0)
         assert row["plain_steps"] == (None if row["system"] == "AR" else 0)  # nothing measured: no plain steps
+        steps = row["steps"]  # the step trace: one entry per step, in order
+        assert len(steps) == row["decode_steps"] + row["prefill_steps"]
+        assert sum(s[0] for s in steps) == row["prefill_steps"] and max(s[1] for s in steps) <= row["concurrency"]
+        decoding = [s for s in steps if s[1]]
+        if row["system"] == "AR":
+            assert all(s[3:] == [None, None, None] for s in steps)
+        else:  # the whole chain every step; nothing measured, so no overhead learned
+            assert all(s[3] == 4 and s[4:] == [0.0, 0.0] for s in decoding)
     assert "| DFlash | 4 |" in capsys.readouterr().out
 
 
