@@ -44,7 +44,7 @@ not hidden behind the GPU as an overlapped plain step's is; its verify attends o
 request, a plain step's with one; a plain step also writes the drafter's context). So what each kind takes beyond
 its measured cost is learned from the wall time of decode-only steps, per batch rung, and added when the best
 speculative option is weighed against a plain step (the speculative options are compared among themselves by their
-measured costs, as before).
+measured costs).
 """
 
 from __future__ import annotations
@@ -174,9 +174,10 @@ class VerifyPolicy:
         best = max(speculative, key=lambda option: (rate(option), option)) if speculative else PLAIN
         if best != TREE and best != PLAIN:  # the longest chain whose rate is within the margin of the best one's
             best = max(o for o in speculative if o >= best and rate(o) * (1 + CHAIN_MARGIN) >= rate(best))
-        if PLAIN in options and PLAIN in seconds and (best == PLAIN or rate(PLAIN, self._overhead(batch, True))
-                                                      > rate(best, self._overhead(batch, False))):
-            return PLAIN
+        if PLAIN in options and PLAIN in seconds:
+            speculative_overhead, plain_overhead = self.overheads_at(batch)
+            if best == PLAIN or rate(PLAIN, plain_overhead) > rate(best, speculative_overhead):
+                return PLAIN
         return best
 
     def observe_seconds(self, option: int, batch: int, seconds: float) -> None:
@@ -193,9 +194,6 @@ class VerifyPolicy:
         self.overhead[rung, plain] = extra if known is None else OVERHEAD_DECAY * known + (1 - OVERHEAD_DECAY) * extra
         if (rung, not plain) in self.overhead:
             self.overhead[rung, not plain] *= OTHER_KIND_FADE
-
-    def _overhead(self, batch: int, plain: bool) -> float:
-        return self.overhead.get((self._rung(batch), plain), 0.0)
 
     def overheads_at(self, batch: int) -> tuple[float, float]:
         """(speculative, plain) seconds a step of `batch` requests is learned to take beyond its measured cost (0 where
