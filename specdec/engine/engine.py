@@ -363,7 +363,7 @@ class Engine:
             self._cache_committed_pages(self.scheduler.running)
         out.finished = self._retire()
         if self.drafter is not None and decode and not (landed or plan.prefill) and (steady or not plain):
-            # a decode-only step's wall time tells the policy what its option takes beyond its measured cost (an
+            # a decode-only step's wall time tells the policy what its kind takes beyond its measured cost (an
             # overlapped plain step's once one was in flight before it: then it waits for its predecessor's GPU work)
             option = PLAIN if plain else self.decoding.option
             self.decoding.policy.observe_seconds(option, len(decode), time.perf_counter() - start)

@@ -83,6 +83,7 @@ def test_a_lone_request_verifies_the_whole_chain_whatever_the_other_options_woul
     assert trees.choose(2, tree_nodes=63) == TREE and trees.choose(1, tree_nodes=63) == 16
     assert VerifyPolicy(16, (), costs, tree=True).choose(1, tree_nodes=63) == TREE
 
+
 def test_each_option_counts_its_own_draft_step():
     """A chain's draft step scores only the drafts it verifies: where scoring all 15 costs 3x scoring 3, the short
     chain's cheaper draft decides; with one draft cost for all, the whole chain wins."""
