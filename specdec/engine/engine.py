@@ -346,6 +346,8 @@ class Engine:
         # after the step in flight has landed. With a drafter, the policy's plain steps (no draft pays at this
         # batch) run overlapped as well; a speculative step needs the tokens in flight on the host first
         plain = self.drafter is not None and bool(decode) and self.decoding.plain_pays(decode)
+        if self.drafter is not None and decode:
+            self.decoding.policy.ran(plain)
         steady = self.flight is not None
         in_order = (self.overlap and any(adjusts_logits(r.params) for r in decode)) or (
             self.drafter is not None and not plain)
@@ -362,9 +364,9 @@ class Engine:
         if self.prefix_cache is not None:
             self._cache_committed_pages(self.scheduler.running)
         out.finished = self._retire()
-        if self.drafter is not None and decode and not (landed or plan.prefill) and (steady or not plain):
-            # a decode-only step's wall time tells the policy what its kind takes beyond its measured cost (an
-            # overlapped plain step's once one was in flight before it: then it waits for its predecessor's GPU work)
+        if self.drafter is not None and decode and not plan.prefill and self.decoding.policy.steady(plain):
+            # a decode-only step's wall time tells the policy what its kind takes beyond its measured cost, once the
+            # steps it waits on are of its kind too (a switch's costs are no kind's steady cost)
             option = PLAIN if plain else self.decoding.option
             self.decoding.policy.observe_seconds(option, len(decode), time.perf_counter() - start)
         return out

@@ -5,7 +5,9 @@
                                            # q = PLAIN (1): a plain decoding step, no draft
     policy.observe(accepted, q)            # how many drafts each request had accepted (a chain step)
     policy.observe_tree(accepted, nodes)   # the same for a tree step of `nodes` draft nodes per request
-    policy.observe_seconds(q, batch, s)    # a decode-only step's wall time: what it takes beyond its measured cost
+    policy.ran(plain)                      # the kind of step the engine runs now (counted for KIND_DWELL)
+    if policy.steady(plain):               # a step of the kind its predecessors were (no switch in its wall time)
+        policy.observe_seconds(q, batch, s)  # a decode-only step's wall time: what it takes beyond its measured cost
 
 The drafter runs the whole block either way (one forward) but scores only the drafts the step verifies (its
 output layer over the vocabulary grows with the batch like the target's); verifying fewer drafts saves target
@@ -45,6 +47,15 @@ request, a plain step's with one; a plain step also writes the drafter's context
 its measured cost is learned from the wall time of decode-only steps, per batch rung, and added when the best
 speculative option is weighed against a plain step (the speculative options are compared among themselves by their
 measured costs).
+
+Switching kind costs more than either kind's steady steps: the first speculative step after plain ones lands the
+plain step in flight and drafts without a draft queued ahead, and the first two plain steps after speculative ones
+wait for work queued at the switch. Only steady steps are measured (`steady`), and a kind once switched to runs for
+KIND_DWELL steps. Without both, on an H200 at 256 coding requests (max 512 tokens), `auto` fell into alternating two
+plain steps with three speculative ones for hundreds of steps: the second plain step (6.3 ms, waiting for the first)
+taught plain steps an overhead of 2-2.7 ms over a cost that steady plain steps (3.3-3.6 ms) exceed by 0.6, and the
+run delivered 37.0k tokens/s where the two runs before it on the same engine delivered 48.2k and 48.4k (plain
+decoding: 48.6-59.4k in the same job).
 """
 
 from __future__ import annotations
@@ -78,6 +89,13 @@ OVERHEAD_DECAY = 0.9
 # dozens of steps of one kind the other is tried again and measured anew (no estimate stays stuck on an outlier)
 OTHER_KIND_FADE = 0.99
 PLAIN = 1  # the chain of the anchor alone: a plain decoding step
+# steps a kind runs for once switched to: a switch costs a few ms beyond steady steps (the module's doc), so kinds
+# alternating step by step lose what either would deliver alone; after 8 steps the switch is a few percent of the time
+# spent in that kind, and the steady steps among them have refreshed its learned overhead
+KIND_DWELL = 8
+# steps of its kind a step must follow to be measured: a speculative step one (the first lands the plain step in
+# flight), a plain step two (the second waits for the first's GPU work, queued behind what the switch left running)
+STEADY_AFTER = {False: 1, True: 2}
 
 
 def verify_lengths(block_size: int, policy: str, plain_steps: bool = False) -> tuple[int, ...]:
@@ -147,6 +165,8 @@ class VerifyPolicy:
         self._expected: np.ndarray | None = None
         # (batch rung, plain step?) -> seconds a step of that kind takes beyond its measured cost
         self.overhead: dict[tuple[int, bool], float] = {}
+        self.plain_running: bool | None = None  # the kind of the engine's last step (None: no step yet)
+        self.kind_steps = 0  # steps of that kind in a row, the last one included
 
     @property
     def options(self) -> tuple[int, ...]:
@@ -175,10 +195,23 @@ class VerifyPolicy:
         if best != TREE and best != PLAIN:  # the longest chain whose rate is within the margin of the best one's
             best = max(o for o in speculative if o >= best and rate(o) * (1 + CHAIN_MARGIN) >= rate(best))
         if PLAIN in options and PLAIN in seconds:
+            if self.plain_running is not None and self.kind_steps < KIND_DWELL:  # a kind just switched to stays
+                return PLAIN if self.plain_running else best
             speculative_overhead, plain_overhead = self.overheads_at(batch)
             if best == PLAIN or rate(PLAIN, plain_overhead) > rate(best, speculative_overhead):
                 return PLAIN
         return best
+
+    def ran(self, plain: bool) -> None:
+        """The engine runs a step of this kind now (a plain step, or a speculative one): from here on `choose`
+        answers for the step after it."""
+        self.kind_steps = self.kind_steps + 1 if plain == self.plain_running else 1
+        self.plain_running = plain
+
+    def steady(self, plain: bool) -> bool:
+        """Whether the step running now (of this kind) follows enough steps of its kind that its wall time holds no
+        switch (STEADY_AFTER): only such steps teach the overheads."""
+        return self.plain_running == plain and self.kind_steps > STEADY_AFTER[plain]
 
     def observe_seconds(self, option: int, batch: int, seconds: float) -> None:
         """A decode-only step of `batch` requests that chose `option` (PLAIN: a plain step, overlapped) took `seconds`

@@ -69,6 +69,42 @@ def test_switching_between_plain_steps_and_speculation_keeps_plain_decodings_out
     assert_no_leak(engine)
 
 
+def test_the_policy_learns_only_from_decode_only_steps_that_follow_their_own_kind(target_dir, tmp_path):
+    """The engine tells the policy each step's kind, and hands it the wall time of decode-only steps that follow
+    steps of their kind (a speculative step one, a plain step two): a switch's costs are no kind's steady cost."""
+    engine = dflash_engine(target_dir, tmp_path, max_num_seqs=4, max_prefill_tokens=9)
+    counts = random_choices(engine, 2, (PLAIN, 2, 4))
+    kinds, observed = [], []  # per step: (plain?, None without decode; prefilled?); (step, option) of those measured
+    policy, step, schedule = engine.decoding.policy, engine.step, engine.scheduler.schedule
+    observe, plans = policy.observe_seconds, []
+
+    def recording_schedule():
+        plans.append(schedule())
+        return plans[-1]
+
+    def recording_step(*args, **kwargs):
+        before = counts["plain"], counts["speculative"]
+        out = step(*args, **kwargs)
+        plain, speculative = counts["plain"] - before[0], counts["speculative"] - before[1]
+        kinds.append((True if plain else False if speculative else None, bool(plans.pop().prefill)))
+        return out
+
+    policy.observe_seconds = lambda option, batch, seconds: (observed.append((len(kinds), option)),
+                                                             observe(option, batch, seconds))
+    engine.step, engine.scheduler.schedule = recording_step, recording_schedule
+    params_list = [SamplingParams(max_new_tokens=8 + 5 * i) for i in range(len(MANY_PROMPTS))]
+    run_staggered(engine, MANY_PROMPTS, params_list)
+    assert len(observed) > 5
+    for index, option in observed:
+        plain, prefilled = kinds[index]
+        before = [kind for kind, _ in kinds[index - (2 if plain else 1):index]]
+        assert (option == PLAIN) == plain and not prefilled, (index, option, kinds[index])
+        assert before and all(kind == plain for kind in before), (index, kinds[max(0, index - 3):index + 1])
+    switches = sum(a[0] is not None and b[0] is not None and a[0] != b[0] for a, b in zip(kinds, kinds[1:]))
+    assert switches > 5  # the random choices switch often: the rule was exercised
+    assert_no_leak(engine)
+
+
 def test_logprobs_through_plain_steps_and_chains_are_plain_decodings(target_dir, tmp_path):
     """Requests that ask for logprobs run plain steps too (only penalties and grammars keep to speculation): each
     token's logprob and top alternatives are plain decoding's, whichever kind of step committed it."""

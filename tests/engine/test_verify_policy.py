@@ -237,3 +237,36 @@ def test_an_estimate_the_running_kind_cannot_refresh_fades_until_the_other_kind_
             policy.observe_seconds(running, 200, costs.at(200)[running] + (1.0 if running == PLAIN else 2.0))
             steps += 1
         assert 20 < steps < 400, (outlier, steps)
+
+
+def test_a_kind_switched_to_runs_for_its_dwell_before_the_costs_decide_again():
+    """Whichever kind the costs favour, a step of the other kind (e.g. one that had to speculate) is followed by
+    KIND_DWELL - 1 more of its kind: switches cost more than steady steps, and alternating kinds lose what either
+    delivers alone."""
+    from specdec.engine.verify_policy import KIND_DWELL, PLAIN
+
+    costs = StepCosts(draft={2: {256: 1.0}}, verify={PLAIN: {256: 3.0}, 2: {256: 4.0}})
+    for favoured, other in ((PLAIN, 2), (2, PLAIN)):
+        policy = VerifyPolicy(16, (PLAIN, 2, 16), costs)
+        policy.accepted[0], policy.seen[0] = (0.5, 1.0) if favoured == PLAIN else (0.95, 1.0)  # 1.5 or 1.95 / 5.0
+        assert policy.choose(200) == favoured  # no step yet: the costs decide
+        policy.ran(other == PLAIN)
+        kinds = []
+        for _ in range(2 * KIND_DWELL):
+            kinds.append(policy.choose(200))
+            policy.ran(kinds[-1] == PLAIN)
+        assert kinds == [other] * (KIND_DWELL - 1) + [favoured] * (KIND_DWELL + 1), (favoured, kinds)
+        assert policy.choose(200, plain=False) == 2  # a step that must speculate is never held to a plain dwell
+        assert policy.choose(1) == 16  # nor a lone request
+
+
+def test_only_steps_that_follow_their_own_kind_are_measured():
+    """The first speculative step after plain ones lands the plain step in flight; the first two plain steps after
+    speculative ones wait for what the switch left queued: none of them is a steady step of its kind."""
+    policy = VerifyPolicy(16, (1, 2, 16))
+    seen = []
+    for plain in (True, True, True, True, False, False, False, True, True, True, False):
+        policy.ran(plain)
+        seen.append(policy.steady(plain))
+    assert seen == [False, False, True, True, False, True, True, False, False, True, False]
+    assert not policy.steady(True)  # the step running now is speculative
