@@ -140,15 +140,28 @@ class DFlashDrafter(ModelRunner, Drafter):
         """Context K/V of request i's next lens[i] positions from the features at `rows` (sum(lens) of them, request
         by request), written now in one token step."""
         tables = [self.tables.setdefault(r.request_id, PageTable(self.pool)) for r in requests]
-        ends = []
-        for table, n in zip(tables, lens):
-            table.grow(n)
-            ends.append(table.length)
-        layout = BatchLayout.for_tokens(lens, ends, [t.array for t in tables], self.page_size, causal=False)
-        total = self.stage_token_rows(self.context_step, layout)
+        if len(rows) == len(tables):  # one position each (every len is at least 1): a plain step's rows
+            total = self._stage_one_position_each(tables)
+        else:
+            ends = []
+            for table, n in zip(tables, lens):
+                table.grow(n)
+                ends.append(table.length)
+            layout = BatchLayout.for_tokens(lens, ends, [t.array for t in tables], self.page_size, causal=False)
+            total = self.stage_token_rows(self.context_step, layout)
         self.context_inputs.fill("rows", rows)
         self.context_inputs.upload()
         self.run_tokens(self.context_step, total)
+
+    def _stage_one_position_each(self, tables: list[PageTable]) -> int:
+        """Stage the next position of each table (grown by one here), its K/V slot read from the table alone: a
+        plain step writes one context row per request, and a layout over every table's pages took twice the host
+        time (0.26 against 0.13 ms for 256 requests, host work alone) on a step whose GPU work is ~3 ms."""
+        for table in tables:
+            table.grow(1)
+        positions = np.fromiter((t.length - 1 for t in tables), np.int64, len(tables))
+        slots = np.fromiter((t.slot(p) for t, p in zip(tables, positions.tolist())), np.int64, len(tables))
+        return self.stage_token_places(self.context_step, positions, slots // self.page_size, slots % self.page_size)
 
     def _feature_row(self, features: torch.Tensor) -> int:
         """The row of the features buffer given at attach where `features` (a run of its rows) starts."""

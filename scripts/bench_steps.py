@@ -47,7 +47,7 @@ def parse_args(argv):
     p.add_argument("--model", help="demo name or HF dir (default: random weights, the default target's shape)")
     p.add_argument("--drafter", help=f"DFlash drafter (default {SHIPPED_DRAFTER}; --quick: a tiny random one)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
-    p.add_argument("--fp8-batches", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--fp8-batches", type=int, nargs="*", default=[1, 32], help="none: no fp8 KV rows")
     p.add_argument("--prompt-tokens", type=int, default=120)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--profile-tokens", type=int, default=32, help="new tokens of the profiled generate")
@@ -258,6 +258,8 @@ def models_to_run(args, work: Path) -> tuple[str, Path, str | None, str | None]:
 def run_rows(info: dict, model: str, drafter: str | None, prompts, args) -> None:
     base_kv = "bf16" if args.device.type == "cuda" else "fp32"  # "auto" = the model's dtype
     for kv, batches in ((base_kv, args.batches), ("fp8", args.fp8_batches)):
+        if not batches:
+            continue
         dflash = [("DFlash" if verify == "chain" else f"DFlash {verify}", drafter, verify) for verify in args.verify]
         for system, draft, verify in [("AR", None, "chain"), *(dflash if drafter else [])]:
             eager_kernels = {}

@@ -233,7 +233,11 @@ class ModelRunner:
         """Stage the positions and K/V write slots of `layout`'s new tokens in the step's inputs (rows past
         them write to the scratch page); returns how many rows that is. The caller fills the rest of its
         inputs and uploads them."""
-        positions, pages, offsets = layout.new_kv_places()
+        return self.stage_token_places(step, *layout.new_kv_places())
+
+    def stage_token_places(self, step: TokenStep, positions, pages, offsets) -> int:
+        """Stage new tokens given by their positions and K/V write slots (page, offset) in the step's inputs, as
+        `stage_token_rows` does; returns how many rows that is."""
         step.inputs.fill("positions", positions)
         step.inputs.fill("pages", pages, pad=self.kv.scratch_page)
         step.inputs.fill("offsets", offsets)

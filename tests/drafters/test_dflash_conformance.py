@@ -133,3 +133,33 @@ def test_checkpoint_round_trip(setup, tmp_path):
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight",
             "layers.1.mlp.down_proj.weight", "layers.1.post_attention_layernorm.weight"} <= names
     assert not any("embed" in n or "lm_head" in n for n in names)
+
+
+def test_one_context_row_per_request_is_staged_where_a_layout_over_the_pages_puts_it():
+    """A plain step writes one context row per request: its position and K/V slot, read from each table alone, are
+    those of the layout the other writes build over every table's pages (page boundaries crossed included)."""
+    from types import SimpleNamespace
+
+    from attention.batch_layout import BatchLayout
+    from attention.page_pool import PagePool, PageTable
+    from drafters.dflash import DFlashDrafter
+
+    lengths = (1, 3, 4, 5, 8, 11)  # 4 and 8 fill their last page: the next row takes a new one
+
+    def tables():
+        pool = PagePool(64, 4)
+        grown = [PageTable(pool) for _ in lengths]
+        for table, n in zip(grown, lengths):
+            table.grow(n)
+        return grown
+
+    staged = {}
+    stub = SimpleNamespace(page_size=4, context_step="context",
+                           stage_token_places=lambda step, *places: staged.update(places=places) or len(places[0]))
+    assert DFlashDrafter._stage_one_position_each(stub, tables()) == len(lengths)
+    reference = tables()
+    for table in reference:
+        table.grow(1)
+    want = BatchLayout.for_tokens([1] * len(lengths), [t.length for t in reference], [t.array for t in reference], 4,
+                                  causal=False).new_kv_places()
+    assert [list(map(int, got)) for got in staged["places"]] == [w.tolist() for w in want]
