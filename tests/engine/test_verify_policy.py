@@ -270,3 +270,47 @@ def test_only_steps_that_follow_their_own_kind_are_measured():
         seen.append(policy.steady(plain))
     assert seen == [False, False, True, True, False, True, True, False, False, True, False]
     assert not policy.steady(True)  # the step running now is speculative
+
+
+def run_switching_steps(policy, accepted: float, steps: int, measured) -> tuple[float, int, float]:
+    """Steps of 250 requests whose wall times follow what an H200 took on 256 coding requests (ms): steady plain
+    steps 3.5, steady speculative ones (chains of 2) 7.5; after a switch, the first two plain steps 4.8 and 6.3 and
+    the first speculative one 13.3. `measured(policy, plain)`: whether the step's wall time reaches the policy.
+    Returns (share of plain steps, switches of kind, committed tokens per request per ms)."""
+    from specdec.engine.verify_policy import PLAIN
+
+    steady, after_switch = {True: 3.5, False: 7.5}, {True: (4.8, 6.3), False: (13.3,)}
+    kinds, tokens, ms = [], 0.0, 0.0
+    for _ in range(steps):
+        plain = policy.choose(250) == PLAIN
+        policy.ran(plain)
+        after = after_switch[plain]
+        wall = after[policy.kind_steps - 1] if kinds and policy.kind_steps <= len(after) else steady[plain]
+        if measured(policy, plain):
+            policy.observe_seconds(PLAIN if plain else 2, 250, wall / 1e3)
+        kinds.append(plain)
+        tokens, ms = tokens + (1 if plain else 1 + accepted), ms + wall
+    return sum(kinds) / steps, sum(a != b for a, b in zip(kinds, kinds[1:])), tokens / ms
+
+
+@pytest.mark.parametrize("accepted", [0.6, 0.75, 0.9])
+def test_switch_costs_do_not_trap_the_policy_in_alternating_kinds(monkeypatch, accepted):
+    """Where plain steps pay more than speculation (1 / 3.5 against at most 1.9 / 7.5 tokens per ms) and the two kinds'
+    measured costs are close, the policy keeps to plain steps, trying speculation now and then, and delivers at least
+    88% of the plain steps' rate. Measuring the steps around a switch and switching at any step (as before KIND_DWELL
+    and `steady`) alternated kinds for hundreds of steps on an H200; the same simulation shows that trap."""
+    import specdec.engine.verify_policy as verify_policy
+    from specdec.engine.verify_policy import PLAIN
+
+    def policy():
+        costs = StepCosts(draft={2: {256: 1.3e-3}}, verify={PLAIN: {256: 3.0e-3}, 2: {256: 4.0e-3}, 16: {256: 40e-3}})
+        made = VerifyPolicy(16, (PLAIN, 2, 16), costs)
+        made.accepted[0], made.seen[0] = accepted, 1.0
+        made.overhead = {(256, False): 0.8e-3, (256, True): 0.58e-3}  # learned on steady steps before
+        return made
+
+    share, switches, rate = run_switching_steps(policy(), accepted, 400, lambda p, plain: p.steady(plain))
+    assert share > 0.75 and switches <= 24 and rate >= 0.88 / 3.5, (share, switches, rate)
+    monkeypatch.setattr(verify_policy, "KIND_DWELL", 1)
+    share, switches, _ = run_switching_steps(policy(), accepted, 400, lambda p, plain: p.kind_steps > 1)
+    assert share < 0.25 and switches > 30, (share, switches)
