@@ -11,7 +11,7 @@ greedy, answers of their natural length, with `max_num_seqs` = the concurrency, 
 coming while others decode. Every
 `Engine.step()` is timed and split by whether it prefilled (a prompt chunk of an admitted request); the JSON keeps
 every step of each row (`LoadRow.steps`: its kind, batch, wall time, tokens verified, the overheads `auto` had
-learned, tokens committed), so a level whose tokens/s moves between runs can be traced to the steps that took the time.
+learned, tokens committed, the switch costs learned), so a level whose tokens/s moves between runs can be traced to the steps that took the time.
 Single runs of a level vary by 10-16% on a GPU (host-bound steps): --repeats N runs each level N times on
 the same engine and reports the run with the median tokens/s.
 
@@ -71,7 +71,8 @@ class LoadRow:
     # every step in order: [prompt chunks in it (0/1), decoding requests, wall ms, tokens verified per request (1: a
     # plain step; None: plain decoding's engine, or no request decoding), the speculative and plain overheads `auto`
     # had learned for that batch after the step (ms), tokens committed in the step (an overlapped step commits the
-    # tokens of the one before it)]: where a level's time went, what it delivered, and what the policy saw
+    # tokens of the one before it), the costs of switching to speculation and to plain steps `auto` had learned (ms)]:
+    # where a level's time went, what it delivered, and what the policy saw
     steps: list[list] | None = None
 
 
@@ -136,8 +137,8 @@ def random_prompts(vocab_size: int, count: int) -> list[list[int]]:
 
 def timed_steps(engine) -> list[tuple]:
     """From now on, record (prefilled, decoding batch, seconds, tokens verified per request, learned overheads, tokens
-    committed) of every engine step (each step is also a profiler range named STEP_RANGE); verified and overheads None
-    without a drafter."""
+    committed, learned switch costs) of every engine step (each step is also a profiler range named STEP_RANGE);
+    verified, overheads and switch costs None without a drafter."""
     records, schedule, step = [], engine.scheduler.schedule, engine.step
     plans = []
     decoding = engine.decoding if engine.drafter is not None else None
@@ -152,11 +153,12 @@ def timed_steps(engine) -> list[tuple]:
             out = step(*args, **kwargs)
         seconds = time.perf_counter() - start
         plan = plans.pop()
-        verified = overheads = None
+        verified = overheads = switches = None
         if decoding is not None and plan.decode:
             verified, overheads = decoding.verify_length, decoding.policy.overheads_at(len(plan.decode))
+            switches = decoding.policy.switch_cost(False), decoding.policy.switch_cost(True)
         records.append((bool(plan.prefill), len(plan.decode), seconds, verified, overheads,
-                        sum(len(tokens) for _, tokens in out.committed)))
+                        sum(len(tokens) for _, tokens in out.committed), switches))
         return out
 
     engine.scheduler.schedule, engine.step = recording_schedule, timed_step
@@ -190,9 +192,9 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
 
 
 def step_trace(record: tuple) -> list:
-    prefilled, batch, seconds, verified, overheads, committed = record
-    learned = [round(1e3 * s, 3) for s in overheads] if overheads is not None else [None, None]
-    return [int(prefilled), batch, round(1e3 * seconds, 3), verified, *learned, committed]
+    prefilled, batch, seconds, verified, overheads, committed, switches = record
+    in_ms = lambda pair: [round(1e3 * s, 3) for s in pair] if pair is not None else [None, None]  # noqa: E731
+    return [int(prefilled), batch, round(1e3 * seconds, 3), verified, *in_ms(overheads), committed, *in_ms(switches)]
 
 
 def counted_plain_steps(engine) -> list | None:

@@ -364,9 +364,9 @@ class Engine:
         if self.prefix_cache is not None:
             self._cache_committed_pages(self.scheduler.running)
         out.finished = self._retire()
-        if self.drafter is not None and decode and not plan.prefill and self.decoding.policy.steady(plain):
-            # a decode-only step's wall time tells the policy what its kind takes beyond its measured cost, once the
-            # steps it waits on are of its kind too (a switch's costs are no kind's steady cost)
+        if self.drafter is not None and decode and not plan.prefill:
+            # a decode-only step's wall time tells the policy what its kind takes beyond its measured cost (a steady
+            # step) or what a switch costs (a step after one)
             option = PLAIN if plain else self.decoding.option
             self.decoding.policy.observe_seconds(option, len(decode), time.perf_counter() - start)
         return out

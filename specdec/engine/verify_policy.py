@@ -6,8 +6,8 @@
     policy.observe(accepted, q)            # how many drafts each request had accepted (a chain step)
     policy.observe_tree(accepted, nodes)   # the same for a tree step of `nodes` draft nodes per request
     policy.ran(plain)                      # the kind of step the engine runs now (counted for KIND_DWELL)
-    if policy.steady(plain):               # a step of the kind its predecessors were (no switch in its wall time)
-        policy.observe_seconds(q, batch, s)  # a decode-only step's wall time: what it takes beyond its measured cost
+    policy.observe_seconds(q, batch, s)    # a decode-only step's wall time: what a steady step (`steady`) takes
+                                           # beyond its measured cost, or what a switch's steps take beyond steady ones
 
 The drafter runs the whole block either way (one forward) but scores only the drafts the step verifies (its
 output layer over the vocabulary grows with the batch like the target's); verifying fewer drafts saves target
@@ -50,8 +50,12 @@ measured costs).
 
 Switching kind costs more than either kind's steady steps: the first speculative step after plain ones lands the
 plain step in flight and drafts without a draft queued ahead, and the first two plain steps after speculative ones
-wait for work queued at the switch. Only steady steps are measured (`steady`), and a kind once switched to runs for
-KIND_DWELL steps. Without both, on an H200 at 256 coding requests (max 512 tokens), `auto` fell into alternating two
+wait for work queued at the switch. Only steady steps teach a kind's overhead (`steady`), and a kind once switched to
+runs for KIND_DWELL steps. What a switch's steps take beyond steady ones is learned as the cost of switching to that
+kind, and the kind not running pays it, spread over a dwell, when the two are weighed: where both deliver about the
+same (on an H200 at 117-178 coding requests, steady chains of 4 took 6.0-7.7 ms and plain steps 3.3-3.6, while the
+first speculative step after plain ones took 10-13), the kind running stays instead of switching every dwell.
+Without the dwell and `steady`, on an H200 at 256 coding requests (max 512 tokens), `auto` fell into alternating two
 plain steps with three speculative ones for hundreds of steps: the second plain step (6.3 ms, waiting for the first)
 taught plain steps an overhead of 2-2.7 ms over a cost that steady plain steps (3.3-3.6 ms) exceed by 0.6, and the
 run delivered 37.0k tokens/s where the two runs before it on the same engine delivered 48.2k and 48.4k (plain
@@ -96,6 +100,8 @@ KIND_DWELL = 8
 # steps of its kind a step must follow to be measured: a speculative step one (the first lands the plain step in
 # flight), a plain step two (the second waits for the first's GPU work, queued behind what the switch left running)
 STEADY_AFTER = {False: 1, True: 2}
+# a switch's cost follows the last few switches into each kind (each a handful of steps)
+SWITCH_DECAY = 0.7
 
 
 def verify_lengths(block_size: int, policy: str, plain_steps: bool = False) -> tuple[int, ...]:
@@ -167,6 +173,11 @@ class VerifyPolicy:
         self.overhead: dict[tuple[int, bool], float] = {}
         self.plain_running: bool | None = None  # the kind of the engine's last step (None: no step yet)
         self.kind_steps = 0  # steps of that kind in a row, the last one included
+        # kind switched to (plain?) -> seconds its steps before the steady ones took beyond steady steps of it
+        self.switch_seconds: dict[bool, float] = {}
+        # the switch running now: (its steps measured so far, their seconds beyond steady steps); None once one of
+        # its steps went unmeasured (a step with prompt chunks), or when no switch is running
+        self._switch: tuple[int, float] | None = None
 
     @property
     def options(self) -> tuple[int, ...]:
@@ -198,6 +209,12 @@ class VerifyPolicy:
             if self.plain_running is not None and self.kind_steps < KIND_DWELL:  # a kind just switched to stays
                 return PLAIN if self.plain_running else best
             speculative_overhead, plain_overhead = self.overheads_at(batch)
+            # the kind not running now also pays for switching to it, spread over the dwell it would run for: where
+            # the two kinds deliver about the same, the one running stays
+            if self.plain_running is not None:
+                switch = self.switch_cost(not self.plain_running) / KIND_DWELL
+                speculative_overhead += switch if self.plain_running else 0.0
+                plain_overhead += 0.0 if self.plain_running else switch
             if best == PLAIN or rate(PLAIN, plain_overhead) > rate(best, speculative_overhead):
                 return PLAIN
         return best
@@ -205,6 +222,8 @@ class VerifyPolicy:
     def ran(self, plain: bool) -> None:
         """The engine runs a step of this kind now (a plain step, or a speculative one): from here on `choose`
         answers for the step after it."""
+        if plain != self.plain_running:
+            self._switch = (0, 0.0) if self.plain_running is not None else None
         self.kind_steps = self.kind_steps + 1 if plain == self.plain_running else 1
         self.plain_running = plain
 
@@ -215,18 +234,44 @@ class VerifyPolicy:
 
     def observe_seconds(self, option: int, batch: int, seconds: float) -> None:
         """A decode-only step of `batch` requests that chose `option` (PLAIN: a plain step, overlapped) took `seconds`
-        of wall time: what it took beyond its measured cost updates the overhead of its kind at its batch rung, and
-        the other kind's estimate there fades."""
+        of wall time. A steady step (`steady`; every step while the policy is told no kinds, `ran`): what it took
+        beyond its measured cost updates the overhead of its kind at its batch rung, and the other kind's estimate there
+        fades. A step of a switch: what it took beyond a steady step of its kind counts towards the switch's cost
+        (`switch_cost`)."""
         predicted = (self.costs.at(batch) or {}).get(option) if self.costs is not None else None
         rung = self._rung(batch)
+        plain = option == PLAIN
+        if self.plain_running is not None and not self.steady(plain):
+            steady = self.overhead.get((rung, plain))
+            self._observe_switch(None if predicted is None or steady is None else seconds - predicted - steady)
+            return
         if predicted is None or rung is None:
             return
-        plain = option == PLAIN
         extra = max(seconds - predicted, 0.0)
         known = self.overhead.get((rung, plain))
         self.overhead[rung, plain] = extra if known is None else OVERHEAD_DECAY * known + (1 - OVERHEAD_DECAY) * extra
         if (rung, not plain) in self.overhead:
             self.overhead[rung, not plain] *= OTHER_KIND_FADE
+
+    def _observe_switch(self, extra: float | None) -> None:
+        """A step of the switch running now took `extra` seconds beyond a steady step of its kind (None: unknown).
+        Once all its steps before the steady ones are measured, their sum updates the cost of switching to its kind."""
+        if self._switch is None or extra is None or self._switch[0] != self.kind_steps - 1:
+            self._switch = None  # a step of it unmeasured: its cost is unknown
+            return
+        steps, seconds = self._switch[0] + 1, self._switch[1] + extra
+        self._switch = (steps, seconds)
+        if steps == STEADY_AFTER[self.plain_running]:
+            known = self.switch_seconds.get(self.plain_running)
+            self.switch_seconds[self.plain_running] = seconds if known is None else (
+                SWITCH_DECAY * known + (1 - SWITCH_DECAY) * seconds)
+            self._switch = None
+
+    def switch_cost(self, plain: bool) -> float:
+        """Seconds a switch to plain steps (or to speculation) is learned to cost beyond steady steps: the steps after a
+        switch wait for work the switch left queued, and the first speculative step drafts without a draft queued ahead
+        (a kind's first steps may also take less than steady ones: it is their sum that counts)."""
+        return max(self.switch_seconds.get(plain, 0.0), 0.0)
 
     def overheads_at(self, batch: int) -> tuple[float, float]:
         """(speculative, plain) seconds a step of `batch` requests is learned to take beyond its measured cost (0 where

@@ -69,13 +69,16 @@ def test_switching_between_plain_steps_and_speculation_keeps_plain_decodings_out
     assert_no_leak(engine)
 
 
-def test_the_policy_learns_only_from_decode_only_steps_that_follow_their_own_kind(target_dir, tmp_path):
-    """The engine tells the policy each step's kind, and hands it the wall time of decode-only steps that follow
-    steps of their kind (a speculative step one, a plain step two): a switch's costs are no kind's steady cost."""
+def test_the_policy_learns_overheads_only_from_steady_steps_and_switch_costs_from_the_others(target_dir, tmp_path):
+    """The engine tells the policy each step's kind and hands it the wall time of every decode-only step: those that
+    follow steps of their kind (a speculative step one, a plain step two) teach the overhead of their kind, the
+    others only what a switch costs."""
     engine = dflash_engine(target_dir, tmp_path, max_num_seqs=4, max_prefill_tokens=9)
     counts = random_choices(engine, 2, (PLAIN, 2, 4))
-    kinds, observed = [], []  # per step: (plain?, None without decode; prefilled?); (step, option) of those measured
+    kinds, observed = [], []  # per step: (plain?, None without decode; prefilled?); per measured step: what it taught
     policy, step, schedule = engine.decoding.policy, engine.step, engine.scheduler.schedule
+    # a microsecond a step of any kind at any batch (no CUDA graphs here, so nothing was measured): steps take longer
+    policy.costs = StepCosts(draft={q: {4: 1e-6} for q in (2, 4, 16)}, verify={q: {4: 1e-6} for q in (PLAIN, 2, 4, 16)})
     observe, plans = policy.observe_seconds, []
 
     def recording_schedule():
@@ -89,17 +92,27 @@ def test_the_policy_learns_only_from_decode_only_steps_that_follow_their_own_kin
         kinds.append((True if plain else False if speculative else None, bool(plans.pop().prefill)))
         return out
 
-    policy.observe_seconds = lambda option, batch, seconds: (observed.append((len(kinds), option)),
-                                                             observe(option, batch, seconds))
+    def recording_observe(option, batch, seconds):
+        overhead, switch_seconds = dict(policy.overhead), dict(policy.switch_seconds)
+        steady = policy.steady(option == PLAIN)
+        observe(option, batch, seconds)
+        observed.append((len(kinds), option, steady, policy.overhead != overhead,
+                         policy.switch_seconds != switch_seconds))
+
+    policy.observe_seconds = recording_observe
     engine.step, engine.scheduler.schedule = recording_step, recording_schedule
     params_list = [SamplingParams(max_new_tokens=8 + 5 * i) for i in range(len(MANY_PROMPTS))]
     run_staggered(engine, MANY_PROMPTS, params_list)
-    assert len(observed) > 5
-    for index, option in observed:
-        plain, prefilled = kinds[index]
+    assert [index for index, *_ in observed] == [i for i, (kind, prefilled) in enumerate(kinds)
+                                                  if kind is not None and not prefilled]  # every decode-only step
+    for index, option, steady, taught_overhead, taught_switch in observed:
+        plain = kinds[index][0]
         before = [kind for kind, _ in kinds[index - (2 if plain else 1):index]]
-        assert (option == PLAIN) == plain and not prefilled, (index, option, kinds[index])
-        assert before and all(kind == plain for kind in before), (index, kinds[max(0, index - 3):index + 1])
+        assert (option == PLAIN) == plain, (index, option, kinds[index])
+        assert steady == (len(before) == (2 if plain else 1) and all(kind == plain for kind in before)), index
+        assert not (taught_overhead and taught_switch) and (steady or not taught_overhead), index
+    assert sum(steady for _, _, steady, *_ in observed) > 5
+    assert any(taught_switch for *_, taught_switch in observed)  # a switch measured whole
     switches = sum(a[0] is not None and b[0] is not None and a[0] != b[0] for a, b in zip(kinds, kinds[1:]))
     assert switches > 5  # the random choices switch often: the rule was exercised
     assert_no_leak(engine)

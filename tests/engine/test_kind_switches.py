@@ -1,0 +1,180 @@
+"""Switching between plain steps and speculation (`auto`): the dwell, which steps teach a kind's overhead, and what a
+switch costs, down to simulations with the step times an H200 took."""
+
+import numpy as np
+import pytest
+
+import specdec.engine.verify_policy as verify_policy
+from specdec.engine.verify_policy import KIND_DWELL, PLAIN, StepCosts, VerifyPolicy
+
+
+def test_a_kind_switched_to_runs_for_its_dwell_before_the_costs_decide_again():
+    """Whichever kind the costs favour, a step of the other kind (e.g. one that had to speculate) is followed by
+    KIND_DWELL - 1 more of its kind: switches cost more than steady steps, and alternating kinds lose what either
+    delivers alone."""
+    costs = StepCosts(draft={2: {256: 1.0}}, verify={PLAIN: {256: 3.0}, 2: {256: 4.0}})
+    for favoured, other in ((PLAIN, 2), (2, PLAIN)):
+        policy = VerifyPolicy(16, (PLAIN, 2, 16), costs)
+        policy.accepted[0], policy.seen[0] = (0.5, 1.0) if favoured == PLAIN else (0.95, 1.0)  # 1.5 or 1.95 / 5.0
+        assert policy.choose(200) == favoured  # no step yet: the costs decide
+        policy.ran(other == PLAIN)
+        kinds = []
+        for _ in range(2 * KIND_DWELL):
+            kinds.append(policy.choose(200))
+            policy.ran(kinds[-1] == PLAIN)
+        assert kinds == [other] * (KIND_DWELL - 1) + [favoured] * (KIND_DWELL + 1), (favoured, kinds)
+        assert policy.choose(200, plain=False) == 2  # a step that must speculate is never held to a plain dwell
+        assert policy.choose(1) == 16  # nor a lone request
+
+
+def test_only_steps_that_follow_their_own_kind_are_steady():
+    """The first speculative step after plain ones lands the plain step in flight; the first two plain steps after
+    speculative ones wait for what the switch left queued: none of them is a steady step of its kind."""
+    policy = VerifyPolicy(16, (1, 2, 16))
+    seen = []
+    for plain in (True, True, True, True, False, False, False, True, True, True, False):
+        policy.ran(plain)
+        seen.append(policy.steady(plain))
+    assert seen == [False, False, True, True, False, True, True, False, False, True, False]
+    assert not policy.steady(True)  # the step running now is speculative
+
+
+def walled_policy() -> VerifyPolicy:
+    """Measured costs of 3 ms (plain) and 5 ms (a chain of 2) at rung 256, and learned overheads that make steady steps
+    3.5 and 6.5 ms."""
+    policy = VerifyPolicy(16, (PLAIN, 2, 16), StepCosts(draft={2: {256: 1.0}}, verify={PLAIN: {256: 3.0}, 2: {256: 4.0}}))
+    policy.overhead = {(256, True): 0.5, (256, False): 1.5}
+    return policy
+
+
+def test_the_steps_of_a_switch_teach_its_cost_and_not_the_overhead_of_their_kind():
+    """What the steps before a kind turns steady take beyond its steady steps is the cost of switching to it; the first
+    plain step after speculation may take less than a steady one (nothing in flight to wait for), so a switch's steps
+    count summed."""
+    policy = walled_policy()
+    for plain, wall in ((True, 3.5), (True, 3.5), (True, 3.5), (False, 11.5), (False, 6.5), (True, 3.0), (True, 4.5),
+                        (True, 3.5)):
+        policy.ran(plain)
+        policy.observe_seconds(PLAIN if plain else 2, 200, wall)
+    # 11.5 - 6.5 into speculation; (3.0 - 3.5) + (4.5 - 3.5) into plain steps (the other kind's overhead fades by 1% a step)
+    assert policy.switch_seconds == {False: pytest.approx(5.0, rel=0.01), True: pytest.approx(0.5, rel=0.05)}
+    assert policy.switch_cost(False) == pytest.approx(5.0, rel=0.01) and policy.switch_cost(True) == pytest.approx(
+        0.5, rel=0.05)
+    assert policy.overhead[256, True] == pytest.approx(0.5, rel=0.02)  # only steady steps teach it
+    assert policy.overhead[256, False] == pytest.approx(1.5, rel=0.02)
+
+
+def test_a_switch_with_a_step_unmeasured_teaches_nothing():
+    """A step with prompt chunks is not measured (its wall time holds their prefill): a switch it was part of has no
+    known cost, and the first steps of all (no kind before them) are no switch."""
+    policy = walled_policy()
+    for plain, measured in ((True, True), (True, True), (False, True), (False, True), (True, False), (True, True),
+                            (True, True)):
+        policy.ran(plain)
+        if measured:
+            policy.observe_seconds(PLAIN if plain else 2, 200, 9.0)
+    assert set(policy.switch_seconds) == {False}  # into speculation; into plain steps: one unmeasured
+
+
+def test_the_kind_not_running_pays_for_switching_to_it_over_its_dwell():
+    """Where the kinds deliver about the same, the kind running stays while switching to the other would cost more
+    than its gain over a dwell."""
+    def running(plain: bool, accepted: float, switch_seconds: dict) -> VerifyPolicy:
+        policy = walled_policy()
+        policy.accepted[0], policy.seen[0] = accepted, 1.0
+        policy.switch_seconds = switch_seconds
+        policy.ran(plain)
+        policy.kind_steps = KIND_DWELL
+        return policy
+
+    learned = {False: 4.0, True: 1.0}  # into speculation 0.5 ms a step of a dwell, into plain steps 0.125
+    # 1.9 tokens / 6.5 ms against 1 / 3.5 ms: speculation 2.3% ahead
+    assert running(True, 0.9, {}).choose(200) == 2
+    assert running(True, 0.9, learned).choose(200) == PLAIN
+    # 1.8 / 6.5: speculation 3.1% behind
+    assert running(False, 0.8, {}).choose(200) == PLAIN
+    assert running(False, 0.8, learned).choose(200) == 2
+
+
+def simulate(policy: VerifyPolicy, batch: int, option: int, steady_ms: dict, switch_ms: dict, accept: float,
+             steps: int, seed: int = 0) -> tuple[float, int, float]:
+    """`steps` steps of `batch` requests under `policy`, with wall times (5% noise) of steady_ms[plain?] for steady steps
+    and switch_ms[plain?] for a kind's first steps after a switch; a speculative step verifies `option` tokens a
+    request and accepts each draft with probability `accept` once the ones before it are. The policy is told each
+    step's kind, wall time and acceptance, as the engine tells it. Returns (share of plain steps, switches of kind,
+    committed tokens per request per ms)."""
+    rng = np.random.default_rng(seed)
+    kinds, tokens, ms = [], 0.0, 0.0
+    for _ in range(steps):
+        q = policy.choose(batch)
+        plain = q == PLAIN
+        policy.ran(plain)
+        after = switch_ms[plain]
+        wall = after[policy.kind_steps - 1] if kinds and policy.kind_steps <= len(after) else steady_ms[plain]
+        wall *= 1 + 0.05 * rng.standard_normal()
+        policy.observe_seconds(q, batch, wall / 1e3)
+        if plain:
+            tokens += 1
+        else:
+            accepted = np.minimum(rng.geometric(1 - accept, batch) - 1, q - 1)
+            policy.observe(accepted.tolist(), q)
+            tokens += 1 + accepted.mean()
+        kinds.append(plain)
+        ms += wall
+    return sum(kinds) / steps, sum(a != b for a, b in zip(kinds, kinds[1:])), tokens / ms
+
+
+def old_rules(monkeypatch) -> None:
+    """The rules before the dwell, `steady` and switch costs: a kind may switch at any step, the second step of a kind
+    is measured as steady, and switches cost nothing."""
+    monkeypatch.setattr(verify_policy, "KIND_DWELL", 1)
+    monkeypatch.setattr(verify_policy, "STEADY_AFTER", {False: 1, True: 1})
+    monkeypatch.setattr(VerifyPolicy, "switch_cost", lambda self, plain: 0.0)
+
+
+@pytest.mark.parametrize("accept", [0.6, 0.75, 0.9])
+def test_switch_costs_do_not_trap_the_policy_in_alternating_kinds(monkeypatch, accept):
+    """250 requests with the step times an H200 took on 256 coding requests: steady plain steps 3.5 ms, steady chains
+    of 2 7.5; after a switch, the first two plain steps 4.8 and 6.3 and the first speculative one 13.3. Plain steps
+    pay more than speculation (1 / 3.5 against at most 1.9 / 7.5 tokens per ms) and the two kinds' measured costs are
+    close: the policy keeps mostly to plain steps, trying speculation now and then, and delivers at least 90% of the
+    plain steps' rate. With the old rules the same steps alternate kinds for hundreds of steps, as they did on the H200."""
+    def policy():
+        costs = StepCosts(draft={2: {256: 1.3e-3}}, verify={PLAIN: {256: 3.0e-3}, 2: {256: 4.0e-3}, 16: {256: 40e-3}})
+        made = VerifyPolicy(16, (PLAIN, 2, 16), costs)
+        made.accepted[0], made.seen[0] = accept, 1.0
+        made.overhead = {(256, False): 0.8e-3, (256, True): 0.58e-3}  # learned on steady steps before
+        return made
+
+    walls = ({True: 3.5, False: 7.5}, {True: (4.8, 6.3), False: (13.3,)})
+    share, switches, rate = simulate(policy(), 250, 2, *walls, accept, 400)
+    assert share > 0.6 and switches <= 24 and rate >= 0.9 / 3.5, (share, switches, rate)
+    old_rules(monkeypatch)
+    share, switches, _ = simulate(policy(), 250, 2, *walls, accept, 400)
+    assert share < 0.25 and switches > 30, (share, switches)
+
+
+@pytest.mark.parametrize("accept", [0.45, 0.5, 0.55])
+def test_where_the_kinds_deliver_about_the_same_switches_are_few(monkeypatch, accept):
+    """150 requests with the step times an H200 took on the coding requests at that batch: steady plain steps 3.3 ms,
+    steady chains of 4 6.4; the first speculative step after plain ones 11.5, the first two plain steps after
+    speculation 2.7 and 3.4. The chain delivers 0.92x to 1.07x the plain steps' rate: charging the kind not running
+    for the switch to it keeps the policy to 5-18 switches in 600 steps and 97-99% of the better kind's rate; without
+    the charge it switches 25-61 times and delivers 93-96%."""
+    def policy():
+        costs = StepCosts(draft={4: {160: 1.0e-3}, 16: {160: 2.5e-3}},
+                          verify={PLAIN: {160: 2.8e-3}, 4: {160: 4.0e-3}, 16: {160: 12e-3}})
+        return VerifyPolicy(16, (PLAIN, 4, 16), costs)
+
+    walls = ({True: 3.3, False: 6.4}, {True: (2.7, 3.4), False: (11.5,)})
+    best = max(1 / 3.3, (1 + accept + accept ** 2 + accept ** 3) / 6.4)
+
+    def run() -> tuple[float, float]:  # mean switches and rate over four seeds
+        results = [simulate(policy(), 150, 4, *walls, accept, 600, seed) for seed in range(4)]
+        return np.mean([r[1] for r in results]), np.mean([r[2] for r in results])
+
+    switches, rate = run()
+    assert switches <= 20 and rate >= 0.965 * best, (switches, rate / best)
+    monkeypatch.setattr(VerifyPolicy, "switch_cost", lambda self, plain: 0.0)
+    switches_uncharged, rate_uncharged = run()
+    assert switches_uncharged > 2 * switches and rate_uncharged < rate, (switches_uncharged, rate_uncharged / best)
