@@ -69,3 +69,24 @@ def test_slot_addresses_follow_pages():
     a.grow(3)
     assert [a.slot(i) // 4 for i in range(6)] == [a.pages[0]] * 4 + [a.pages[1]] * 2
     assert len({a.slot(i) for i in range(6)} | {b.slot(i) for i in range(5)}) == 11
+
+
+def test_append_gives_the_slot_growing_by_one_would():
+    """A table appended to token by token (from empty, from a shared prefix, after a truncation inside a page) holds
+    the pages, length and slots that growing it by one token at a time gives."""
+    for start in ("empty", "adopted", "truncated"):
+        pools = [PagePool(32, 4) for _ in range(2)]
+        appended, grown = (PageTable(pool) for pool in pools)
+        if start == "adopted":
+            for pool, table in zip(pools, (appended, grown)):
+                table.adopt(pool.take(2), 8)
+        if start == "truncated":
+            for table in (appended, grown):
+                table.grow(7)
+                table.truncate(5)
+        for _ in range(11):
+            position, page = appended.append()
+            grown.grow(1)
+            assert position == grown.length - 1 == appended.length - 1, start
+            assert page * 4 + position % 4 == grown.slot(position) == appended.slot(position), start
+        assert appended.pages == grown.pages, start
