@@ -11,7 +11,9 @@ greedy, answers of their natural length, with `max_num_seqs` = the concurrency, 
 coming while others decode. Every
 `Engine.step()` is timed and split by whether it prefilled (a prompt chunk of an admitted request); the JSON keeps
 every step of each row (`LoadRow.steps`: its kind, batch, wall time, tokens verified, the overheads `auto` had
-learned, tokens committed, the switch costs learned), so a level whose tokens/s moves between runs can be traced to the steps that took the time.
+learned, tokens committed, the switch costs learned), so a level whose tokens/s moves between runs can be traced to
+the steps that took the time. The output ends with the decode-only steps summed by batch range and kind of step
+(`scripts/bench/step_trace.py`): what each kind delivered per request per ms at each batch.
 Single runs of a level vary by 10-16% on a GPU (host-bound steps): --repeats N runs each level N times on
 the same engine and reports the run with the median tokens/s.
 
@@ -41,6 +43,7 @@ import torch  # noqa: E402
 from scripts.bench.chat_prompts import load_prompts, system_prompt, take  # noqa: E402
 from scripts.bench.random_models import TINY_SHAPE, random_target, tiny_drafter  # noqa: E402
 from scripts.bench.runner import environment, release_memory  # noqa: E402
+from scripts.bench.step_trace import trace_bins, trace_table  # noqa: E402
 from scripts.bench.gpu_profile import range_activity, top_kernels  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 
@@ -325,6 +328,8 @@ def main(argv=None) -> int:
             del llm
             release_memory(device)
     print(table(rows))
+    print("\nDecode-only steps by batch and kind (scripts/bench/step_trace.py):\n")
+    print(trace_table([(r.system, r.concurrency, trace_bins(r.steps)) for r in rows]))
     if profiles:
         print(profile_table(profiles))
     if args.out:

@@ -28,7 +28,8 @@ def test_quick_run_reports_every_system_and_concurrency(tmp_path, capsys):
         else:  # the whole chain every step; nothing measured, so no overhead or switch cost learned
             assert all(s[3] == 4 and s[4:6] == [0.0, 0.0] and s[7:] == [0.0, 0.0] for s in decoding)
         assert sum(s[6] for s in steps) == row["tokens"]  # each token committed in exactly one step
-    assert "| DFlash | 4 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| DFlash | 4 |" in printed and "| DFlash | 4 | 1-31 | speculative |" in printed  # and the steps by batch
 
 
 def test_each_verify_policy_has_a_dflash_row(tmp_path):

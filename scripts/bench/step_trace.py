@@ -1,0 +1,60 @@
+"""A load level's step trace (`LoadRow.steps`) summed by decode batch and kind of step: where the level's time went
+and what each kind of step delivered per request at that batch, the comparison `auto` makes at every step.
+
+    rows = trace_bins(row.steps)     # one TraceBin per (batch range, kind) that ran
+    print(trace_table([(row.system, row.concurrency, trace_bins(row.steps)) for row in rows]))
+
+Tokens per request: a speculative step's own committed tokens (the first one after plain steps also lands the plain
+step in flight, so it counts a token per request more), one per request for a plain step (an overlapped step
+commits its predecessor's tokens; each commits one per request).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+# decode batch ranges, largest first: under load the full batch, the shrinking middle, the tail
+BATCH_BINS = ((200, None), (100, 199), (32, 99), (1, 31))
+
+
+@dataclass
+class TraceBin:
+    batches: str  # e.g. "100-199", ">= 200"
+    kind: str  # "plain" or "speculative"
+    steps: int
+    wall_ms: float  # summed
+    median_ms: float
+    mean_batch: float
+    tokens_per_request: float  # per step
+    tokens_per_request_ms: float  # per request per ms of step
+
+
+def trace_bins(steps: list[list]) -> list[TraceBin]:
+    """Decode-only steps (no prompt chunk) summed by batch range and kind (plain: one token verified per request, or
+    a run without a drafter)."""
+    bins = []
+    for low, high in BATCH_BINS:
+        for kind in ("plain", "speculative"):
+            picked = [s for s in steps if not s[0] and s[1] >= low and (high is None or s[1] <= high)
+                      and (s[3] in (None, 1)) == (kind == "plain")]
+            if not picked:
+                continue
+            requests = sum(s[1] for s in picked)
+            tokens = requests if kind == "plain" else sum(s[6] for s in picked)
+            wall = sum(s[2] for s in picked)
+            bins.append(TraceBin(f">= {low}" if high is None else f"{low}-{high}", kind, len(picked), wall,
+                                 statistics.median(s[2] for s in picked), requests / len(picked), tokens / requests,
+                                 tokens / requests / (wall / len(picked))))
+    return bins
+
+
+def trace_table(levels: list[tuple[str, int, list[TraceBin]]]) -> str:
+    """Markdown: one line per (system, concurrency, batch range, kind)."""
+    lines = ["| system | concurrency | decode batch | kind | steps | wall ms | median ms | mean batch | "
+             "tokens per request | per request per ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for system, concurrency, bins in levels:
+        lines += [f"| {system} | {concurrency} | {b.batches} | {b.kind} | {b.steps} | {b.wall_ms:.1f} | "
+                  f"{b.median_ms:.2f} | {b.mean_batch:.0f} | {b.tokens_per_request:.2f} | {b.tokens_per_request_ms:.3f} |"
+                  for b in bins]
+    return "\n".join(lines)
