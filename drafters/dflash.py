@@ -163,7 +163,8 @@ class DFlashDrafter(ModelRunner, Drafter):
         """Stage the next position of each table (appended here), its K/V page read from the table alone: a plain
         step writes one context row per request, and a layout over every table's pages took 3x the host time (0.26
         against 0.08 ms for 256 requests, host work alone) on a step whose GPU work is ~3 ms."""
-        positions, pages = (np.array(column, dtype=np.int64) for column in zip(*(t.append() for t in tables)))
+        places = [t.append() for t in tables]
+        positions, pages = (np.array([place[i] for place in places], dtype=np.int64) for i in (0, 1))
         return self.stage_token_places(self.context_step, positions, pages, positions % self.page_size)
 
     def _feature_row(self, features: torch.Tensor) -> int:
