@@ -149,13 +149,13 @@ class PageTable:
 
     def append(self) -> tuple[int, int]:
         """Grow by one token: its position and page. A step that writes one token per sequence stages it from this
-        alone; most appends land in the last page, with no allocation and no page arithmetic beyond a remainder."""
-        position = self.length
-        if position % self.pool.page_size:  # room in the last page
+        alone; most appends land in a page the table holds, with no allocation."""
+        position, page_size = self.length, self.pool.page_size
+        if position < self.num_pages * page_size:  # room in the pages held
             self.length = position + 1
-            return position, int(self._ids[self.num_pages - 1])
-        self.grow(1)
-        return position, int(self._ids[position // self.pool.page_size])
+        else:
+            self.grow(1)
+        return position, int(self._ids[position // page_size])
 
     def truncate(self, length: int) -> None:
         """Shrink to `length` tokens, returning the whole pages past it to the pool."""
