@@ -77,6 +77,7 @@ class LoadRow:
     # tokens of the one before it), the costs of switching to speculation and to plain steps `auto` had learned (ms)]:
     # where a level's time went, what it delivered, and what the policy saw
     steps: list[list] | None = None
+    started: float | None = None  # unix time the level began (to set it against machine logs, e.g. GPU clocks)
 
 
 def parse_args(argv):
@@ -174,7 +175,7 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
     records = timed_steps(engine)
     plain_steps = counted_plain_steps(engine)
     params = SamplingParams(max_new_tokens=max_new_tokens)  # answers end where the model ends them: arrivals vary
-    start = time.perf_counter()
+    started, start = time.time(), time.perf_counter()
     requests = engine.generate_ids(prompts, params)
     wall = time.perf_counter() - start
     del engine.step, engine.scheduler.schedule  # back to the class's methods
@@ -191,7 +192,7 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
                    sum(r[2] for r in prefill) / wall, statistics.mean(taus) if taus else None,
                    statistics.mean(verified) if verified else None,
                    plain_steps=len(plain_steps) if plain_steps is not None else None,
-                   steps=[step_trace(r) for r in records])
+                   steps=[step_trace(r) for r in records], started=started)
 
 
 def step_trace(record: tuple) -> list:

@@ -26,6 +26,13 @@ if ls .gpu/extra/*.whl > /dev/null 2>&1 && ! python3 -c "import uvloop" 2> /dev/
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/extra/*.whl
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+# the GPU's clocks, power and throttle reasons and the host's load, once a second while the job runs: on H200s whole
+# runs were sometimes slower in every step, plain decoding's too (2026-11-26 and 27); a load row's `started` (unix
+# time) and wall time find its stretch here
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+  --format=csv -l 1 > "$out/gpu-clocks.csv" 2>&1 &
+(while sleep 1; do echo "$(date +%s) $(cut -d' ' -f1-4 /proc/loadavg)"; done > "$out/host-load.log") &
+trap 'kill $(jobs -p) 2> /dev/null' EXIT
 python3 -c "from specdec.weights.demo_models import resolve_model; print(resolve_model('$target'))" || exit 1
 gpu_suite() {  # the whole GPU test suite on the small demo model, log in $out/gpu-all.log
   stage "the whole GPU suite"

@@ -29,6 +29,7 @@ def test_quick_run_reports_every_system_and_concurrency(tmp_path, capsys):
             assert all(s[3] == 4 and s[4:6] == [0.0, 0.0] and s[7:] == [0.0, 0.0] for s in decoding)
         assert sum(s[6] for s in steps) == row["tokens"]  # each token committed in exactly one step
     printed = capsys.readouterr().out
+    assert all(r["started"] > 1.7e9 for r in rows)  # unix time
     assert "| DFlash | 4 |" in printed and "| DFlash | 4 | 1-31 | speculative |" in printed  # and the steps by batch
 
 
