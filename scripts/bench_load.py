@@ -18,9 +18,10 @@ Single runs of a level vary by 10-16% on a GPU (host-bound steps): --repeats N r
 the same engine and reports the run with the median tokens/s.
 
 --profile C adds one level at concurrency C under the torch profiler (not counted in the table above):
-for steps with and without prefill, the median wall time against the GPU's busy time in the step
-(kernels, copies and sets that start inside the step's host range; a step ends with its device-to-host
-transfer, so its work has run by then), which says how host-bound each kind of step is.
+for steps with prefill and decode-only ones (a drafter's split into plain and speculative steps), the median wall
+time against the GPU's busy time in the step (kernels, copies and sets that start inside the step's host range; a
+step ends with its device-to-host transfer, so its work has run by then), which says how host-bound each kind of
+step is, and the kernels that took most of it.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ STEP_RANGE = "specdec_step"
 class StepProfile:
     system: str
     concurrency: int
-    kind: str  # "decode only" or "with prefill"
+    kind: str  # "with prefill", or decode only: "decode only" (plain decoding), "plain steps" or "speculative steps"
     steps: int
     wall_ms: float  # medians over the steps of this kind
     gpu_busy_ms: float
@@ -254,14 +255,28 @@ def profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: i
     if len(windows) != len(records):
         raise RuntimeError(f"the profiler recorded {len(windows)} step ranges for {len(records)} steps")
     profiles = []
-    for kind, prefilled in (("decode only", False), ("with prefill", True)):
-        picked = [i for i, r in enumerate(records) if r[0] == prefilled]
+    kinds = [profile_kind(r) for r in records]
+    for kind in dict.fromkeys(sorted(kinds, key=PROFILE_KINDS.index)):
+        picked = [i for i, k in enumerate(kinds) if k == kind]
         if picked:
             profiles.append(StepProfile(system, concurrency, kind, len(picked),
                                         1e3 * statistics.median(records[i][2] for i in picked),
                                         1e-6 * statistics.median(windows[i].busy_ns for i in picked),
                                         top_kernels([windows[i].activity for i in picked])))
     return profiles
+
+
+# a drafter's decode-only steps split by kind: under `auto` a plain step's GPU work (its forward and the drafter's
+# context rows) is set against plain decoding's, and a speculative step's against both
+PROFILE_KINDS = ("decode only", "plain steps", "speculative steps", "with prefill")
+
+
+def profile_kind(record: tuple) -> str:
+    """The kind a step is profiled as, from its `timed_steps` record (prefilled, batch, seconds, verified, ...)."""
+    prefilled, verified = record[0], record[3]
+    if prefilled:
+        return "with prefill"
+    return {None: "decode only", 1: "plain steps"}.get(verified, "speculative steps")
 
 
 def profile_table(profiles: list[StepProfile]) -> str:

@@ -63,12 +63,23 @@ def test_a_serving_dataset_gives_bench_serves_prompts_in_its_order():
     assert math500[0::2] == [p.text for p in load_prompts("math500", seed=0)[:2]]
 
 
+def test_a_step_is_profiled_by_its_kind():
+    from scripts.bench_load import profile_kind
+
+    # (prefilled, batch, seconds, tokens verified per request, ...)
+    assert profile_kind((True, 4, 0.01, 4)) == "with prefill"
+    assert profile_kind((False, 4, 0.01, None)) == "decode only"  # plain decoding's engine
+    assert profile_kind((False, 4, 0.01, 1)) == "plain steps"
+    assert profile_kind((False, 4, 0.01, 8)) == "speculative steps"
+
+
 def test_profile_level_splits_steps_by_kind(tmp_path, capsys):
     out = tmp_path / "load.json"
     assert main(["--quick", "--profile", "4", "--out", str(out)]) == 0
     profiles = json.loads(out.read_text())["profiles"]
-    assert {(p["system"], p["kind"]) for p in profiles} == {(s, k) for s in ("AR", "DFlash")
-                                                             for k in ("decode only", "with prefill")}
+    # a drafter's decode-only steps by kind (on CPU nothing is measured, so every one speculates)
+    assert [(p["system"], p["kind"]) for p in profiles] == [("AR", "decode only"), ("AR", "with prefill"),
+                                                            ("DFlash", "speculative steps"), ("DFlash", "with prefill")]
     assert all(p["steps"] >= 1 and p["wall_ms"] > 0 and p["gpu_busy_ms"] == 0 for p in profiles)  # CPU: no GPU
     assert "| busy / wall |" in capsys.readouterr().out
 
