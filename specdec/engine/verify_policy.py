@@ -211,10 +211,10 @@ class VerifyPolicy:
             speculative_overhead, plain_overhead = self.overheads_at(batch)
             # the kind not running now also pays for switching to it, spread over the dwell it would run for: where
             # the two kinds deliver about the same, the one running stays
-            if self.plain_running is not None:
-                switch = self.switch_cost(not self.plain_running) / KIND_DWELL
-                speculative_overhead += switch if self.plain_running else 0.0
-                plain_overhead += 0.0 if self.plain_running else switch
+            if self.plain_running:
+                speculative_overhead += self.switch_cost(False) / KIND_DWELL
+            elif self.plain_running is False:
+                plain_overhead += self.switch_cost(True) / KIND_DWELL
             if best == PLAIN or rate(PLAIN, plain_overhead) > rate(best, speculative_overhead):
                 return PLAIN
         return best
@@ -242,8 +242,8 @@ class VerifyPolicy:
         rung = self._rung(batch)
         plain = option == PLAIN
         if self.plain_running is not None and not self.steady(plain):
-            steady = self.overhead.get((rung, plain))
-            self._observe_switch(None if predicted is None or steady is None else seconds - predicted - steady)
+            overhead = self.overhead.get((rung, plain))  # what a steady step of this kind takes beyond its cost
+            self._observe_switch(None if predicted is None or overhead is None else seconds - predicted - overhead)
             return
         if predicted is None or rung is None:
             return
