@@ -5,7 +5,8 @@ features of every committed position whose features are known). The prompt's con
 chunk by chunk as the target prefills it (`add_context`: a token step of any length, captured piecewise
 over token counts like the target's mixed steps). After a verify, the a + 1 committed positions'
 features are rows of the target's verify features (`extend` records which rows); the next draft step
-writes them.
+writes them. A plain step's one row per request (`add_step_context`) is copied aside and written with the
+rows of the plain steps after it, before the next draft, in one token step.
 
 A draft step has a fixed shape, so it is captured as CUDA graphs over the batch ladder:
 
@@ -38,11 +39,15 @@ from specdec.engine.drafter import DraftContext, Drafter, DraftRequest
 from specdec.models.logprobs import log_normalizer
 from specdec.runtime.cuda_graphs import StaticInputs
 from specdec.runtime.model_runner import FixedStep, ModelRunner, TokenStep
-from specdec.runtime.piecewise_graphs import Cut
 
 DRAFT_STEP = "draft"  # the fixed-shape step; its graph ladders' keys are (DRAFT_STEP, drafts scored per request)
 CANDIDATES_STEP = "draft with candidates"  # the same step also giving each position's top k (token trees)
 CONTEXT_STEP = "context"  # prompt chunks' context K/V (any token count)
+HELD_STEP = "held context"  # plain steps' context K/V, from the rows held aside
+# plain steps' context rows held before they are written (at least one step's): each write is ~15 small kernels
+# whatever its rows, which took 0.1-0.15 ms of a 3.3 ms plain step at 256 requests on an H200, so one write per
+# 2048 rows (8 steps at 256 requests; 19 MB of features for the default target) costs a fraction of one per step
+HELD_ROWS = 2048
 
 
 class DFlashDrafter(ModelRunner, Drafter):
@@ -60,6 +65,8 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.queued_drafts = 0  # how many drafts per request the queued rows hold
         self.queued_candidates = False  # whether the queued step also gave each position's top k (token trees)
         self.unsettled: dict[int, int] = {}  # request id -> its verified anchor's position, until `settle`
+        self.held_tables: list[PageTable] = []  # the table of each held row (`add_step_context`), in order
+        self.dropped: set[PageTable] = set()  # tables released while rows of theirs were held: those rows go
 
     # ---- setup -------------------------------------------------------------------------------
     def attach(self, context: DraftContext) -> None:
@@ -82,11 +89,18 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.candidates_out = (torch.zeros(batch, bs - 1, k, dtype=torch.float32, device=self.device),
                                torch.zeros(batch, bs - 1, k, dtype=torch.long, device=self.device)) if k else None
         self.arange = torch.arange(max(batch, bs), device=self.device)
-        # a prompt chunk's context rows: at most the target's features buffer
-        rows = context.features.shape[0]
+        # a prompt chunk's context rows: at most the target's features buffer; plain steps' held rows: HELD_ROWS
+        features = context.features
+        self.held_features = torch.zeros(max(HELD_ROWS, batch), features.shape[1], dtype=features.dtype,
+                                         device=self.device)
+        held = self.held_features.shape[0]
+        rows = max(features.shape[0], held)
         self.context_inputs = StaticInputs({name: rows for name in ("rows", "positions", "pages", "offsets")},
                                            self.device)
-        self.context_step = TokenStep(CONTEXT_STEP, "drafter context", rows, self.context_inputs, self._context_body)
+        self.context_step = TokenStep(CONTEXT_STEP, "drafter context", features.shape[0], self.context_inputs,
+                                      lambda size, cut: self._context_body(size, features))
+        self.held_step = TokenStep(HELD_STEP, "drafter context, held rows", held, self.context_inputs,
+                                   lambda size, cut: self._context_body(size, self.held_features))
 
     def allocate_cache(self, num_pages: int) -> None:
         self.pool = PagePool(num_pages, self.page_size)
@@ -107,7 +121,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         return steps
 
     def token_steps(self) -> list[TokenStep]:
-        return [self.context_step] if self.attn.supports_graphs else []
+        return [self.context_step, self.held_step] if self.attn.supports_graphs else []
 
     def step_seconds(self, candidates: bool = False, length: int | None = None) -> dict[int, float]:
         return self.replay_seconds(CANDIDATES_STEP if candidates else (DRAFT_STEP, self._length(length)))
@@ -128,13 +142,33 @@ class DFlashDrafter(ModelRunner, Drafter):
         first = self._feature_row(features)
         self._write_context(requests, lens, np.arange(first, first + sum(lens)))
 
+    @torch.no_grad()
+    def add_step_context(self, requests: list[DraftRequest], features: torch.Tensor) -> None:
+        """Held: the rows are copied aside (one copy) and written with later plain steps' before the next draft."""
+        if len(self.held_tables) + len(requests) > self.held_features.shape[0]:
+            self._write_held()
+        start = len(self.held_tables)
+        self.held_features[start:start + len(requests)].copy_(features)
+        self.held_tables += [self.tables.get(r.request_id) or self._new_table(r) for r in requests]
+
     def catch_up(self, requests: list[DraftRequest]) -> None:
         self.queued = {}  # its context rows are written and settled already
         pending = [(r, self.pending.pop(r.request_id)) for r in requests if r.request_id in self.pending]
         pending = [(r, row, count) for r, (row, count) in pending if count]
         if pending:
+            self._write_held()  # rows held before a request's pending ones are its earlier positions
             self._write_context([r for r, _, _ in pending], [count for _, _, count in pending],
                                 np.concatenate([np.arange(row, row + count) for _, row, count in pending]))
+
+    def _write_held(self) -> None:
+        """The held rows' context K/V, written now in one token step (the rows of released requests dropped)."""
+        tables, self.held_tables = self.held_tables, []
+        dropped, self.dropped = self.dropped, set()
+        rows = [i for i, table in enumerate(tables) if table not in dropped] if dropped else range(len(tables))
+        if len(rows) < len(tables):
+            tables = [tables[i] for i in rows]
+        if tables:
+            self._run_context(self.held_step, self._stage_one_position_each(tables), rows)
 
     def _write_context(self, requests: list[DraftRequest], lens: list[int], rows: np.ndarray) -> None:
         """Context K/V of request i's next lens[i] positions from the features at `rows` (sum(lens) of them, request
@@ -142,7 +176,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         # a request's first chunk creates its table (not `setdefault`: its default, built for every request, cost
         # 85 us of a plain step's host work at 256 requests against 10 for the lookups)
         tables = [self.tables.get(r.request_id) or self._new_table(r) for r in requests]
-        if len(rows) == len(tables):  # one position each (every len is at least 1): a plain step's rows
+        if len(rows) == len(tables):  # one position each (every len is at least 1)
             total = self._stage_one_position_each(tables)
         else:
             ends = []
@@ -151,17 +185,21 @@ class DFlashDrafter(ModelRunner, Drafter):
                 ends.append(table.length)
             layout = BatchLayout.for_tokens(lens, ends, [t.array for t in tables], self.page_size, causal=False)
             total = self.stage_token_rows(self.context_step, layout)
+        self._run_context(self.context_step, total, rows)
+
+    def _run_context(self, step: TokenStep, total: int, rows) -> None:
+        """Run a context step over its `total` staged positions, their features at `rows` of the step's source."""
         self.context_inputs.fill("rows", rows)
         self.context_inputs.upload()
-        self.run_tokens(self.context_step, total)
+        self.run_tokens(step, total)
 
     def _new_table(self, request: DraftRequest) -> PageTable:
         table = self.tables[request.request_id] = PageTable(self.pool)
         return table
 
     def _stage_one_position_each(self, tables: list[PageTable]) -> int:
-        """Stage the next position of each table (appended here), its K/V page read from the table alone: a plain
-        step writes one context row per request, and a layout over every table's pages took 3x the host time (0.26
+        """Stage the next position of each table (appended here, in order: a table listed twice gets two), its K/V
+        page read from the table alone: plain steps write one context row per request, and a layout over every table's pages took 3x the host time (0.26
         against 0.08 ms for 256 requests, host work alone) on a step whose GPU work is ~3 ms."""
         places = [t.append() for t in tables]
         positions, pages = (np.array([place[i] for place in places], dtype=np.int64) for i in (0, 1))
@@ -177,12 +215,12 @@ class DFlashDrafter(ModelRunner, Drafter):
             raise ValueError("DFlash reads the prefill features from the buffer given at attach")
         return offset // row_bytes
 
-    def _context_body(self, size: int, cut: Cut) -> None:
-        """Context K/V of `size` staged rows: the target features at `rows`, projected, written per draft
-        layer at (page, offset) (no attention, so never cut)."""
+    def _context_body(self, size: int, source: torch.Tensor) -> None:
+        """Context K/V of `size` staged rows: the target features at `rows` of `source`, projected, written per
+        draft layer at (page, offset) (no attention, so never cut)."""
         inputs, m = self.context_inputs, self.model
         dtype = m.fc.weight.dtype
-        context = m.project_context(self.context.features[inputs["rows"][:size]].to(dtype))
+        context = m.project_context(source[inputs["rows"][:size]].to(dtype))
         rope = m.rotary.at(inputs["positions"][:size], dtype)
         pages, offsets = inputs["pages"][:size], inputs["offsets"][:size]
         for layer, layer_kv in zip(m.layers, self.kv.layers):
@@ -213,6 +251,8 @@ class DFlashDrafter(ModelRunner, Drafter):
         table = self.tables.pop(request.request_id, None)
         if table is not None:
             table.free()
+            if self.held_tables:  # its held rows are not written (a request coming back gets a new table)
+                self.dropped.add(table)
         for state in (self.pending, self.queued, self.unsettled):
             state.pop(request.request_id, None)
 
@@ -265,6 +305,7 @@ class DFlashDrafter(ModelRunner, Drafter):
             return False
         length = self._length(None if candidates else length)
         step = CANDIDATES_STEP if candidates else (DRAFT_STEP, length)
+        self._write_held()
         if any(r.request_id in self.pending or r.request_id not in self.tables for r in requests):
             return False  # a context not yet written up to the request's position (a step not drafted by `propose`)
         tables = [self.tables[r.request_id] for r in requests]
@@ -313,6 +354,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         """One draft step of `requests` scoring `length` drafts each (the whole block with candidates); returns the
         logits when it runs eagerly."""
         bs, batch = self.block_size, len(requests)
+        self._write_held()
         tables = [self.tables[r.request_id] for r in requests]
         pending = [self.pending.pop(r.request_id, (0, 0)) for r in requests]
         starts = np.array([r.num_cached for r in requests], dtype=np.int64)  # the anchor's position

@@ -8,6 +8,7 @@ import torch
 from drafters import load_drafter
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import Engine
+from specdec.engine.verify_policy import PLAIN
 from specdec.models.loader import LoadedTarget, load_causal_lm
 from tests.conftest import build_tiny_model
 from tests.drafter_helpers import build_random_drafter
@@ -145,3 +146,47 @@ def planted_model(tmp_path):
             bias[head * head_dim + 1], bias[head * head_dim + 1 + head_dim // 2] = PLANTED, -0.7 * PLANTED
     hf.save_pretrained(tmp_path)
     return tiny_target(tmp_path, ()).model
+
+
+def first_draft_logits(engine, prompt, params, plain_at=()):
+    """Run one request, its steps numbered from its prefill (0): plain steps at the numbers `plain_at`, chains
+    otherwise. Returns the draft logits (eager, over the drafter's context then) of its first speculative step after
+    the plain steps (or its first, without any), its tokens at that point, and how many plain steps found context
+    rows a chain step had left pending (no draft was queued for them)."""
+    state = {"step": 0, "plain": not plain_at, "seen": None, "in_step": False, "pending": 0}
+    decoding, drafter = engine.decoding, engine.drafter
+
+    def choose(batch, nodes=0, trees=True, plain=True):
+        # inside a speculative step the policy is asked about the next one (whether to queue its draft)
+        step = state["step"] + state["in_step"]
+        return PLAIN if plain and step in plain_at else 4
+
+    def speculative_step(*args, **kwargs):
+        state["in_step"] = True
+        try:
+            return step(*args, **kwargs)
+        finally:
+            state["in_step"] = False
+
+    def catch_up(requests):
+        state["pending"] += bool(drafter.pending)  # rows a chain step left to the draft that is not coming
+        catching_up(requests)
+
+    propose, launch, step, catching_up = drafter.propose, decoding.launch, decoding.step, drafter.catch_up
+    decoding.policy.choose, decoding.step, drafter.catch_up = choose, speculative_step, catch_up
+
+    def recording(requests, length=None):
+        if state["plain"] and state["seen"] is None:
+            state["seen"] = (drafter.draft_logits(requests).clone(), list(requests[0].output_ids))
+        return propose(requests, length)
+
+    def launched(*args, **kwargs):
+        state["plain"] = True
+        return launch(*args, **kwargs)
+
+    drafter.propose, decoding.launch = recording, launched
+    engine.add_request(prompt, params)
+    while state["seen"] is None:
+        engine.step()
+        state["step"] += 1
+    return (*state["seen"], state["pending"])

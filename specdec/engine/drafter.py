@@ -96,6 +96,13 @@ class Drafter(ABC):
         request: the target features of its next lens[i] positions (the first chunk starts at position
         0). `features` are rows of the buffer given at attach (`DraftContext.features`)."""
 
+    def add_step_context(self, requests: list[DraftRequest], features: torch.Tensor) -> None:
+        """A plain step computed one position per request: features [len(requests), F], request by request, the
+        target features of each request's next position. A drafter may hold them and write them before its next
+        draft (`propose`, `propose_candidates`, `propose_next`, `catch_up`); `context_table` then lags until it
+        does. The default writes them now."""
+        self.add_context(requests, features, [1] * len(requests))
+
     @abstractmethod
     def propose(self, requests: list[DraftRequest], length: int | None = None) -> torch.Tensor:
         """Draft tokens [len(requests), n] following each request's pending token: at least the first `length` of

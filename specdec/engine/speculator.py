@@ -154,12 +154,11 @@ class SpeculativeDecoding:
         return self.plain.launch(running, prefill, carried, starting, after_forward=self._plain_context)
 
     def _plain_context(self, running: list[Request], prefill: PrefillChunks | None) -> None:
-        """After a plain step's forward: the context of its rows, the running requests' first (one each), then the
-        chunks' (the forward's features in that order)."""
-        requests, lens = list(running), [1] * len(running)
+        """After a plain step's forward: the context of its rows, the running requests' first (one each, which the
+        drafter may hold until its next draft), then the chunks' (the forward's features in that order)."""
+        features, batch = self.runner.features_out, len(running)
+        if running:
+            self.drafter.add_step_context(running, features[:batch])
         if prefill is not None:
-            requests += prefill.requests
-            lens += prefill.lens
             prefill.context_added = True
-        if requests:
-            self.drafter.add_context(requests, self.runner.features_out[:sum(lens)], lens)
+            self.drafter.add_context(prefill.requests, features[batch:batch + sum(prefill.lens)], prefill.lens)

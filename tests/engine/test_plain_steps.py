@@ -8,12 +8,13 @@ from collections import Counter
 
 import pytest
 
+from drafters import dflash
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import PLAIN, TREE, StepCosts, VerifyPolicy, verify_lengths
 from tests import engine_helpers
 from tests.conftest import VOCAB
-from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, module_target, run_staggered,
-                                  spec_engine)
+from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, first_draft_logits, module_target,
+                                  run_staggered, spec_engine)
 
 EOS = (2, 9)
 
@@ -197,50 +198,6 @@ def test_an_engine_without_drafting_ahead_never_runs_plain_steps(target_dir, tmp
 
 
 
-def first_draft_logits(engine, prompt, params, plain_at=()):
-    """Run one request, its steps numbered from its prefill (0): plain steps at the numbers `plain_at`, chains
-    otherwise. Returns the draft logits (eager, over the drafter's context then) of its first speculative step after
-    the plain steps (or its first, without any), its tokens at that point, and how many plain steps found context
-    rows a chain step had left pending (no draft was queued for them)."""
-    state = {"step": 0, "plain": not plain_at, "seen": None, "in_step": False, "pending": 0}
-    decoding, drafter = engine.decoding, engine.drafter
-
-    def choose(batch, nodes=0, trees=True, plain=True):
-        # inside a speculative step the policy is asked about the next one (whether to queue its draft)
-        step = state["step"] + state["in_step"]
-        return PLAIN if plain and step in plain_at else 4
-
-    def speculative_step(*args, **kwargs):
-        state["in_step"] = True
-        try:
-            return step(*args, **kwargs)
-        finally:
-            state["in_step"] = False
-
-    def catch_up(requests):
-        state["pending"] += bool(drafter.pending)  # rows a chain step left to the draft that is not coming
-        catching_up(requests)
-
-    propose, launch, step, catching_up = drafter.propose, decoding.launch, decoding.step, drafter.catch_up
-    decoding.policy.choose, decoding.step, drafter.catch_up = choose, speculative_step, catch_up
-
-    def recording(requests, length=None):
-        if state["plain"] and state["seen"] is None:
-            state["seen"] = (drafter.draft_logits(requests).clone(), list(requests[0].output_ids))
-        return propose(requests, length)
-
-    def launched(*args, **kwargs):
-        state["plain"] = True
-        return launch(*args, **kwargs)
-
-    drafter.propose, decoding.launch = recording, launched
-    engine.add_request(prompt, params)
-    while state["seen"] is None:
-        engine.step()
-        state["step"] += 1
-    return (*state["seen"], state["pending"])
-
-
 @pytest.mark.parametrize("plain_at", [range(1, 10), range(4, 9)], ids=["after-prefill", "after-chains"])
 def test_after_plain_steps_the_drafter_drafts_from_the_context_a_prefill_writes(target_dir, tmp_path, plain_at):
     """The context rows plain steps add (and those a chain step left to its next draft, written before the first
@@ -274,4 +231,39 @@ def test_decode_only_speculative_steps_teach_the_policy_their_overhead(target_di
     assert [r.output_ids for r in requests] == want
     assert policy.overhead and all(seconds > 1e-4 for seconds in policy.overhead.values())
     assert launched  # the learned overhead made plain steps pay
+    assert_no_leak(engine)
+
+
+
+def test_plain_steps_hold_their_context_rows_and_write_them_together(target_dir, tmp_path, monkeypatch):
+    """A plain step's context rows (one per request) are copied aside, not written, until HELD_ROWS are held (then
+    one step writes them) or a draft comes (which writes them first). Rows of a request preempted meanwhile are
+    dropped, not written into the context it starts again with; outputs stay plain decoding's."""
+    monkeypatch.setattr(dflash, "HELD_ROWS", 9)  # two plain steps' rows at batch 4, not three
+    prompts = [[(5 * i + j) % (VOCAB - 3) + 3 for j in range(20 + 9 * i)] for i in range(5)]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    want = plain_outputs(target_dir, prompts, [params] * len(prompts))
+    engine = dflash_engine(target_dir, tmp_path, num_kv_pages=24, max_num_seqs=4, tree_nodes=3)
+    drafter = engine.drafter
+    random_choices(engine, 5, (PLAIN, PLAIN, PLAIN, 4))
+    writes, write_held = [], drafter._write_held  # (rows held, rows dropped) of each write
+
+    def recorded_write_held():
+        held = drafter.held_tables
+        live = {id(t): t for t in held if t not in drafter.dropped}  # each table once
+        before = {key: t.length for key, t in live.items()}
+        rows = sum(t not in drafter.dropped for t in held)
+        write_held()
+        assert sum(t.length - before[key] for key, t in live.items()) == rows  # one position per row written
+        writes.append((len(held), len(held) - rows))
+
+    drafter._write_held = recorded_write_held
+    requests = [engine.add_request(p, params) for p in prompts]
+    preempted = []
+    while engine.has_unfinished_requests:
+        preempted += engine.step().preempted
+    assert [r.output_ids for r in requests] == want
+    assert preempted and any(dropped for _, dropped in writes)
+    assert max(held for held, _ in writes) <= 9 and sum(held > 4 for held, _ in writes) > 3  # more than a step's
+    assert not drafter.held_tables or all(t in drafter.dropped for t in drafter.held_tables)
     assert_no_leak(engine)

@@ -208,6 +208,26 @@ def test_drafting_ahead_equals_drafting_in_order(model_dirs, kv):
     assert ahead.pool.num_free == ahead.pool.num_pages and ahead.drafter.pool.num_free == ahead.drafter.pool.num_pages
 
 
+def test_held_context_rows_of_plain_steps_draft_as_rows_written_at_once(model_dirs):
+    """Plain steps' context rows, held and written together from the graphs of the held step before the next
+    draft, give that draft the logits it gets when each plain step writes its row at once (the same target
+    features; only the projection's rounding over 9 rows against 1 may differ)."""
+    from drafters.dflash import HELD_STEP
+    from specdec.engine.drafter import Drafter
+    from tests.engine_helpers import first_draft_logits
+
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    prompt = prompts(1)[0]
+    held, at_once = (make_engine(model_dirs, True, "auto", False, overlap_steps=True, verify="auto") for _ in range(2))
+    at_once.drafter.add_step_context = lambda requests, features: Drafter.add_step_context(
+        at_once.drafter, requests, features)
+    replays = count_calls(held.drafter.token_graphs[HELD_STEP], "replay")
+    (want, want_tokens, _), (got, tokens, _) = (first_draft_logits(e, prompt, params, range(1, 10))
+                                                for e in (at_once, held))
+    assert tokens == want_tokens and len(replays) == 1
+    assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+
+
 def test_each_draft_lengths_graph_scores_the_eager_drafts(model_dirs):
     """verify="auto" captures a draft graph per chain length (only the drafts a step verifies are scored): each
     replayed at batch 1 and 5 gives the argmax of the eager step's logits at those positions (near-ties aside),
