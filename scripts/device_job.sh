@@ -31,7 +31,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # time) and wall time find its stretch here
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
   --format=csv -l 1 > "$out/gpu-clocks.csv" 2>&1 &
-(while sleep 1; do echo "$(date +%s) $(cut -d' ' -f1-4 /proc/loadavg)"; done > "$out/host-load.log") &
+# (the host line: unix time, load averages, the cumulative cpu times of /proc/stat, whose 8th is steal, and the
+# cores' mean clock in MHz: slow stretches on 2026-11-27 had full GPU clocks, no throttle reason, lower GPU power and
+# a load of 1-3, so the GPU was waiting on a host slowed by something outside the job)
+(while sleep 1; do
+  echo "$(date +%s) $(cut -d' ' -f1-4 /proc/loadavg) $(head -1 /proc/stat | cut -d' ' -f3-10)" \
+    "$(awk '/MHz/ {s += $4; n++} END {if (n) printf "%.0f", s / n}' /proc/cpuinfo)"
+done > "$out/host-load.log") &
 trap 'kill $(jobs -p) 2> /dev/null' EXIT
 python3 -c "from specdec.weights.demo_models import resolve_model; print(resolve_model('$target'))" || exit 1
 gpu_suite() {  # the whole GPU test suite on the small demo model, log in $out/gpu-all.log
