@@ -66,7 +66,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.queued_candidates = False  # whether the queued step also gave each position's top k (token trees)
         self.unsettled: dict[int, int] = {}  # request id -> its verified anchor's position, until `settle`
         self.held_tables: list[PageTable] = []  # the table of each held row (`add_step_context`), in order
-        self.dropped: set[PageTable] = set()  # tables released while rows of theirs were held: those rows go
+        self.dropped: set[PageTable] = set()  # tables released while rows of theirs were held: not written
 
     # ---- setup -------------------------------------------------------------------------------
     def attach(self, context: DraftContext) -> None:
@@ -199,8 +199,8 @@ class DFlashDrafter(ModelRunner, Drafter):
 
     def _stage_one_position_each(self, tables: list[PageTable]) -> int:
         """Stage the next position of each table (appended here, in order: a table listed twice gets two), its K/V
-        page read from the table alone: plain steps write one context row per request, and a layout over every table's pages took 3x the host time (0.26
-        against 0.08 ms for 256 requests, host work alone) on a step whose GPU work is ~3 ms."""
+        page read from the table alone: plain steps write one context row per request, and a layout over every
+        table's pages took 3x the host time (0.26 against 0.08 ms for 256 requests, host work alone)."""
         places = [t.append() for t in tables]
         positions, pages = (np.array([place[i] for place in places], dtype=np.int64) for i in (0, 1))
         return self.stage_token_places(self.context_step, positions, pages, positions % self.page_size)

@@ -13,8 +13,8 @@ from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import PLAIN, TREE, StepCosts, VerifyPolicy, verify_lengths
 from tests import engine_helpers
 from tests.conftest import VOCAB
-from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, first_draft_logits, module_target,
-                                  run_staggered, spec_engine)
+from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, first_draft_logits,
+                                  module_target, run_staggered, spec_engine)
 
 EOS = (2, 9)
 
