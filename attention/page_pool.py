@@ -141,25 +141,20 @@ class PageTable:
         if length <= self.num_pages * self.pool.page_size:  # room in the pages held: a step's usual case
             self.length = length
             return
-        needed = self.pool.pages_for(length) - self.num_pages
-        if needed > 0:
-            new = self.pool.take(needed)
-            end = self.num_pages + needed
-            if end > len(self._ids):
-                self._ids = np.resize(self._ids, max(end, 2 * len(self._ids)))
-            self._ids[self.num_pages:end] = new
-            self.num_pages = end
-        self.length += num_tokens
+        end = self.pool.pages_for(length)
+        new = self.pool.take(end - self.num_pages)
+        if end > len(self._ids):
+            self._ids = np.resize(self._ids, max(end, 2 * len(self._ids)))
+        self._ids[self.num_pages:end] = new
+        self.num_pages = end
+        self.length = length
 
     def append(self) -> tuple[int, int]:
         """Grow by one token: its position and page. A step that writes one token per sequence stages it from this
         alone; most appends land in a page the table holds, with no allocation."""
-        position, page_size = self.length, self.pool.page_size
-        if position < self.num_pages * page_size:  # room in the pages held
-            self.length = position + 1
-        else:
-            self.grow(1)
-        return position, int(self._ids[position // page_size])
+        position = self.length
+        self.grow(1)
+        return position, int(self._ids[position // self.pool.page_size])
 
     def truncate(self, length: int) -> None:
         """Shrink to `length` tokens, returning the whole pages past it to the pool."""
@@ -169,9 +164,8 @@ class PageTable:
             self.length = length
             return
         keep = self.pool.pages_for(length)
-        if keep < self.num_pages:
-            self.pool.give_back(self._ids[keep:self.num_pages].tolist())
-            self.num_pages = keep
+        self.pool.give_back(self._ids[keep:self.num_pages].tolist())
+        self.num_pages = keep
         self.length = length
 
     def free(self) -> None:

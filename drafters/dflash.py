@@ -149,7 +149,7 @@ class DFlashDrafter(ModelRunner, Drafter):
             self._write_held()
         start = len(self.held_tables)
         self.held_features[start:start + len(requests)].copy_(features)
-        self.held_tables += [self.tables.get(r.request_id) or self._new_table(r) for r in requests]
+        self.held_tables += [self._table(r) for r in requests]
 
     def catch_up(self, requests: list[DraftRequest]) -> None:
         self.queued = {}  # its context rows are written and settled already
@@ -173,9 +173,7 @@ class DFlashDrafter(ModelRunner, Drafter):
     def _write_context(self, requests: list[DraftRequest], lens: list[int], rows: np.ndarray) -> None:
         """Context K/V of request i's next lens[i] positions from the features at `rows` (sum(lens) of them, request
         by request), written now in one token step."""
-        # a request's first chunk creates its table (not `setdefault`: its default, built for every request, cost
-        # 85 us of a plain step's host work at 256 requests against 10 for the lookups)
-        tables = [self.tables.get(r.request_id) or self._new_table(r) for r in requests]
+        tables = [self._table(r) for r in requests]
         if len(rows) == len(tables):  # one position each (every len is at least 1)
             total = self._stage_one_position_each(tables)
         else:
@@ -193,8 +191,12 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.context_inputs.upload()
         self.run_tokens(step, total)
 
-    def _new_table(self, request: DraftRequest) -> PageTable:
-        table = self.tables[request.request_id] = PageTable(self.pool)
+    def _table(self, request: DraftRequest) -> PageTable:
+        """The request's context table; its first chunk creates it (not `setdefault`: its default, built for every
+        request, cost 85 us of a plain step's host work at 256 requests against 10 for the lookups)."""
+        table = self.tables.get(request.request_id)
+        if table is None:
+            table = self.tables[request.request_id] = PageTable(self.pool)
         return table
 
     def _stage_one_position_each(self, tables: list[PageTable]) -> int:
