@@ -156,14 +156,17 @@ class PageTable:
         self.grow(1)
         return position, int(self._ids[position // self.pool.page_size])
 
-    def truncate(self, length: int) -> None:
-        """Shrink to `length` tokens, returning the whole pages past it to the pool."""
+    def truncate(self, length: int, room: int = 0) -> None:
+        """Shrink to `length` tokens, returning the whole pages past it to the pool, but for those of `room` more
+        slots: a step that writes past the committed length and rolls back keeps what its next step takes again
+        (the scheduler plans that many slots ahead for a running request anyway), so the pool is not asked for
+        the same pages back at every step."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a sequence of {self.length} tokens to {length}")
-        if length > (self.num_pages - 1) * self.pool.page_size:  # still in the last page: nothing goes back
+        if length + room > (self.num_pages - 1) * self.pool.page_size:  # nothing past the room to give back
             self.length = length
             return
-        keep = self.pool.pages_for(length)
+        keep = self.pool.pages_for(length + room)
         self.pool.give_back(self._ids[keep:self.num_pages].tolist())
         self.num_pages = keep
         self.length = length

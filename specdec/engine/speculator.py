@@ -107,8 +107,9 @@ class SpeculativeDecoding:
         for row, request, start in zip(host, running, starts):
             a = row[q - 1]
             tokens.append(row[:a] + [row[q]])
-            # keep K/V of the anchor and the accepted drafts; the bonus is the new pending token
-            request.target_pages.truncate(start + a + 1)
+            # keep K/V of the anchor and the accepted drafts; the bonus is the new pending token. The pages of the
+            # next step's block stay with the request (it writes there again)
+            request.target_pages.truncate(start + a + 1, room=self.tokens_per_step)
         if rows is not None:
             self.logprobs = rows.read(tokens)
         self.policy.observe([len(t) - 1 for t in tokens], q)

@@ -150,7 +150,8 @@ class TreeDecoding:
             a = row[self.depth]
             committed.append(row[:a] + [row[self.depth + 1]])
             counts.append(a + 1)
-            request.target_pages.truncate(start + a + 1)  # the cache ends after the accepted path
+            # the cache ends after the accepted path; the pages of a block past it stay for the next step
+            request.target_pages.truncate(start + a + 1, room=self.tokens_per_step)
         if ahead:
             self.drafter.settle(running, counts)
         else:

@@ -15,7 +15,7 @@ def check_invariants(pool: PagePool, tables: list[PageTable]) -> None:
     assert not set(owned) & set(pool._free), "a page is both owned and free"
     assert len(owned) + pool.num_free == pool.num_pages, "a page was lost"
     for t in tables:
-        assert len(t.pages) == pool.pages_for(t.length)
+        assert len(t.pages) >= pool.pages_for(t.length)
 
 
 @settings(max_examples=300, deadline=None)
@@ -39,9 +39,11 @@ def test_random_operations_keep_pages_consistent(page_size, num_pages, operation
                     pass
                 assert (list(table.pages), table.length, pool.num_free) == before
         elif op == "truncate":
-            new_len = amount % (table.length + 1)
-            table.truncate(new_len)
+            new_len, room, held = amount % (table.length + 1), pick % 9, len(table.pages)
+            table.truncate(new_len, room)
             assert table.length == new_len
+            # the pages past the room go back; those within it stay (none is taken)
+            assert len(table.pages) == min(held, pool.pages_for(new_len + room))
         else:
             table.free()
             tables.remove(table)
@@ -59,6 +61,22 @@ def test_truncate_keeps_partly_used_last_page():
     assert len(t.pages) == 2 and t.length == 5 and pool.num_free == 8
     t.truncate(4)
     assert len(t.pages) == 1 and pool.num_free == 9
+
+
+def test_truncate_keeps_the_pages_of_its_room_and_a_later_grow_takes_them_again():
+    pool = PagePool(10, 4)
+    t = PageTable(pool)
+    t.grow(5)
+    t.grow(4)  # a verify of 4 past 5 tokens: 3 pages
+    pages = t.pages
+    t.truncate(6, room=4)  # 6 tokens and room for 4 more: the 3 pages stay
+    assert t.pages == pages and t.length == 6 and pool.num_free == 7
+    t.grow(4)  # the next verify writes there again, with no page from the pool
+    assert t.pages == pages and pool.num_free == 7
+    t.truncate(6, room=1)  # room for 1 more: 2 pages
+    assert t.pages == pages[:2] and pool.num_free == 8
+    t.free()
+    assert pool.num_free == 10
 
 
 def test_slot_addresses_follow_pages():

@@ -210,6 +210,27 @@ def test_rollback_leaves_cache_equal_to_fresh_prefill(target_dir):
     assert fresh.pool.num_free == fresh.pool.num_pages
 
 
+def test_a_verify_step_takes_no_page_back_that_its_rollback_gave_away(target_dir):
+    """A verify writes a block past the committed length and rolls back to what it accepts: the pages of the
+    next block stay with the request, so the pool is asked for a page only when the committed tokens reach a
+    new one (not at every step whose block crosses a page), and outputs are unchanged."""
+    max_new, page_size = 40, 4
+    expected = ar_outputs(target_dir, MANY_PROMPTS, max_new)
+    script = {tuple(p): e for p, e in zip(MANY_PROMPTS, expected)}
+    engine = spec_engine(target_dir, ScriptedDrafter(script, 6, VOCAB, error_rate=0.5, seed=7), page_size=page_size)
+    pool, taken = engine.pool, []
+    take = pool.take
+    pool.take = lambda count: (taken.append(count), take(count))[1]
+    requests = [engine.make_request(p, SamplingParams(max_new_tokens=max_new)) for p in MANY_PROMPTS]
+    engine.run(requests)
+    assert [r.output_ids for r in requests] == expected
+    # each request's pages: those of its prompt and answer, and of one block past them at most
+    most = sum(pool.pages_for(len(p) + max_new + 6) for p in MANY_PROMPTS)
+    assert sum(r.stats.verify_steps for r in requests) > 2 * len(requests)
+    assert sum(taken) <= most
+    assert_no_leak(engine)
+
+
 def test_random_batches_leak_no_pages(target_dir, tmp_path):
     engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4, seed=1), num_kv_pages=40,
                          max_num_seqs=3)
