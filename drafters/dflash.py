@@ -64,8 +64,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.queued: dict[int, int] = {}  # request id -> its row of `drafts_out` drafted ahead (`propose_next`)
         self.queued_drafts = 0  # how many drafts per request the queued rows hold
         self.queued_candidates = False  # whether the queued step also gave each position's top k (token trees)
-        # request id -> its verified anchor's position and the most positions its verify commits, until `settle`
-        self.unsettled: dict[int, tuple[int, int]] = {}
+        self.unsettled: dict[int, int] = {}  # request id -> its verified anchor's position, until `settle`
         self.held_tables: list[PageTable] = []  # the table of each held row (`add_step_context`), in order
         self.dropped: set[PageTable] = set()  # tables released while rows of theirs were held: not written
 
@@ -342,18 +341,14 @@ class DFlashDrafter(ModelRunner, Drafter):
                       after_upload=results_into_inputs)
         self.queued = {r.request_id: i for i, r in enumerate(requests)}
         self.queued_drafts, self.queued_candidates = length, candidates
-        self.unsettled = {r.request_id: (int(start), int(n)) for r, start, n in zip(requests, starts, planned)}
+        self.unsettled = {r.request_id: int(start) for r, start in zip(requests, starts)}
         return True
 
     def settle(self, requests: list[DraftRequest], counts: list[int]) -> None:
         for request, count in zip(requests, counts):
             start = self.unsettled.pop(request.request_id, None)
-            # the context holds the committed positions; the slots up to the verify's last stay, as they do in the
-            # target's table (the next step writes there again; past them the drafter would hold more pages than
-            # the target, which is all the scheduler counts)
-            if start is not None:
-                start, most = start
-                self.tables[request.request_id].truncate(start + count, room=most - count)
+            if start is not None:  # the context holds the committed positions; the block's slots go back
+                self.tables[request.request_id].truncate(start + count)
 
     @torch.no_grad()
     def _step(self, requests: list[DraftRequest], eager: bool, candidates: bool = False,

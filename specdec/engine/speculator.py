@@ -6,7 +6,7 @@
                                                       # only the drafts to verify are scored)
     verify  = target([anchor, drafts[:q-1]...])       # one causal forward, q queries each (CUDA graphs)
     a, bonus = accept(drafts[:q-1], target tokens)    # greedy argmax or the target's samples
-    tokens  = drafts[:a] + [bonus]; target cache -> start + a + 1 (whole tail pages back to the pool);
+    tokens  = drafts[:a] + [bonus]; target cache -> start + a + 1 (whole pages past one more block back to the pool);
     the drafter's context grows by the features of positions start .. start + a.
 
 One device-to-host transfer per step (drafts, a and bonus together); a step with a grammar (structured
