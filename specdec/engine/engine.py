@@ -347,7 +347,7 @@ class Engine:
         # batch) run overlapped as well; a speculative step needs the tokens in flight on the host first
         plain = self.drafter is not None and bool(decode) and self.decoding.plain_pays(decode)
         if self.drafter is not None and decode:
-            self.decoding.policy.ran(plain)
+            self.decoding.policy.ran(plain, len(decode))
         steady = self.flight is not None
         in_order = (self.overlap and any(adjusts_logits(r.params) for r in decode)) or (
             self.drafter is not None and not plain)

@@ -5,7 +5,7 @@
                                            # q = PLAIN (1): a plain decoding step, no draft
     policy.observe(accepted, q)            # how many drafts each request had accepted (a chain step)
     policy.observe_tree(accepted, nodes)   # the same for a tree step of `nodes` draft nodes per request
-    policy.ran(plain)                      # the kind of step the engine runs now (counted for KIND_DWELL)
+    policy.ran(plain, batch)               # the kind of step the engine runs now (counted for KIND_DWELL)
     policy.observe_seconds(q, batch, s)    # a decode-only step's wall time: what a steady step (`steady`) takes
                                            # beyond its measured cost, or what a switch's steps take beyond steady ones
 
@@ -54,7 +54,9 @@ wait for work queued at the switch. Only steady steps teach a kind's overhead (`
 runs for KIND_DWELL steps. What a switch's steps take beyond steady ones is learned as the cost of switching to that
 kind, and the kind not running pays it, spread over a dwell, when the two are weighed: where both deliver about the
 same (on an H200 at 117-178 coding requests, steady chains of 4 took 6.0-7.7 ms and plain steps 3.3-3.6, while the
-first speculative step after plain ones took 10-13), the kind running stays instead of switching every dwell.
+first speculative step after plain ones took 10-13), the kind running stays instead of switching every dwell. The kind
+not running is tried again once its estimate has faded (`OTHER_KIND_FADE`); a try that proves it worse than the
+estimate it was chosen with makes the next one at that rung wait twice as long (`PROBE_BACKOFF_MAX`).
 Without the dwell and `steady`, on an H200 at 256 coding requests (max 512 tokens), `auto` fell into alternating two
 plain steps with three speculative ones for hundreds of steps: the second plain step (6.3 ms, waiting for the first)
 taught plain steps an overhead of 2-2.7 ms over a cost that steady plain steps (3.3-3.6 ms) exceed by 0.6, and the
@@ -92,6 +94,12 @@ OVERHEAD_DECAY = 0.9
 # a step of one kind measures nothing of the other: the other's estimate fades by 1% each, so that after some
 # dozens of steps of one kind the other is tried again and measured anew (no estimate stays stuck on an outlier)
 OTHER_KIND_FADE = 0.99
+# a kind switched to that proved to take more than its faded estimate said (a failed probe: its steps taught a higher
+# overhead than it had when it was chosen) fades twice as slowly at that rung from then on, up to 2 ** PROBE_BACKOFF_MAX
+# times; one that proved no worse fades at the full rate again. On an H200 under a sustained load of 256 coding requests,
+# plain steps ran 85% of the steps and speculation, tried every ~100 plain steps for 8-step dwells of 7-11 ms steps
+# against plain steps' 3.2, cost ~5% of the run's time
+PROBE_BACKOFF_MAX = 4
 PLAIN = 1  # the chain of the anchor alone: a plain decoding step
 # steps a kind runs for once switched to: a switch costs a few ms beyond steady steps (the module's doc), so kinds
 # alternating step by step lose what either would deliver alone; after 8 steps the switch is a few percent of the time
@@ -178,6 +186,11 @@ class VerifyPolicy:
         # the switch running now: (its steps measured so far, their seconds beyond steady steps); None once one of
         # its steps went unmeasured (a step with prompt chunks), or when no switch is running
         self._switch: tuple[int, float] | None = None
+        # (batch rung, plain step?) -> failed probes of that kind there in a row (PROBE_BACKOFF_MAX at most): its
+        # estimate fades 2 ** that times more slowly while the other kind runs
+        self.probes_failed: dict[tuple[int, bool], int] = {}
+        # the kind running now as it was switched to: (its rung, plain?, its overhead estimate then)
+        self._entered: tuple[int, bool, float] | None = None
 
     @property
     def options(self) -> tuple[int, ...]:
@@ -219,13 +232,29 @@ class VerifyPolicy:
                 return PLAIN
         return best
 
-    def ran(self, plain: bool) -> None:
-        """The engine runs a step of this kind now (a plain step, or a speculative one): from here on `choose`
-        answers for the step after it."""
+    def ran(self, plain: bool, batch: int | None = None) -> None:
+        """The engine runs a step of this kind now (a plain step, or a speculative one) for `batch` requests: from here
+        on `choose` answers for the step after it. Leaving a kind judges the switch to it (`probes_failed`)."""
         if plain != self.plain_running:
             self._switch = (0, 0.0) if self.plain_running is not None else None
+            self._judge_probe()
+            rung = self._rung(batch) if batch is not None else None
+            self._entered = None if rung is None else (rung, plain, self.overhead.get((rung, plain), 0.0))
         self.kind_steps = self.kind_steps + 1 if plain == self.plain_running else 1
         self.plain_running = plain
+
+    def _judge_probe(self) -> None:
+        """The kind running until now is left: if its steps taught its rung a higher overhead than it was chosen with
+        (its estimate had faded below what it takes), the next try of it there waits twice as long; if not, the
+        estimate it was chosen with held, and it fades at the full rate again."""
+        if self._entered is None:
+            return
+        rung, plain, estimate = self._entered
+        self._entered = None
+        if self.overhead.get((rung, plain), 0.0) > estimate:
+            self.probes_failed[rung, plain] = min(self.probes_failed.get((rung, plain), 0) + 1, PROBE_BACKOFF_MAX)
+        else:
+            self.probes_failed.pop((rung, plain), None)
 
     def steady(self, plain: bool) -> bool:
         """Whether the step running now (of this kind) follows enough steps of its kind that its wall time holds no
@@ -251,7 +280,7 @@ class VerifyPolicy:
         known = self.overhead.get((rung, plain))
         self.overhead[rung, plain] = extra if known is None else OVERHEAD_DECAY * known + (1 - OVERHEAD_DECAY) * extra
         if (rung, not plain) in self.overhead:
-            self.overhead[rung, not plain] *= OTHER_KIND_FADE
+            self.overhead[rung, not plain] *= OTHER_KIND_FADE ** (0.5 ** self.probes_failed.get((rung, not plain), 0))
 
     def _observe_switch(self, extra: float | None) -> None:
         """A step of the switch running now took `extra` seconds beyond a steady step of its kind (None: unknown).

@@ -108,7 +108,7 @@ def simulate(policy: VerifyPolicy, batch: int, option: int, steady_ms: dict, swi
     for _ in range(steps):
         q = policy.choose(batch)
         plain = q == PLAIN
-        policy.ran(plain)
+        policy.ran(plain, batch)
         after = switch_ms[plain]
         wall = after[policy.kind_steps - 1] if kinds and policy.kind_steps <= len(after) else steady_ms[plain]
         wall *= 1 + 0.05 * rng.standard_normal()
@@ -125,8 +125,9 @@ def simulate(policy: VerifyPolicy, batch: int, option: int, steady_ms: dict, swi
 
 
 def old_rules(monkeypatch) -> None:
-    """The rules before the dwell, `steady` and switch costs: a kind may switch at any step, the second step of a kind
-    is measured as steady, and switches cost nothing."""
+    """The rules before the dwell, `steady`, switch costs and the probes' backoff: a kind may switch at any step, the
+    second step of a kind is measured as steady, switches cost nothing, and the kind not running fades at one rate."""
+    monkeypatch.setattr(verify_policy, "PROBE_BACKOFF_MAX", 0)
     monkeypatch.setattr(verify_policy, "KIND_DWELL", 1)
     monkeypatch.setattr(verify_policy, "STEADY_AFTER", {False: 1, True: 1})
     monkeypatch.setattr(VerifyPolicy, "switch_cost", lambda self, plain: 0.0)
@@ -158,9 +159,10 @@ def test_switch_costs_do_not_trap_the_policy_in_alternating_kinds(monkeypatch, a
 def test_where_the_kinds_deliver_about_the_same_switches_are_few(monkeypatch, accept):
     """150 requests with the step times an H200 took on the coding requests at that batch: steady plain steps 3.3 ms,
     steady chains of 4 6.4; the first speculative step after plain ones 11.5, the first two plain steps after
-    speculation 2.7 and 3.4. The chain delivers 0.92x to 1.07x the plain steps' rate: charging the kind not running
-    for the switch to it keeps the policy to 5-18 switches in 600 steps and 97-99% of the better kind's rate; without
-    the charge it switches 25-61 times and delivers 93-96%."""
+    speculation 2.7 and 3.4. The chain delivers 0.92x to 1.07x the plain steps' rate: the policy switches 3-7 times in
+    600 steps and delivers 98-99% of the better kind's rate. Charging the kind not running for the switch to it does
+    most of that: without the probes' backoff the policy switches 7-18 times and delivers 97-99%, and without the
+    charge either 25-61 times, delivering 93-96%."""
     def policy():
         costs = StepCosts(draft={4: {160: 1.0e-3}, 16: {160: 2.5e-3}},
                           verify={PLAIN: {160: 2.8e-3}, 4: {160: 4.0e-3}, 16: {160: 12e-3}})
@@ -175,6 +177,69 @@ def test_where_the_kinds_deliver_about_the_same_switches_are_few(monkeypatch, ac
 
     switches, rate = run()
     assert switches <= 20 and rate >= 0.965 * best, (switches, rate / best)
+    # the charge alone, without the probes' backoff (which also spares switches here)
+    monkeypatch.setattr(verify_policy, "PROBE_BACKOFF_MAX", 0)
+    switches, rate = run()
     monkeypatch.setattr(VerifyPolicy, "switch_cost", lambda self, plain: 0.0)
     switches_uncharged, rate_uncharged = run()
     assert switches_uncharged > 2 * switches and rate_uncharged < rate, (switches_uncharged, rate_uncharged / best)
+
+
+def probe_starts(policy: VerifyPolicy, steps: int, accept: float, seed: int = 0) -> list[int]:
+    """The steps at which the policy switched to speculation, over `steps` steps of 250 requests with the H200's step
+    times of the test above (steady plain steps 3.5 ms, chains of 2 7.5 ms: speculation never pays)."""
+    rng = np.random.default_rng(seed)
+    starts = []
+    for step in range(steps):
+        q = policy.choose(250)
+        plain = q == PLAIN
+        if not plain and policy.plain_running:
+            starts.append(step)
+        policy.ran(plain, 250)
+        first = policy.kind_steps == 1 and step > 0
+        wall = (4.8 if plain else 13.3) if first else (3.5 if plain else 7.5)
+        policy.observe_seconds(q, 250, wall * (1 + 0.05 * rng.standard_normal()) / 1e3)
+        if not plain:
+            policy.observe(np.minimum(rng.geometric(1 - accept, 250) - 1, q - 1).tolist(), q)
+    return starts
+
+
+def test_a_kind_that_proves_worse_than_its_faded_estimate_is_tried_again_later_each_time(monkeypatch):
+    """While plain steps run, speculation's overhead estimate fades until it is tried again. A try that teaches it a
+    higher overhead than it was chosen with doubles the wait before the next try at that rung (up to 16x): over 3,000
+    steps where speculation never pays, it is tried 4-5 times instead of 21-24, each try a dwell of slow steps."""
+    def policy():
+        costs = StepCosts(draft={2: {256: 1.3e-3}}, verify={PLAIN: {256: 3.0e-3}, 2: {256: 4.0e-3}, 16: {256: 40e-3}})
+        made = VerifyPolicy(16, (PLAIN, 2, 16), costs)
+        made.accepted[0], made.seen[0] = 0.9, 1.0
+        made.overhead = {(256, False): 2.2e-3, (256, True): 0.5e-3}
+        made.ran(True, 250)
+        return made
+
+    backed_off = policy()
+    starts = probe_starts(backed_off, 3000, 0.9)
+    gaps = np.diff(starts)
+    assert len(starts) <= 6 and all(later > 1.5 * earlier for earlier, later in zip(gaps, gaps[1:])), starts
+    assert backed_off.probes_failed[256, False] == min(len(starts), verify_policy.PROBE_BACKOFF_MAX)
+    monkeypatch.setattr(verify_policy, "PROBE_BACKOFF_MAX", 0)
+    assert len(probe_starts(policy(), 3000, 0.9)) >= 3 * len(starts)
+
+
+def test_a_kind_that_proves_no_worse_than_its_estimate_fades_at_the_full_rate_again():
+    costs = StepCosts(draft={2: {256: 1.3e-3}}, verify={PLAIN: {256: 3.0e-3}, 2: {256: 4.0e-3}})
+    policy = VerifyPolicy(16, (PLAIN, 2, 16), costs)
+    policy.probes_failed = {(256, False): 3}
+    policy.overhead = {(256, False): 1.0e-3, (256, True): 0.5e-3}
+    policy.ran(True, 250)
+    policy.ran(False, 250)  # speculation chosen with an overhead of 1.0 ms
+    for _ in range(KIND_DWELL):
+        policy.observe_seconds(2, 250, 5.3e-3 + 0.8e-3)  # it takes 0.8 ms beyond its cost: no worse
+        policy.ran(False, 250)
+    policy.ran(True, 250)
+    assert (256, False) not in policy.probes_failed
+    policy.ran(False, 250)  # chosen again with the estimate of 0.8 ms it learned
+    for _ in range(KIND_DWELL):
+        policy.observe_seconds(2, 250, 5.3e-3 + 3.0e-3)  # now 3 ms beyond: worse than it was chosen with
+        policy.ran(False, 250)
+    policy.ran(True, 250)
+    assert policy.probes_failed[256, False] == 1
