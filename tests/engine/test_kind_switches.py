@@ -226,6 +226,8 @@ def test_a_kind_that_proves_worse_than_its_faded_estimate_is_tried_again_later_e
 
 
 def test_a_kind_that_proves_no_worse_than_its_estimate_fades_at_the_full_rate_again():
+    """The backoff lasts while tries fail: a try whose steps teach no higher overhead than it was chosen with clears it,
+    and the next failed try starts it again from one."""
     costs = StepCosts(draft={2: {256: 1.3e-3}}, verify={PLAIN: {256: 3.0e-3}, 2: {256: 4.0e-3}})
     policy = VerifyPolicy(16, (PLAIN, 2, 16), costs)
     policy.probes_failed = {(256, False): 3}
