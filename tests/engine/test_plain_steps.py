@@ -197,7 +197,6 @@ def test_an_engine_without_drafting_ahead_never_runs_plain_steps(target_dir, tmp
     assert PLAIN not in engine.decoding.policy.lengths
 
 
-
 @pytest.mark.parametrize("plain_at", [range(1, 10), range(4, 9)], ids=["after-prefill", "after-chains"])
 def test_after_plain_steps_the_drafter_drafts_from_the_context_a_prefill_writes(target_dir, tmp_path, plain_at):
     """The context rows plain steps add (and those a chain step left to its next draft, written before the first
@@ -232,7 +231,6 @@ def test_decode_only_speculative_steps_teach_the_policy_their_overhead(target_di
     assert policy.overhead and all(seconds > 1e-4 for seconds in policy.overhead.values())
     assert launched  # the learned overhead made plain steps pay
     assert_no_leak(engine)
-
 
 
 def test_plain_steps_hold_their_context_rows_and_write_them_together(target_dir, tmp_path, monkeypatch):
