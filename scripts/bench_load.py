@@ -15,7 +15,11 @@ learned, tokens committed, the switch costs learned), so a level whose tokens/s 
 the steps that took the time. The output ends with the decode-only steps summed by batch range and kind of step
 (`scripts/bench/step_trace.py`): what each kind delivered per request per ms at each batch.
 Single runs of a level vary by 10-16% on a GPU (host-bound steps): --repeats N runs each level N times on
-the same engine and reports the run with the median tokens/s.
+the same engine and reports the run with the median tokens/s. A shared machine also has slow periods of seconds
+that slow every system alike (plain decoding's steps too), so systems run one after the other do not compare:
+--interleave builds every system's engine first (the GPU memory split between them) and runs each level's rounds
+system after system (A B A B ...); each row then also gives its tokens/s over the first system's in each round, whose
+median compares the systems within the same seconds.
 
 --profile C adds one level at concurrency C under the torch profiler (not counted in the table above):
 for steps with prefill and decode-only ones (a drafter's split into plain and speculative steps), the median wall
@@ -71,6 +75,8 @@ class LoadRow:
     tau: float | None
     verified: float | None = None  # tokens verified per request per speculative step (the anchor included)
     runs_tokens_per_s: list[float] | None = None  # with --repeats: every run's, the row being the median run's
+    # with --interleave: each round's tokens/s over the first system's in the same round (the run just before it)
+    paired: list[float] | None = None
     plain_steps: int | None = None  # DFlash: steps `auto` ran as plain decoding steps (no draft pays at their batch)
     # every step in order: [prompt chunks in it (0/1), decoding requests, wall ms, tokens verified per request (1: a
     # plain step; None: plain decoding's engine, or no request decoding), the speculative and plain overheads `auto`
@@ -106,6 +112,9 @@ def parse_args(argv):
                    help="plain decoding with overlapped steps (rows 'AR overlapped') and DFlash drafting ahead "
                         "(rows 'DFlash ..., drafted ahead'), the engine's defaults: beside the in-order rows "
                         "(alone or 'both') or instead of them ('on')")
+    p.add_argument("--interleave", action="store_true",
+                   help="every engine built first (GPU memory split between them); each level's --repeats rounds run "
+                        "the systems in turn, and rows give their tokens/s over the first system's, round by round")
     p.add_argument("--profile", type=int, metavar="C", help="one more level at concurrency C under the profiler: "
                                                             "wall vs GPU busy time per kind of step")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
@@ -322,28 +331,12 @@ def main(argv=None) -> int:
         systems = [("AR" if not overlap else OVERLAPPED, None, "chain", overlap) for overlap in overlaps]
         for verify in args.verify if drafter else ():
             systems += [(DFLASH[verify] + (AHEAD if overlap else ""), drafter, verify, overlap) for overlap in overlaps]
-        rows, profiles, engines = [], [], []
-        for system, draft, verify, overlap in systems:
-            llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency),
-                      kv_cache_dtype=args.kv_cache_dtype, overlap_steps=overlap, verify=verify,
-                      **(dict(draft_window=args.draft_window) if draft and args.draft_window is not None else {}))
-            prompts = (random_prompts(llm.engine.model.config.vocab_size, args.requests) if args.quick
-                       else chat_prompts(llm, args.requests, args.dataset, args.system_repeat))
-            run_load(llm, system, prompts[:min(4, len(prompts))], 1, 4)  # warm-up: graphs, kernels, allocator
-            for concurrency in args.concurrency:
-                count = len(prompts) if args.rounds is None else min(len(prompts), args.rounds * concurrency)
-                rows.append(median_run([run_load(llm, system, prompts[:count], concurrency, args.max_new_tokens)
-                                        for _ in range(args.repeats)]))
-                print(table(rows[-1:]).splitlines()[-1], flush=True)
-            engines.append({"system": system, "kv_cache_dtype": args.kv_cache_dtype, "num_kv_pages": llm.engine.num_pages,
-                            "kv_full_precision_layers": list(llm.engine.full_precision_layers)})
-            if args.profile:
-                count = min(len(prompts), 2 * args.profile)  # the profiler's own cost grows with the run
-                profiles += profile_load(llm, system, prompts[:count], args.profile, args.max_new_tokens,
-                                         device.type == "cuda")
-            del llm
-            release_memory(device)
+        runner = run_interleaved if args.interleave else run_in_turn
+        rows, profiles, engines = runner(args, model, systems, device)
     print(table(rows))
+    if args.interleave:
+        print("\nTokens/s over the first system's, round by round (--interleave):\n")
+        print(paired_table(rows))
     print("\nDecode-only steps by batch and kind (scripts/bench/step_trace.py):\n")
     print(trace_table([(r.system, r.concurrency, trace_bins(r.steps)) for r in rows]))
     if profiles:
@@ -353,6 +346,88 @@ def main(argv=None) -> int:
                                               "engines": engines, "rows": [asdict(r) for r in rows],
                                               "profiles": [asdict(p) for p in profiles]}, indent=1))
     return 0
+
+
+def load_system(args, model: str, system: tuple, device: torch.device, **options) -> tuple[LLM, list[list[int]]]:
+    """A system's engine, warmed up (graphs, kernels, allocator), and its prompts."""
+    name, draft, verify, overlap = system
+    llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency), kv_cache_dtype=args.kv_cache_dtype,
+              overlap_steps=overlap, verify=verify,
+              **(dict(draft_window=args.draft_window) if draft and args.draft_window is not None else {}), **options)
+    prompts = (random_prompts(llm.engine.model.config.vocab_size, args.requests) if args.quick
+               else chat_prompts(llm, args.requests, args.dataset, args.system_repeat))
+    run_load(llm, name, prompts[:min(4, len(prompts))], 1, 4)
+    return llm, prompts
+
+
+def level_prompts(args, prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    return prompts if args.rounds is None else prompts[:min(len(prompts), args.rounds * concurrency)]
+
+
+def engine_record(args, name: str, llm: LLM) -> dict:
+    return {"system": name, "kv_cache_dtype": args.kv_cache_dtype, "num_kv_pages": llm.engine.num_pages,
+            "kv_full_precision_layers": list(llm.engine.full_precision_layers)}
+
+
+def profile_system(args, llm: LLM, name: str, prompts: list[list[int]], device: torch.device) -> list[StepProfile]:
+    count = min(len(prompts), 2 * args.profile)  # the profiler's own cost grows with the run
+    return profile_load(llm, name, prompts[:count], args.profile, args.max_new_tokens, device.type == "cuda")
+
+
+def run_in_turn(args, model: str, systems: list[tuple], device: torch.device):
+    """Each system's engine alone on the GPU, its levels one after the other."""
+    rows, profiles, engines = [], [], []
+    for system in systems:
+        name = system[0]
+        llm, prompts = load_system(args, model, system, device)
+        for concurrency in args.concurrency:
+            chosen = level_prompts(args, prompts, concurrency)
+            rows.append(median_run([run_load(llm, name, chosen, concurrency, args.max_new_tokens)
+                                    for _ in range(args.repeats)]))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+        engines.append(engine_record(args, name, llm))
+        if args.profile:
+            profiles += profile_system(args, llm, name, prompts, device)
+        del llm
+        release_memory(device)
+    return rows, profiles, engines
+
+
+def run_interleaved(args, model: str, systems: list[tuple], device: torch.device):
+    """Every system's engine at once, each taking an equal share of the GPU memory (engine k may fill up to
+    (k + 1) / n of the default 0.9, what the engines before it took counted); each level's rounds run the systems
+    in turn, so that a slow period of the machine falls on both sides of a pair."""
+    loaded = []
+    for k, system in enumerate(systems):
+        share = dict(gpu_memory_utilization=0.9 * (k + 1) / len(systems)) if device.type == "cuda" else {}
+        loaded.append(load_system(args, model, system, device, **share))
+    rows = []
+    for concurrency in args.concurrency:
+        runs = [[] for _ in systems]
+        for _ in range(args.repeats):
+            for (name, *_), (llm, prompts), system_runs in zip(systems, loaded, runs):
+                system_runs.append(run_load(llm, name, level_prompts(args, prompts, concurrency), concurrency,
+                                            args.max_new_tokens))
+        for system_runs in runs:
+            paired = [run.tokens_per_s / first.tokens_per_s for run, first in zip(system_runs, runs[0])]
+            rows.append(median_run(system_runs))
+            rows[-1].paired = paired
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    engines = [engine_record(args, name, llm) for (name, *_), (llm, _) in zip(systems, loaded)]
+    profiles = [p for (name, *_), (llm, prompts) in zip(systems, loaded) if args.profile
+                for p in profile_system(args, llm, name, prompts, device)]
+    del loaded
+    release_memory(device)
+    return rows, profiles, engines
+
+
+def paired_table(rows: list[LoadRow]) -> str:
+    lines = ["| system | concurrency | median | each round |", "|---|---|---|---|"]
+    for r in rows:
+        if r.paired is not None:
+            lines.append(f"| {r.system} | {r.concurrency} | {statistics.median(r.paired):.3f}x | "
+                         f"{' '.join(f'{x:.3f}' for x in r.paired)} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -93,3 +93,33 @@ def test_repeats_report_the_median_run_and_every_runs_tokens_per_s(tmp_path, cap
         runs = row["runs_tokens_per_s"]
         assert len(runs) == 3 and row["tokens_per_s"] == sorted(runs)[1]
     assert " over 3) |" in capsys.readouterr().out
+
+
+def test_interleave_runs_the_systems_in_turn_and_pairs_each_round_with_the_first_system(tmp_path, capsys):
+    import scripts.bench_load as bench_load
+
+    order = []
+    run_load = bench_load.run_load
+
+    def recorded(llm, system, prompts, concurrency, max_new_tokens):
+        order.append((system, concurrency))
+        return run_load(llm, system, prompts, concurrency, max_new_tokens)
+
+    out = tmp_path / "load.json"
+    bench_load.run_load = recorded
+    try:
+        assert main(["--quick", "--interleave", "--repeats", "2", "--out", str(out)]) == 0
+    finally:
+        bench_load.run_load = run_load
+    # the warm-ups (4 prompts at concurrency 1) come first, one per engine; then each level's rounds alternate
+    assert order[:2] == [("AR", 1), ("DFlash", 1)]
+    assert order[2:] == [("AR", 1), ("DFlash", 1)] * 2 + [("AR", 4), ("DFlash", 4)] * 2
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["system"], r["concurrency"]) for r in rows] == [("AR", 1), ("DFlash", 1), ("AR", 4), ("DFlash", 4)]
+    for row in rows:
+        assert len(row["paired"]) == 2 and len(row["runs_tokens_per_s"]) == 2
+        if row["system"] == "AR":
+            assert row["paired"] == [1.0, 1.0]
+    for ar, dflash in zip(rows[0::2], rows[1::2]):  # each round's ratio is of the runs of that round
+        assert dflash["paired"] == [d / a for d, a in zip(dflash["runs_tokens_per_s"], ar["runs_tokens_per_s"])]
+    assert "Tokens/s over the first system's, round by round" in capsys.readouterr().out
