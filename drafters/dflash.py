@@ -168,7 +168,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         if len(rows) < len(tables):
             tables = [tables[i] for i in rows]
         if tables:
-            self._run_context(self.held_step, self._stage_one_position_each(tables), rows)
+            self._run_context(self.held_step, self._stage_held(tables), rows)
 
     def _write_context(self, requests: list[DraftRequest], lens: list[int], rows: np.ndarray) -> None:
         """Context K/V of request i's next lens[i] positions from the features at `rows` (sum(lens) of them, request
@@ -200,11 +200,28 @@ class DFlashDrafter(ModelRunner, Drafter):
         return table
 
     def _stage_one_position_each(self, tables: list[PageTable]) -> int:
-        """Stage the next position of each table (appended here, in order: a table listed twice gets two), its K/V
-        page read from the table alone: plain steps write one context row per request, and a layout over every
-        table's pages took 3x the host time (0.26 against 0.08 ms for 256 requests, host work alone)."""
+        """Stage the next position of each table (each listed once), its K/V page read from the table alone: a step's
+        rows write one context row per request, and a layout over every table's pages took 3x the host time (0.26
+        against 0.08 ms for 256 requests, host work alone)."""
         places = [t.append() for t in tables]
         positions, pages = (np.array([place[i] for place in places], dtype=np.int64) for i in (0, 1))
+        return self.stage_token_places(self.context_step, positions, pages, positions % self.page_size)
+
+    def _stage_held(self, tables: list[PageTable]) -> int:
+        """Stage the held rows' positions: a table listed k times (once per plain step) gets its next k positions, in
+        the order listed. Each table grows once by its rows, and positions and pages are gathered in numpy: row by
+        row (`_stage_one_position_each` over the repeated list) took 0.88 ms for the 2048 rows of 256 requests."""
+        ids = np.fromiter(map(id, tables), dtype=np.int64, count=len(tables))
+        _, first, groups, counts = np.unique(ids, return_index=True, return_inverse=True, return_counts=True)
+        unique = [tables[i] for i in first.tolist()]
+        order = np.argsort(groups, kind="stable")  # each table's rows together, in the order listed
+        rank = np.empty(len(tables), dtype=np.int64)
+        rank[order] = np.arange(len(tables)) - (np.cumsum(counts) - counts)[groups[order]]
+        positions = np.fromiter((t.length for t in unique), dtype=np.int64, count=len(unique))[groups] + rank
+        for table, count in zip(unique, counts.tolist()):
+            table.grow(count)
+        page_starts = np.cumsum([0] + [t.num_pages for t in unique[:-1]])
+        pages = np.concatenate([t.array for t in unique])[page_starts[groups] + positions // self.page_size]
         return self.stage_token_places(self.context_step, positions, pages, positions % self.page_size)
 
     def _feature_row(self, features: torch.Tensor) -> int:
