@@ -35,6 +35,11 @@ reaching it and the next verify's launch, where at batch 1 the GPU runs only the
 verify's `plan_graph` took 0.31 ms before and 0.21-0.24 ms with the kept plan (two H200s, BENCHMARKS.md).
 A backend whose runner bounds no request's pages (`bound_sequence_pages`), or that has a sliding window, keeps
 fa3 for them. Eager and graphed steps of the same layout use the same kernels.
+The decodes or verifies of at least ONE_PIECE_MIN_BATCH requests keep each request's KV in one piece (fa2 without
+split-KV): so many requests fill the GPU's SMs without splitting, and FlashInfer's plan of such a step then depends
+on its query counts alone (a graph rung's are the same at every step), so the rung keeps its plan and a step sends
+only its page metadata: FlashInfer's plan is host time on the path of every step (at 256 requests an overlapped
+plain step's host work is about as long as its GPU work).
 fa2 graph slots are planned with `uniform_q_len` (every request has the same query count), so the
 query tile is sized for that count as in an eager plan: without it a CUDA-graph plan sizes the tile
 for the ragged worst case, the verify graph then rounds differently from the decode graph, and
@@ -99,9 +104,10 @@ class GraphSlot:
     planned once per tree size (later steps write only their masks)."""
 
     def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int, fa2: bool,
-                 tree_size: int = 0, rows: int = 0):
+                 tree_size: int = 0, rows: int = 0, one_piece: bool = False):
         dev = backend.device
         self.batch_size = batch_size
+        self.one_piece = one_piece  # each request's KV in one piece: the plan depends on the query counts alone
         self.tree_size = tree_size  # a token-tree rung's tokens per request (0: not a tree rung)
         self.tree = tree_size > 0
         self.rows = rows  # a lone request's rung planned as its query rows: queries per step (0: not such a rung)
@@ -137,7 +143,8 @@ class GraphSlot:
         # the tree size the tree part was last planned for: its plan depends on nothing else (every request of a
         # rung has that many rows), so later steps of that size only write their masks into `tree_masks`
         self.tree_planned = 0
-        # a query-rows rung's work split at its last plan (`kv_split`): a step of the same split keeps that plan
+        # what the slot's last plan derived its work from (a query-rows rung's split, `kv_split`; a one-piece rung's
+        # query counts): a step of the same keeps that plan
         self.split: bytes | None = None
         if self.tree:
             tree_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
@@ -212,6 +219,14 @@ class FlashInferBackend(AttentionBackend):
                 and self.window_left < 0 and layout is not None and lone_decode_or_verify(layout) and layout.causal
                 and layout.query_masks is None and int(layout.q_lens[0]) <= LONE_ROWS_MAX)
 
+    def one_piece(self, layout: BatchLayout | None) -> bool:
+        """Whether the steps of `layout` keep each request's KV in one piece (no split-KV): every step of a backend
+        of `device_lengths`, and the decodes or verifies of at least ONE_PIECE_MIN_BATCH requests."""
+        if self.plans_upper_bounds:
+            return True
+        return (layout is not None and layout.batch_size >= ONE_PIECE_MIN_BATCH and layout.query_masks is None
+                and not layout.prompts and not prefill_heavy(layout))
+
     def rows_split_pages(self, layout: BatchLayout) -> int:
         """Pages per KV chunk of a lone request's query rows: its length at most (and the largest verify past it)
         in as many chunks as a plan of LONE_ROWS_MAX rows may run in one wave. The same at every step of the
@@ -251,7 +266,7 @@ class FlashInferBackend(AttentionBackend):
         self.wrappers = self.eager_wrappers[self.fa2(layout)]
         self._plan_wrappers(planned, pinned(planned.qo_indptr()), pinned(planned.kv_indptr()),
                             planned_indices if separate else self.kv_indices, pinned(planned.last_page_lens()),
-                            pinned(planned.kv_lens), **extra)
+                            pinned(planned.kv_lens), one_piece=self.one_piece(layout), **extra)
         self.tree_wrappers = self._plan_trees(self.eager_tree_wrappers, layout, pinned(layout.qo_indptr())) if tree \
             else None
 
@@ -261,7 +276,8 @@ class FlashInferBackend(AttentionBackend):
         tree = example is not None and example.query_masks is not None
         rows = int(example.q_lens[0]) if batch_size == 1 and self.lone_rows(example) else 0
         return GraphSlot(self, batch_size, max_pages, self.fa2(example),
-                         tree_size=int(example.q_lens.max()) if tree else 0, rows=rows)
+                         tree_size=int(example.q_lens.max()) if tree else 0, rows=rows,
+                         one_piece=self.one_piece(example))
 
     def plan_graph(self, slot: GraphSlot, layout: BatchLayout, scratch_page: int) -> None:
         """A graph replay: `layout` padded to the slot's batch size goes into the slot's buffers. The
@@ -270,7 +286,8 @@ class FlashInferBackend(AttentionBackend):
         self.layout, self.written = layout, None
         tree = layout.query_masks is not None
         rows = int(layout.q_lens[0]) if self.lone_rows(layout) else 0
-        if self.fa2(layout) != slot.fa2 or tree != slot.tree or rows != slot.rows:
+        if (self.fa2(layout) != slot.fa2 or tree != slot.tree or rows != slot.rows
+                or self.one_piece(layout) != slot.one_piece):
             kind = ("token trees" if slot.tree else f"{slot.rows} query rows" if slot.rows else
                     "the fa2 kernels" if slot.fa2 else "other kernels")
             raise ValueError(f"a rung captured for {kind} cannot replay this layout "
@@ -292,14 +309,16 @@ class FlashInferBackend(AttentionBackend):
                                                 index.stage("last_page_len", planned.last_page_lens()))
         index.stage("kv_indices", planned.kv_indices)
         index.send()
-        # a query-rows rung whose rows have the KV chunks of its last plan keeps that plan: its kernels read only the
-        # page metadata just sent
-        split = kv_split(planned, extra["fixed_split_size"]) if rows else None
+        # a query-rows rung whose rows have the KV chunks of its last plan, or a one-piece rung of the same query counts,
+        # keeps that plan: its kernels read only the page metadata just sent
+        split = (kv_split(planned, extra["fixed_split_size"]) if rows else
+                 planned.qo_indptr().astype(np.int32).tobytes() if slot.one_piece else None)
         if split is None or split != slot.split:
             kv_lens = slot.kv_lens[:planned.batch_size]
             kv_lens.numpy()[:] = planned.kv_lens
             self._plan_wrappers(planned, qo_indptr, kv_indptr, slot.planned[1][:len(planned.kv_indices)],
-                                last_page_len, kv_lens, **{"uniform_q_len": int(layout.q_lens[0]), **extra})
+                                last_page_len, kv_lens, one_piece=slot.one_piece,
+                                **{"uniform_q_len": int(layout.q_lens[0]), **extra})
             slot.split = split
         # the tree part's indptr: the context's qo_indptr (the same queries), staged above
         self.tree_wrappers = self._plan_trees(slot.tree_wrappers, layout, qo_indptr, slot) if tree else None
@@ -320,7 +339,8 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan_wrappers(self, layout: BatchLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                        kv_indices_gpu: torch.Tensor, last_page_len: torch.Tensor, kv_lens: torch.Tensor,
-                       uniform_q_len: int | None = None, fixed_split_size: int | None = None) -> None:
+                       uniform_q_len: int | None = None, fixed_split_size: int | None = None,
+                       one_piece: bool = False) -> None:
         # indptr, last_page_len and kv_lens are pinned CPU tensors: plan reads them on the host, and its
         # copies of them to the GPU stay asynchronous. The KV lengths and both maxima are handed over
         # because the layout already knows them: plan would otherwise derive them from the indptrs with a
@@ -331,7 +351,7 @@ class FlashInferBackend(AttentionBackend):
             wrapper.plan(qo_indptr, kv_indptr, kv_indices_gpu, last_page_len, self.num_qo_heads, self.num_kv_heads,
                          self.head_dim, layout.page_size, causal=layout.causal, sm_scale=self.sm_scale,
                          q_data_type=self.q_dtype, kv_data_type=kv_dtype, non_blocking=True,
-                         uniform_q_len=uniform_q_len, disable_split_kv=self.plans_upper_bounds,
+                         uniform_q_len=uniform_q_len, disable_split_kv=one_piece,
                          fixed_split_size=fixed_split_size,
                          window_left=self.window_left, **lengths)
 
@@ -391,6 +411,9 @@ def kv_split(layout: BatchLayout, split_pages: int) -> bytes:
 
 # the most queries of a lone request's step that run as query rows (a chain verify of the block)
 LONE_ROWS_MAX = 16
+# the fewest requests whose decodes or verifies keep each request's KV in one piece (see the module's doc): on an
+# H200 such a step has at least 128 (request, KV head) work items for 132 SMs
+ONE_PIECE_MIN_BATCH = 64
 
 
 def lone_decode_or_verify(layout: BatchLayout) -> bool:

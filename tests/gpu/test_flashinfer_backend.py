@@ -323,3 +323,64 @@ def test_a_graph_planned_for_upper_bounds_attends_over_the_real_lengths(name, kv
     err = rel_error(out[:rows], expected)
     print(f"{name} {kv} rung {size}: rel err {err:.2e}")
     assert err <= REL_BOUND
+
+
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
+@pytest.mark.parametrize("q", [1, 4], ids=["decode", "verify"])
+def test_a_one_piece_rung_plans_once_and_attends_as_the_reference_at_every_step(kv, q, monkeypatch):
+    """A rung of ONE_PIECE_MIN_BATCH requests' decodes or verifies keeps each request's KV in one piece, so its plan
+    depends on the query counts alone: captured once and replayed for steps of other lengths (contexts of a few
+    tokens to ~1,500, pages crossed), it is planned once, and every replay attends as the torch reference does, as
+    an eager plan of the same step does."""
+    from attention.batch_layout import slots_on_device
+    from attention.flashinfer_backend import ONE_PIECE_MIN_BATCH
+
+    size, scales = ONE_PIECE_MIN_BATCH, (0.05, 0.03) if kv == "fp8" else (1.0, 1.0)
+
+    def case(seed):  # the same step for the same seed
+        g = torch.Generator().manual_seed(11 + seed)
+        history = torch.randint(1, 120, (size,), generator=g).tolist()
+        history[seed::17] = torch.randint(600, 1500, (len(history[seed::17]),), generator=g).tolist()
+        return PagedCase(history, [q] * size, [q] * size, True, page_size=16, kv_dtype=KV_DTYPES[kv], device="cuda",
+                         dtype=torch.bfloat16, scales=scales, seed=seed, num_pages=1536)
+
+    steps = [case(seed) for seed in range(3)]
+    expected = [s.expected(D ** -0.5) for s in steps]
+    for step, want in zip(steps, expected):  # an eager plan of such a step: the KV in one piece too
+        assert rel_error(run(flashinfer_backend(KV_DTYPES[kv]), step), want) <= REL_BOUND
+    steps = [case(seed) for seed in range(3)]  # the eager runs wrote the new K/V: fresh caches for the graph
+    backend = flashinfer_backend(KV_DTYPES[kv])
+    plans = []
+    plan_wrappers = backend._plan_wrappers
+    monkeypatch.setattr(backend, "_plan_wrappers", lambda *a, **k: (plans.append(k), plan_wrappers(*a, **k)))
+    layer, scratch = steps[0].layer, steps[0].kv.scratch_page
+    slot = backend.graph_slot(size, 1536, steps[0].layout)
+    assert slot.one_piece and backend.one_piece(steps[0].layout)
+    queries = torch.zeros(size * q, HQ, D, dtype=torch.bfloat16, device="cuda")
+    keys, values = (torch.zeros(size * q, HKV, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    positions = torch.zeros(size * q, dtype=torch.long, device="cuda")
+    requests = torch.arange(size, device="cuda").repeat_interleave(q)
+
+    def forward():
+        backend.set_write_slots(*slots_on_device(backend.kv_indices, backend.kv_indptr, requests, positions, 16))
+        backend.write_kv(layer, keys, values)
+        return backend.attend(queries, layer)
+
+    graph = out = None
+    for step, want in zip(steps, expected):
+        layer.data.copy_(step.layer.data)
+        for buffer, values_ in ((queries, step.q), (keys, step.new_k), (values, step.new_v)):
+            buffer.copy_(values_)
+        positions.copy_(torch.from_numpy(step.layout.new_kv_positions()).long())
+        backend.plan_graph(slot, step.layout, scratch)
+        if graph is None:
+            forward()  # warm-up outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = forward()
+        graph.replay()
+        torch.cuda.synchronize()
+        err = rel_error(out, want)
+        print(f"one-piece rung {kv} q={q} longest {max(step.layout.kv_lens.tolist())}: rel err {err:.2e}")
+        assert err <= REL_BOUND
+    assert len(plans) == 1 and plans[0]["one_piece"]  # the first step's plan served the later ones
