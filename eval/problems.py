@@ -18,7 +18,7 @@ __all__ = ["HUB", "INSTRUCTION", "PACKAGED_DATA", "DataUnavailable", "Problem", 
 HUB_DATASET = "HuggingFaceH4/MATH-500"
 HUB = "hub"  # `--data hub`: the hub's test split through `datasets` (opt-in; the shipped copy is the default)
 # the same 500 problems (the hub's test split, same fields), shipped with the package for offline use
-PACKAGED_DATA = Path(__file__).parent / "data" / "math500.jsonl"
+PACKAGED_DATA = Path(__file__).parent / "data" / "math500.jsonl.gz"
 REQUIRED = ("problem", "answer")
 # the z-lab benchmark's user turn, appended to every problem (no system prompt of our own)
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."

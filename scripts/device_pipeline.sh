@@ -160,7 +160,7 @@ ls -l "$run/back"
 
 stage eval
 evaluated=$run/drafter-$(name_of "${variants[0]}")
-python3 -m eval.math500 --target "$target" --drafter "$evaluated" --data "${MATH500:-eval/data/math500.jsonl}" \
+python3 -m eval.math500 --target "$target" --drafter "$evaluated" --data "${MATH500:-eval/data/math500.jsonl.gz}" \
   --concurrency 64 --baseline --output "$run/eval" --no-progress || fail "eval"
 python3 -m eval.humaneval --target "$target" --drafter "$evaluated" \
   --concurrency "${HUMANEVAL_CONCURRENCY:-1}" --baseline --output "$run/eval-humaneval" --no-progress || fail "eval humaneval"

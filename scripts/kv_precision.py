@@ -23,15 +23,15 @@ if str(ROOT) not in sys.path:  # run as `python scripts/kv_precision.py`
 
 import torch  # noqa: E402
 
+from eval.data_file import read_rows  # noqa: E402
+from eval.problems import PACKAGED_DATA  # noqa: E402
 from specdec.models.kv_precision import LayerError, fp8_layer_errors  # noqa: E402
 from specdec.models.loader import load_target  # noqa: E402
 from specdec.weights.demo_models import resolve_model  # noqa: E402
 
-MATH500 = ROOT / "eval" / "data" / "math500.jsonl"
-
 
 def math_text_ids(tokenizer, problems: int, max_tokens: int) -> list[int]:
-    rows = [json.loads(line) for line in MATH500.read_text().splitlines()[:problems]]
+    rows = read_rows(str(PACKAGED_DATA), ("problem", "solution"))[:problems]
     messages = [m for r in rows for m in ({"role": "user", "content": r["problem"]},
                                            {"role": "assistant", "content": r["solution"]})]
     return tokenizer(tokenizer.apply_chat_template(messages, tokenize=False))["input_ids"][:max_tokens]
