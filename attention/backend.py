@@ -54,6 +54,12 @@ class AttentionBackend(ABC):
         """No request's KV will span more than `pages` pages: a backend may size per-request buffers by it (the
         FlashInfer backend's lone-request rows, `FlashInferBackend.lone_rows`). A no-op by default."""
 
+    def graph_fits(self, slot, kv_lens) -> bool:
+        """Whether graph rung `slot` runs a step of requests of these KV lengths (counting the step's new tokens) as
+        well as a plan made for that step would: a backend may decline lengths its rung's kernels suit badly, and the
+        step then runs another way. True by default."""
+        return True
+
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
         """The planned step's real KV lengths [batch] on the device (called by the step itself, inside its CUDA
         graph), for a step planned with upper bounds of them: its attention and write slots then read each

@@ -39,7 +39,10 @@ The decodes or verifies of at least ONE_PIECE_MIN_BATCH requests keep each reque
 split-KV): so many requests fill the GPU's SMs without splitting, and FlashInfer's plan of such a step then depends
 on its query counts alone (a graph rung's are the same at every step), so the rung keeps its plan and a step sends
 only its page metadata: FlashInfer's plan is host time on the path of every step (at 256 requests an overlapped
-plain step's host work is about as long as its GPU work).
+plain step's host work is about as long as its GPU work). A request's KV in one piece is one CTA's walk, so a request
+far longer than the others would make the whole step wait for it: a step where one is more than ONE_PIECE_MAX_EXCESS
+tokens longer than the batch's mean is planned with split-KV (`even_lengths`), and such a rung declines to replay it
+(`graph_fits`; the target runs it as a mixed step, its attention planned between piecewise graphs).
 fa2 graph slots are planned with `uniform_q_len` (every request has the same query count), so the
 query tile is sized for that count as in an eager plan: without it a CUDA-graph plan sizes the tile
 for the ragged worst case, the verify graph then rounds differently from the decode graph, and
@@ -227,6 +230,10 @@ class FlashInferBackend(AttentionBackend):
         return (layout is not None and layout.batch_size >= ONE_PIECE_MIN_BATCH and layout.query_masks is None
                 and not layout.prompts and not prefill_heavy(layout))
 
+    def graph_fits(self, slot: GraphSlot, kv_lens) -> bool:
+        """A one-piece rung (of a backend that plans exact lengths) declines lengths that are not even."""
+        return not slot.one_piece or self.plans_upper_bounds or even_lengths(kv_lens)
+
     def rows_split_pages(self, layout: BatchLayout) -> int:
         """Pages per KV chunk of a lone request's query rows: its length at most (and the largest verify past it)
         in as many chunks as a plan of LONE_ROWS_MAX rows may run in one wave. The same at every step of the
@@ -266,7 +273,8 @@ class FlashInferBackend(AttentionBackend):
         self.wrappers = self.eager_wrappers[self.fa2(layout)]
         self._plan_wrappers(planned, pinned(planned.qo_indptr()), pinned(planned.kv_indptr()),
                             planned_indices if separate else self.kv_indices, pinned(planned.last_page_lens()),
-                            pinned(planned.kv_lens), one_piece=self.one_piece(layout), **extra)
+                            pinned(planned.kv_lens), **extra,
+                            one_piece=self.plans_upper_bounds or (self.one_piece(layout) and even_lengths(layout.kv_lens)))
         self.tree_wrappers = self._plan_trees(self.eager_tree_wrappers, layout, pinned(layout.qo_indptr())) if tree \
             else None
 
@@ -414,6 +422,16 @@ LONE_ROWS_MAX = 16
 # the fewest requests whose decodes or verifies keep each request's KV in one piece (see the module's doc): on an
 # H200 such a step has at least 128 (request, KV head) work items for 132 SMs
 ONE_PIECE_MIN_BATCH = 64
+# the most tokens a request's KV may run past the batch's mean in a step that keeps it in one piece: one CTA walks
+# ~15 ns a token per layer there (a lone fa3 decode at 6k context: 85 us), so such an excess adds ~1 ms to a step of
+# the default target, about what running the step as a mixed step instead costs the host
+ONE_PIECE_MAX_EXCESS = 2048
+
+
+def even_lengths(kv_lens) -> bool:
+    """Whether no request's KV is more than ONE_PIECE_MAX_EXCESS tokens longer than the batch's mean."""
+    kv_lens = np.asarray(kv_lens)
+    return float(kv_lens.max()) - float(kv_lens.mean()) <= ONE_PIECE_MAX_EXCESS
 
 
 def lone_decode_or_verify(layout: BatchLayout) -> bool:

@@ -187,8 +187,9 @@ class TargetRunner(ModelRunner):
                   q: int, prefill: PrefillChunks | None = None, carried: Carried | None = None) -> BlockOutput:
         """Each request gets [first_tokens[i], *rest[i]] (rest: [B, q - 1] on the device, or None for q = 1);
         `carried` replaces some first tokens with ones still on the device (overlapped steps).
-        With `prefill`, its chunks run in the same forward and `prefill.out` is set."""
-        if prefill is not None:
+        With `prefill`, its chunks run in the same forward and `prefill.out` is set; a step whose graph rung declines
+        its KV lengths (`AttentionBackend.graph_fits`) runs the same way, without chunks."""
+        if prefill is not None or self._rung_declines(q, tables):
             return self._run_mixed(tables, first_tokens, rest, q, prefill, carried)
         batch = len(tables)
         starts = np.array([t.length for t in tables], dtype=np.int64)
@@ -205,6 +206,14 @@ class TargetRunner(ModelRunner):
         self.dispatch(q, batch, layout, inputs, lambda b: self._block_body(q, b),
                       after_upload=device_tokens_into_ids if rest is not None or carried is not None else None)
         return self._block_output(batch * q)
+
+    def _rung_declines(self, q: int, tables: list[PageTable]) -> bool:
+        """Whether the graph rung that would replay a block step of `tables` declines their KV lengths after it (one
+        request's KV far longer than the others' where the rung keeps each in one piece)."""
+        ladder = self.ladders.get(q)
+        rung = ladder.rung_for(len(tables)) if ladder is not None else None
+        return rung is not None and not self.attn.graph_fits(
+            ladder.slot(rung), np.fromiter((t.length + q for t in tables), dtype=np.int64, count=len(tables)))
 
     def run_prefill(self, prefill: PrefillChunks) -> None:
         """Prompt chunks alone (a step with nothing to decode); sets `prefill.out`."""

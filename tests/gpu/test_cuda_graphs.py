@@ -416,3 +416,33 @@ def test_tree_steps_graphs_equal_eager(model_dirs):
         assert len(syncs) == 1, syncs
     assert graphs.pool.num_free == graphs.pool.num_pages
     print(json.dumps(report))
+
+
+@pytest.mark.parametrize("drafter", [False, True], ids=["ar", "dflash"])
+def test_a_batch_with_one_long_request_runs_its_steps_as_mixed_steps_with_eagers_tokens(model_dirs, drafter):
+    """64 requests keep each one's KV in one piece in their rung, but not where one request is far longer than the
+    others (its CTA would be the whole step's tail): those steps run as mixed steps, planned with split-KV, and give
+    the eager engine's tokens (near-ties aside), as do the steps once the long request has finished."""
+    from attention.flashinfer_backend import ONE_PIECE_MAX_EXCESS, ONE_PIECE_MIN_BATCH
+
+    eager, graphs = (make_engine(model_dirs, drafter, "auto", e, max_num_seqs=ONE_PIECE_MIN_BATCH) for e in (True, False))
+    ids = prompts(ONE_PIECE_MIN_BATCH)
+    ids[0] = (ids[0] * 4000)[:ONE_PIECE_MAX_EXCESS + 800]  # past the others' mean by more than the excess allowed
+    params = [SamplingParams(max_new_tokens=8, ignore_eos=True)] + [SamplingParams(max_new_tokens=24, ignore_eos=True)] * 63
+    runner, mixed = graphs.runner, []  # (requests, prefill, tree) of each mixed step
+    run_mixed = runner._run_mixed
+
+    def recorded(tables, *args, **kwargs):
+        mixed.append((len(tables), args[3], kwargs.get("tree")))
+        return run_mixed(tables, *args, **kwargs)
+
+    runner._run_mixed = recorded
+    want = [eager.make_request(p, sp) for p, sp in zip(ids, params)]
+    eager.run(want)
+    got = [graphs.make_request(p, sp) for p, sp in zip(ids, params)]
+    graphs.run(got)
+    declined = [batch for batch, prefill, tree in mixed if prefill is None and tree is None]
+    assert declined and all(batch == ONE_PIECE_MIN_BATCH for batch in declined), mixed
+    diverged = divergences(eager, want, got)
+    assert all(d["logit_gap"] <= NEAR_TIE for d in diverged), diverged
+    assert graphs.pool.num_free == graphs.pool.num_pages

@@ -333,7 +333,7 @@ def test_a_one_piece_rung_plans_once_and_attends_as_the_reference_at_every_step(
     tokens to ~1,500, pages crossed), it is planned once, and every replay attends as the torch reference does, as
     an eager plan of the same step does."""
     from attention.batch_layout import slots_on_device
-    from attention.flashinfer_backend import ONE_PIECE_MIN_BATCH
+    from attention.flashinfer_backend import ONE_PIECE_MAX_EXCESS, ONE_PIECE_MIN_BATCH
 
     size, scales = ONE_PIECE_MIN_BATCH, (0.05, 0.03) if kv == "fp8" else (1.0, 1.0)
 
@@ -384,3 +384,6 @@ def test_a_one_piece_rung_plans_once_and_attends_as_the_reference_at_every_step(
         print(f"one-piece rung {kv} q={q} longest {max(step.layout.kv_lens.tolist())}: rel err {err:.2e}")
         assert err <= REL_BOUND
     assert len(plans) == 1 and plans[0]["one_piece"]  # the first step's plan served the later ones
+    # a request past the batch's mean by more than ONE_PIECE_MAX_EXCESS tokens: the rung declines the step
+    assert backend.graph_fits(slot, [100] * (size - 1) + [100 + ONE_PIECE_MAX_EXCESS])
+    assert not backend.graph_fits(slot, [100] * (size - 1) + [300 + ONE_PIECE_MAX_EXCESS])
