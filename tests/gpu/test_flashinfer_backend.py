@@ -128,13 +128,48 @@ def test_token_tree_masks_match_reference(kv, history):
     assert rel_error(run(flashinfer_backend(KV_DTYPES[kv]), make()), outs[1]) > 10 * REL_BOUND
 
 
+def replayed_rung(backend, slot, steps, queries_per_request: int, scratch: int):
+    """Each of `steps` (cases over one layer of the same pool) planned into graph rung `slot`, its history copied into
+    the first step's cache and its queries and new K/V into the rung's buffers, and the rung's graph (captured at the
+    first step) replayed: yields (step, its rows of the replay's attention output) for each step."""
+    from attention.batch_layout import slots_on_device
+
+    rows = slot.batch_size * queries_per_request
+    layer = steps[0].layer
+    queries = torch.zeros(rows, HQ, D, dtype=torch.bfloat16, device="cuda")
+    keys, values = (torch.zeros(rows, HKV, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    positions = torch.zeros(rows, dtype=torch.long, device="cuda")
+    requests = torch.arange(slot.batch_size, device="cuda").repeat_interleave(queries_per_request)
+
+    def forward():
+        backend.set_write_slots(*slots_on_device(backend.kv_indices, backend.kv_indptr, requests, positions, 16))
+        backend.write_kv(layer, keys, values)
+        return backend.attend(queries, layer)
+
+    graph = out = None
+    for step in steps:
+        layer.data.copy_(step.layer.data)
+        n = len(step.q)
+        for buffer, values_ in ((queries, step.q), (keys, step.new_k), (values, step.new_v)):
+            buffer.zero_()
+            buffer[:n].copy_(values_)
+        positions.copy_(torch.from_numpy(step.layout.padded(slot.batch_size, scratch).new_kv_positions()).long())
+        backend.plan_graph(slot, step.layout, scratch)
+        if graph is None:
+            forward()  # warm-up outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = forward()
+        graph.replay()
+        torch.cuda.synchronize()
+        yield step, out[:n]
+
+
 @pytest.mark.parametrize("kv", sorted(KV_DTYPES))
 def test_a_tree_graph_rung_attends_as_the_reference_for_every_step_it_replays(kv):
     """A token-tree rung of 4 (the context's pages in buffers of its own, the masks packed into its buffer at
     each plan), captured once and replayed for two steps of 3 requests with other contexts and masks: each
     replay writes the step's K/V and attends as the torch reference does."""
-    from attention.batch_layout import slots_on_device
-
     g = torch.Generator(device="cuda").manual_seed(5)
     nodes, size = 7, 4
     scales = (0.05, 0.03) if kv == "fp8" else (1.0, 1.0)
@@ -153,35 +188,10 @@ def test_a_tree_graph_rung_attends_as_the_reference_for_every_step_it_replays(kv
         reference = tree_case(history, seed, masks)  # the same cache, queries and new K/V
         expected.append(run(TorchBackend(HQ, HKV, D, D ** -0.5, device="cuda"), reference))
     backend = flashinfer_backend(KV_DTYPES[kv])
-    layer, scratch = steps[0].layer, steps[0].kv.scratch_page  # the graph's cache: each step's history copied in
+    scratch = steps[0].kv.scratch_page
     slot = backend.graph_slot(size, 256, steps[0].layout.padded(size, scratch))
-    queries = torch.zeros(size * nodes, HQ, D, dtype=torch.bfloat16, device="cuda")
-    keys, values = (torch.zeros(size * nodes, HKV, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    positions = torch.zeros(size * nodes, dtype=torch.long, device="cuda")
-    requests = torch.arange(size, device="cuda").repeat_interleave(nodes)
-
-    def forward():
-        backend.set_write_slots(*slots_on_device(backend.kv_indices, backend.kv_indptr, requests, positions, 16))
-        backend.write_kv(layer, keys, values)
-        return backend.attend(queries, layer)
-
-    graph = out = None
-    for step, want in zip(steps, expected):
-        layer.data.copy_(step.layer.data)
-        rows = len(step.q)
-        for buffer, values_ in ((queries, step.q), (keys, step.new_k), (values, step.new_v)):
-            buffer.zero_()
-            buffer[:rows].copy_(values_)
-        positions.copy_(torch.from_numpy(step.layout.padded(size, scratch).new_kv_positions()).long())
-        backend.plan_graph(slot, step.layout, scratch)
-        if graph is None:
-            forward()  # warm-up outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = forward()
-        graph.replay()
-        torch.cuda.synchronize()
-        err = rel_error(out[:rows], want)
+    for (step, out), want in zip(replayed_rung(backend, slot, steps, nodes, scratch), expected):
+        err = rel_error(out, want)
         print(f"tree rung {kv} {step.layout.kv_lens.tolist()}: rel err {err:.2e}")
         assert err <= REL_BOUND
 
@@ -332,7 +342,6 @@ def test_a_one_piece_rung_plans_once_and_attends_as_the_reference_at_every_step(
     depends on the query counts alone: captured once and replayed for steps of other lengths (contexts of a few
     tokens to ~1,500, pages crossed), it is planned once, and every replay attends as the torch reference does, as
     an eager plan of the same step does."""
-    from attention.batch_layout import slots_on_device
     from attention.flashinfer_backend import ONE_PIECE_MAX_EXCESS, ONE_PIECE_MIN_BATCH
 
     size, scales = ONE_PIECE_MIN_BATCH, (0.05, 0.03) if kv == "fp8" else (1.0, 1.0)
@@ -353,33 +362,10 @@ def test_a_one_piece_rung_plans_once_and_attends_as_the_reference_at_every_step(
     plans = []
     plan_wrappers = backend._plan_wrappers
     monkeypatch.setattr(backend, "_plan_wrappers", lambda *a, **k: (plans.append(k), plan_wrappers(*a, **k)))
-    layer, scratch = steps[0].layer, steps[0].kv.scratch_page
+    scratch = steps[0].kv.scratch_page
     slot = backend.graph_slot(size, 1536, steps[0].layout)
     assert slot.one_piece and backend.one_piece(steps[0].layout)
-    queries = torch.zeros(size * q, HQ, D, dtype=torch.bfloat16, device="cuda")
-    keys, values = (torch.zeros(size * q, HKV, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    positions = torch.zeros(size * q, dtype=torch.long, device="cuda")
-    requests = torch.arange(size, device="cuda").repeat_interleave(q)
-
-    def forward():
-        backend.set_write_slots(*slots_on_device(backend.kv_indices, backend.kv_indptr, requests, positions, 16))
-        backend.write_kv(layer, keys, values)
-        return backend.attend(queries, layer)
-
-    graph = out = None
-    for step, want in zip(steps, expected):
-        layer.data.copy_(step.layer.data)
-        for buffer, values_ in ((queries, step.q), (keys, step.new_k), (values, step.new_v)):
-            buffer.copy_(values_)
-        positions.copy_(torch.from_numpy(step.layout.new_kv_positions()).long())
-        backend.plan_graph(slot, step.layout, scratch)
-        if graph is None:
-            forward()  # warm-up outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = forward()
-        graph.replay()
-        torch.cuda.synchronize()
+    for (step, out), want in zip(replayed_rung(backend, slot, steps, q, scratch), expected):
         err = rel_error(out, want)
         print(f"one-piece rung {kv} q={q} longest {max(step.layout.kv_lens.tolist())}: rel err {err:.2e}")
         assert err <= REL_BOUND
