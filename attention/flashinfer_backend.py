@@ -271,10 +271,10 @@ class FlashInferBackend(AttentionBackend):
             self.set_write_slots(*slots_on_device(self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu,
                                                   layout.page_size))
         self.wrappers = self.eager_wrappers[self.fa2(layout)]
+        one_piece = self.plans_upper_bounds or (self.one_piece(layout) and even_lengths(layout.kv_lens))
         self._plan_wrappers(planned, pinned(planned.qo_indptr()), pinned(planned.kv_indptr()),
                             planned_indices if separate else self.kv_indices, pinned(planned.last_page_lens()),
-                            pinned(planned.kv_lens), **extra,
-                            one_piece=self.plans_upper_bounds or (self.one_piece(layout) and even_lengths(layout.kv_lens)))
+                            pinned(planned.kv_lens), one_piece=one_piece, **extra)
         self.tree_wrappers = self._plan_trees(self.eager_tree_wrappers, layout, pinned(layout.qo_indptr())) if tree \
             else None
 
@@ -317,8 +317,8 @@ class FlashInferBackend(AttentionBackend):
                                                 index.stage("last_page_len", planned.last_page_lens()))
         index.stage("kv_indices", planned.kv_indices)
         index.send()
-        # a query-rows rung whose rows have the KV chunks of its last plan, or a one-piece rung of the same query counts,
-        # keeps that plan: its kernels read only the page metadata just sent
+        # a query-rows rung whose rows have the KV chunks of its last plan, or a one-piece rung of the same query
+        # counts, keeps that plan: its kernels read only the page metadata just sent
         split = (kv_split(planned, extra["fixed_split_size"]) if rows else
                  planned.qo_indptr().astype(np.int32).tobytes() if slot.one_piece else None)
         if split is None or split != slot.split:

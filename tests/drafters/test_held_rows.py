@@ -31,7 +31,8 @@ def test_held_rows_take_the_places_of_appending_them_row_by_row():
     rng = random.Random(0)
     for _ in range(50):
         lengths = [rng.randrange(0, 13) for _ in range(rng.randrange(1, 7))]
-        steps = [rng.sample(range(len(lengths)), rng.randrange(1, len(lengths) + 1)) for _ in range(rng.randrange(1, 5))]
+        steps = [rng.sample(range(len(lengths)), rng.randrange(1, len(lengths) + 1))
+                 for _ in range(rng.randrange(1, 5))]
         rows = [i for step in steps for i in step]  # each plain step's requests, in any order, some left out
         pool, reference_pool = PagePool(200, 4), PagePool(200, 4)
         tables, reference = tables_at(lengths, pool), tables_at(lengths, reference_pool)

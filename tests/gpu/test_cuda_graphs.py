@@ -425,10 +425,12 @@ def test_a_batch_with_one_long_request_runs_its_steps_as_mixed_steps_with_eagers
     the eager engine's tokens (near-ties aside), as do the steps once the long request has finished."""
     from attention.flashinfer_backend import ONE_PIECE_MAX_EXCESS, ONE_PIECE_MIN_BATCH
 
-    eager, graphs = (make_engine(model_dirs, drafter, "auto", e, max_num_seqs=ONE_PIECE_MIN_BATCH) for e in (True, False))
-    ids = prompts(ONE_PIECE_MIN_BATCH)
+    size = ONE_PIECE_MIN_BATCH
+    eager, graphs = (make_engine(model_dirs, drafter, "auto", e, max_num_seqs=size) for e in (True, False))
+    ids = prompts(size)
     ids[0] = (ids[0] * 4000)[:ONE_PIECE_MAX_EXCESS + 800]  # past the others' mean by more than the excess allowed
-    params = [SamplingParams(max_new_tokens=8, ignore_eos=True)] + [SamplingParams(max_new_tokens=24, ignore_eos=True)] * 63
+    params = [SamplingParams(max_new_tokens=8, ignore_eos=True)] + [SamplingParams(max_new_tokens=24,
+                                                                                     ignore_eos=True)] * (size - 1)
     runner, mixed = graphs.runner, []  # (requests, prefill, tree) of each mixed step
     run_mixed = runner._run_mixed
 
@@ -442,7 +444,7 @@ def test_a_batch_with_one_long_request_runs_its_steps_as_mixed_steps_with_eagers
     got = [graphs.make_request(p, sp) for p, sp in zip(ids, params)]
     graphs.run(got)
     declined = [batch for batch, prefill, tree in mixed if prefill is None and tree is None]
-    assert declined and all(batch == ONE_PIECE_MIN_BATCH for batch in declined), mixed
+    assert declined and all(batch == size for batch in declined), mixed
     diverged = divergences(eager, want, got)
     assert all(d["logit_gap"] <= NEAR_TIE for d in diverged), diverged
     assert graphs.pool.num_free == graphs.pool.num_pages
