@@ -231,8 +231,13 @@ class FlashInferBackend(AttentionBackend):
                 and not layout.prompts and not prefill_heavy(layout))
 
     def graph_fits(self, slot: GraphSlot, kv_lens) -> bool:
-        """A one-piece rung (of a backend that plans exact lengths) declines lengths that are not even."""
-        return not slot.one_piece or self.plans_upper_bounds or even_lengths(kv_lens)
+        """A one-piece rung declines lengths that its KV in one piece does not suit (`one_piece_suits`)."""
+        return not slot.one_piece or self.one_piece_suits(kv_lens)
+
+    def one_piece_suits(self, kv_lens) -> bool:
+        """Whether a step of these KV lengths may keep each request's KV in one piece: always where plans are made for
+        upper bounds (the lengths are only known on the device), else where they are even (`even_lengths`)."""
+        return self.plans_upper_bounds or even_lengths(kv_lens)
 
     def rows_split_pages(self, layout: BatchLayout) -> int:
         """Pages per KV chunk of a lone request's query rows: its length at most (and the largest verify past it)
@@ -271,7 +276,7 @@ class FlashInferBackend(AttentionBackend):
             self.set_write_slots(*slots_on_device(self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu,
                                                   layout.page_size))
         self.wrappers = self.eager_wrappers[self.fa2(layout)]
-        one_piece = self.plans_upper_bounds or (self.one_piece(layout) and even_lengths(layout.kv_lens))
+        one_piece = self.one_piece(layout) and self.one_piece_suits(layout.kv_lens)
         self._plan_wrappers(planned, pinned(planned.qo_indptr()), pinned(planned.kv_indptr()),
                             planned_indices if separate else self.kv_indices, pinned(planned.last_page_lens()),
                             pinned(planned.kv_lens), one_piece=one_piece, **extra)
