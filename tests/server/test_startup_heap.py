@@ -17,7 +17,9 @@ def test_freezing_moves_every_live_object_out_of_the_collector():
     kept = []  # alive when frozen
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 0
+        # frozen objects may still be freed (a thread an earlier test left behind dropping its last references), so
+        # the permanent generation can shrink after the call, never grow: nothing else freezes
+        assert 0 < gc.get_freeze_count() <= frozen
         assert not any(obj is kept for obj in gc.get_objects())  # no longer among the tracked ones
     finally:
         gc.unfreeze()  # the test process goes on freeing its objects
