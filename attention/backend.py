@@ -50,6 +50,10 @@ class AttentionBackend(ABC):
         """(page, offset) of every K/V row the step's layers write, in the order they pass them."""
         self.write_pages, self.write_offsets = pages, offsets
 
+    def reserve_write_rows(self, rows: int) -> None:
+        """No step will write more than `rows` K/V rows: a backend may keep per-step buffers of that size (the
+        FlashInfer backend's slots for its append kernel). A no-op by default."""
+
     def bound_sequence_pages(self, pages: int) -> None:
         """No request's KV will span more than `pages` pages: a backend may size per-request buffers by it (the
         FlashInfer backend's lone-request rows, `FlashInferBackend.lone_rows`). A no-op by default."""

@@ -80,6 +80,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         # block positions run up to the target's context plus one block
         self.model.rotary.max_positions = context.max_context + bs
         batch = context.max_batch
+        self.attn.reserve_write_rows(2 * bs * batch)  # a draft step's context and block rows
         self.inputs = StaticInputs({"anchors": batch, "starts": batch, "counts": batch, "rows": batch}, self.device)
         self.drafts_out = torch.zeros(batch, bs - 1, dtype=torch.long, device=self.device)
         # the draft lengths steps ask for, each a step of its own: scoring a draft is a row of the output layer

@@ -125,6 +125,7 @@ class TargetRunner(ModelRunner):
         # a mixed step's tokens: every request's block and the prefill budget (a multiple of the block, so
         # the drafter can view the features block by block)
         self.max_step_tokens = -(-(rows + max_prefill_tokens) // q_max) * q_max
+        self.attn.reserve_write_rows(self.max_step_tokens)
         feature_dim = len(feature_layers) * c.hidden_size
         self.features_out = (torch.zeros(self.max_step_tokens, feature_dim, dtype=dtype, device=self.device)
                              if feature_layers else None)

@@ -17,10 +17,13 @@ KV_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 
 
 def flashinfer_backend(*kv_dtypes, window_left: int = -1):
+    """A backend as the runners make it: with room for its steps' write slots (the append kernel's)."""
     from attention.flashinfer_backend import FlashInferBackend
 
-    return FlashInferBackend(HQ, HKV, D, D ** -0.5, device=torch.device("cuda"), kv_dtypes=kv_dtypes,
-                             q_dtype=torch.bfloat16, window_left=window_left)
+    backend = FlashInferBackend(HQ, HKV, D, D ** -0.5, device=torch.device("cuda"), kv_dtypes=kv_dtypes,
+                                q_dtype=torch.bfloat16, window_left=window_left)
+    backend.reserve_write_rows(4096)
+    return backend
 
 
 def run(backend, case):
@@ -63,6 +66,28 @@ def test_a_sliding_window_matches_reference(name, kv, window_left):
     out = run(flashinfer_backend(KV_DTYPES[kv], window_left=window_left), ours)
     ref = run(TorchBackend(HQ, HKV, D, D ** -0.5, device="cuda", window_left=window_left), ref_case)
     assert rel_error(out, ref) <= REL_BOUND
+
+
+@pytest.mark.parametrize("rows", [1, 37, 300])
+def test_the_append_kernel_stores_what_the_indexed_write_stores(rows):
+    """A layer in the model's dtype is written by FlashInfer's append kernel: the bytes `LayerKV.write` stores, at the
+    same slots, for the k|v columns of a fused q|k|v projection; a step's new slots are staged again."""
+    from attention.kv_cache import LayerKV
+
+    backend = flashinfer_backend(torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    appended, indexed = (LayerKV(torch.zeros(65, 2, 16, HKV, D, dtype=torch.bfloat16, device="cuda")) for _ in range(2))
+    for _ in range(2):  # two steps, each with slots of its own
+        slots = torch.randperm(64 * 16, device="cuda", generator=g)[:rows]
+        pages, offsets = slots // 16, slots % 16
+        qkv = torch.randn(rows, (HQ + 2 * HKV) * D, device="cuda", generator=g, dtype=torch.bfloat16)
+        k = qkv[:, HQ * D:(HQ + HKV) * D].view(rows, HKV, D)
+        v = qkv[:, (HQ + HKV) * D:].view(rows, HKV, D)
+        backend.set_write_slots(pages, offsets)
+        backend.write_kv(appended, k, v)
+        indexed.write(pages, offsets, k, v)
+        assert torch.equal(appended.data, indexed.data)
+    assert appended.data.abs().sum() > 0
 
 
 @pytest.mark.parametrize("kv", sorted(KV_DTYPES))
