@@ -198,7 +198,8 @@ class FlashInferBackend(AttentionBackend):
         # rather than back from the cache where they are stored as they are (the model's dtype). Reset by every
         # plan: a piecewise graph's attention runs apart from its write, which a replay does not pass through here
         self.written: tuple | None = None
-        # the step's write slots as FlashInfer's append kernel reads them (`reserve_write_rows`): None until reserved
+        # the step's write slots as FlashInfer's append kernel reads them (`reserve_write_rows`), by row: 0, 1, ... (each
+        # written row a request of its own, and their indptr), pages, offsets, offsets + 1 (their last-page lengths)
         self.append_slots: torch.Tensor | None = None
         self.append_staged = False  # whether they hold the slots of the last `set_write_slots`
 
