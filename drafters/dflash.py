@@ -80,7 +80,6 @@ class DFlashDrafter(ModelRunner, Drafter):
         # block positions run up to the target's context plus one block
         self.model.rotary.max_positions = context.max_context + bs
         batch = context.max_batch
-        self.attn.reserve_write_rows(2 * bs * batch)  # a draft step's context and block rows
         self.inputs = StaticInputs({"anchors": batch, "starts": batch, "counts": batch, "rows": batch}, self.device)
         self.drafts_out = torch.zeros(batch, bs - 1, dtype=torch.long, device=self.device)
         # the draft lengths steps ask for, each a step of its own: scoring a draft is a row of the output layer
@@ -102,6 +101,8 @@ class DFlashDrafter(ModelRunner, Drafter):
                                       lambda size, cut: self._context_body(size, features))
         self.held_step = TokenStep(HELD_STEP, "drafter context, held rows", held, self.context_inputs,
                                    lambda size, cut: self._context_body(size, self.held_features))
+        # the most K/V rows a step writes: a draft step's context and block rows, or a context step's rows
+        self.attn.reserve_write_rows(max(2 * bs * batch, rows))
 
     def allocate_cache(self, num_pages: int) -> None:
         self.pool = PagePool(num_pages, self.page_size)
@@ -242,10 +243,10 @@ class DFlashDrafter(ModelRunner, Drafter):
         dtype = m.fc.weight.dtype
         context = m.project_context(source[inputs["rows"][:size]].to(dtype))
         rope = m.rotary.at(inputs["positions"][:size], dtype)
-        pages, offsets = inputs["pages"][:size], inputs["offsets"][:size]
+        self.attn.set_write_slots(inputs["pages"][:size], inputs["offsets"][:size])
         for layer, layer_kv in zip(m.layers, self.kv.layers):
             k, v = layer.self_attn.project_kv(context, rope)
-            layer_kv.write(pages, offsets, k, v)
+            self.attn.write_kv(layer_kv, k, v)
 
     def extend(self, requests: list[DraftRequest], features: torch.Tensor, rows: list[int], counts: list[int]) -> None:
         if self.context.features is not None and features.data_ptr() != self.context.features.data_ptr():
