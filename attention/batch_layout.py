@@ -44,6 +44,9 @@ class BatchLayout:
     # a lone request's KV length at most, over its whole life (its page table's `expected_length`; 0: unknown): a
     # backend may split its KV into chunks sized by it, the same at every step (see `query_rows`)
     expected_kv_len: int = 0
+    # the query masks already packed as `pack_tree_masks` packs them, for at least batch_size requests (made where the
+    # masks are, e.g. in the CUDA graph that builds the trees); None: packed when asked for
+    packed_masks: torch.Tensor | None = None
 
     @classmethod
     def build(cls, q_lens, kv_lens, new_kv_lens, page_tables, page_size: int, causal: bool,
@@ -60,14 +63,15 @@ class BatchLayout:
         indices = np.concatenate([_int32(t[:n]) for t, n in zip(page_tables, used.tolist())]) if len(q) else _int32([])
         return cls(q, kv, new, indices, page_size, causal, expected_kv_len=expected_kv_len)
 
-    def with_query_masks(self, masks: torch.Tensor) -> "BatchLayout":
-        """The same step with each query seeing only the new rows `masks` allows (see `query_masks`)."""
+    def with_query_masks(self, masks: torch.Tensor, packed: torch.Tensor | None = None) -> "BatchLayout":
+        """The same step with each query seeing only the new rows `masks` allows (see `query_masks`); `packed`: the
+        same masks packed (`packed_masks`), if already made."""
         q = int(self.q_lens.max())
         if (not self.causal or tuple(masks.shape) != (self.batch_size, q, q) or masks.dtype != torch.bool
                 or (self.q_lens != self.new_kv_lens).any()):
             raise ValueError(f"query masks need a causal layout whose new rows all have queries, and a bool "
                              f"mask of shape {(self.batch_size, q, q)}; got {masks.dtype} {tuple(masks.shape)}")
-        return replace(self, query_masks=masks)
+        return replace(self, query_masks=masks, packed_masks=packed)
 
     def tree_context(self) -> "BatchLayout":
         """A token-tree step's context part: the same queries, each seeing all of its request's KV before the
@@ -83,22 +87,11 @@ class BatchLayout:
                            prompts=self.prompts)
 
     def packed_tree_masks(self) -> torch.Tensor:
-        """The query masks as FlashInfer's custom mask of the tree part alone (each request's new rows against
-        its new rows, every request the same size n; see `tree_context`): request i's n x n bits, row-major,
-        bit order little, from byte i * n * n. That byte is the request's *bit* offset: FlashInfer, handed packed
-        bits, derives each request's start from the lengths as the sum of q_j * kv_j before it and reads it as a
-        byte offset, so each request's bytes sit there (8x what the bits need; a tree is small). A few tensor operations
-        on the masks' device, the same whatever the tree: no host work grows with it, and none waits for the GPU."""
-        masks = self.query_masks
-        batch, n, _ = masks.shape
-        bits = masks.reshape(batch, n * n)
-        if (n * n) % 8:
-            bits = torch.nn.functional.pad(bits, (0, 8 - (n * n) % 8))
-        weights = 2 ** torch.arange(8, dtype=torch.int32, device=masks.device)  # made on the device: no host copy
-        packed = (bits.view(batch, -1, 8).int() * weights).sum(dim=2).to(torch.uint8)
-        out = torch.zeros(batch, n * n, dtype=torch.uint8, device=masks.device)
-        out[:, :packed.shape[1]] = packed
-        return out.view(-1)
+        """The query masks as FlashInfer's custom mask of the tree part alone (`pack_tree_masks`)."""
+        batch, n, _ = self.query_masks.shape
+        if self.packed_masks is not None and len(self.packed_masks) >= batch * n * n:
+            return self.packed_masks[:batch * n * n]
+        return pack_tree_masks(self.query_masks)
 
     def query_rows(self, split_pages: int, padding_page: int) -> "BatchLayout":
         """A lone request's causal step as one request per query, in no causal order: query j sees the KV
@@ -145,8 +138,11 @@ class BatchLayout:
         if masks is not None:  # a dummy's queries see in causal order
             dummy = torch.ones(q, q, dtype=torch.bool, device=masks.device).tril()
             masks = torch.cat([masks, dummy.expand(extra, q, q)])
+        # packed masks made for the padded size keep serving it (a padding request's rows are never read)
+        packed = self.packed_masks if self.packed_masks is not None and len(self.packed_masks) >= batch_size * q * q \
+            else None
         return BatchLayout(pad(self.q_lens, q), pad(self.kv_lens, new), pad(self.new_kv_lens, new), indices,
-                           self.page_size, self.causal, masks, self.prompts)
+                           self.page_size, self.causal, masks, self.prompts, packed_masks=packed)
 
     @property
     def batch_size(self) -> int:
@@ -193,6 +189,24 @@ class BatchLayout:
         """(page, offset) of every written token, flattened, as int64 tensors on `device`."""
         _, pages, offsets = self.new_kv_places()
         return upload(pages.astype(np.int64), device), upload(offsets.astype(np.int64), device)
+
+
+def pack_tree_masks(masks: torch.Tensor) -> torch.Tensor:
+    """Query masks [B, n, n] (each request's new rows against its new rows, every request the same size n) as
+    FlashInfer's custom mask of a token tree's tree part: request i's n x n bits, row-major, bit order little, from
+    byte i * n * n. That byte is the request's *bit* offset: FlashInfer, handed packed bits, derives each request's
+    start from the lengths as the sum of q_j * kv_j before it and reads it as a byte offset, so each request's bytes
+    sit there (8x what the bits need; a tree is small). A few tensor operations on the masks' device, the same
+    whatever the tree: no host work grows with it, none waits for the GPU, and a CUDA graph can capture them."""
+    batch, n, _ = masks.shape
+    bits = masks.reshape(batch, n * n)
+    if (n * n) % 8:
+        bits = torch.nn.functional.pad(bits, (0, 8 - (n * n) % 8))
+    weights = 2 ** torch.arange(8, dtype=torch.int32, device=masks.device)  # made on the device: no host copy
+    packed = (bits.view(batch, -1, 8).int() * weights).sum(dim=2).to(torch.uint8)
+    out = torch.zeros(batch, n * n, dtype=torch.uint8, device=masks.device)
+    out[:, :packed.shape[1]] = packed
+    return out.view(-1)
 
 
 def slots_on_device(kv_indices: torch.Tensor, kv_indptr: torch.Tensor, requests: torch.Tensor,

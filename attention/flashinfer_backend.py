@@ -53,7 +53,10 @@ A token-tree step (`BatchLayout.query_masks`) is attended in two parts merged by
 KV before the step (the paged fa2 wrappers, no mask, split over the KV like any fa2 step), and the tree, every
 query over the step's own rows as stored, under its mask (a ragged fa2 wrapper with a custom mask of n x n
 bits per request). One paged plan with a mask over the whole KV would make the host build and pack
-queries x context bits every step, and its kernel walks the mask for every KV tile.
+queries x context bits every step, and its kernel walks the mask for every KV tile. A lone request's context
+part runs in KV chunks of a fixed size (`tree_split_pages`), so that its graph rung keeps its plan while the chunk
+count holds; the tree part keeps its plan per tree size, and its masks come packed from the graph that builds the
+trees (`BatchLayout.packed_masks`).
 
 A backend made with `device_lengths` (the DFlash drafter's) runs fa2 for every step, whose kernels read each
 request's KV length from the page metadata on the device when they run: a graph rung may then be planned for
@@ -251,11 +254,24 @@ class FlashInferBackend(AttentionBackend):
         pages, chunks = -(-bound // layout.page_size), self.split_items // LONE_ROWS_MAX
         return -(-pages // chunks)
 
+    def tree_split_pages(self, layout: BatchLayout) -> int | None:
+        """Pages per KV chunk of a lone request's token-tree context: those of its query rows (`rows_split_pages`), so
+        that its plan changes only when the context gains a chunk and a graph rung keeps it in between, as a lone
+        rung keeps its rows' (`kv_split`). At least two chunks: FlashInfer merges chunks only where a plan of fixed
+        chunks has more than one, and a graph captured with merges must always get them (a plan of its own chunk
+        size always merges). None (that plan) for a context of one page, or more than one request."""
+        if self.rows_pages == 0 or layout.batch_size != 1 or self.plans_upper_bounds:
+            return None
+        context_pages = -(-(int(layout.kv_lens[0]) - int(layout.new_kv_lens[0])) // layout.page_size)
+        split = min(self.rows_split_pages(layout), context_pages - 1)
+        return split if split > 0 else None
+
     def _planned(self, layout: BatchLayout, padding_page: int) -> tuple[BatchLayout, dict]:
         """What the paged wrappers attend over for `layout` (a tree's context part, a lone request's query
         rows, else the layout itself) and the plan's extra arguments."""
         if layout.query_masks is not None:
-            return layout.tree_context(), {}
+            split = self.tree_split_pages(layout)
+            return layout.tree_context(), dict(fixed_split_size=split) if split else {}
         if self.lone_rows(layout):
             split = self.rows_split_pages(layout)
             return layout.query_rows(split, padding_page), dict(fixed_split_size=split, uniform_q_len=None)
@@ -326,9 +342,11 @@ class FlashInferBackend(AttentionBackend):
                                                 index.stage("last_page_len", planned.last_page_lens()))
         index.stage("kv_indices", planned.kv_indices)
         index.send()
-        # a query-rows rung whose rows have the KV chunks of its last plan, or a one-piece rung of the same query
-        # counts, keeps that plan: its kernels read only the page metadata just sent
-        split = (kv_split(planned, extra["fixed_split_size"]) if rows else
+        # a rung planned with fixed KV chunks (a lone request's query rows or tree) whose requests have the chunks of
+        # its last plan, or a one-piece rung of the same query counts, keeps that plan: its kernels read only the page
+        # metadata just sent
+        fixed = extra.get("fixed_split_size")
+        split = (kv_split(planned, fixed) if fixed else
                  planned.qo_indptr().astype(np.int32).tobytes() if slot.one_piece else None)
         if split is None or split != slot.split:
             kv_lens = slot.kv_lens[:planned.batch_size]

@@ -14,8 +14,8 @@
 Everything between the draft and the step's one device-to-host transfer stays on the device: the tree's
 building and its acceptance are replayed from CUDA graphs per batch rung (`BatchGraphs`), the verify is
 the target's tree step (one graph per rung up to 16 requests, the mixed step's piecewise graphs above;
-attention planned with the tree's masks), and the K/V moves read the verify's page metadata. No host
-work grows with the tree.
+attention planned with the tree's masks), and the K/V moves, part of the acceptance's graph, read the
+verify's own write slots (`TargetRunner.tree_slots`). No host work grows with the tree.
 
 The node budget shrinks as the batch grows: a step verifies at most as many rows as the runner holds
 (`max_num_seqs` x block_size, or one tree of the largest budget; `TargetRunner.tree_q`), so the largest
@@ -29,11 +29,9 @@ a forward of their own after the verify (a tree's mask is not a prompt chunk's).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from attention.batch_layout import slots_on_device
-from attention.transfer import upload
+from attention.batch_layout import pack_tree_masks
 from specdec.engine.decoding import to_host
 from specdec.engine.drafter import Drafter
 from specdec.engine.request import Request
@@ -60,12 +58,9 @@ class TreeDecoding:
                            torch.zeros(batch, self.depth, k, dtype=torch.long, device=device))
         # the target's token after each node
         self.chosen = torch.zeros(runner.logits_out.shape[0], dtype=torch.long, device=device)
-        # the accepted path's K/V moves: (source page, offset, destination page, offset) per draft position
-        self.moves = torch.zeros(4, batch * self.depth, dtype=torch.long, device=device)
         sizes = ladder_sizes(batch)
         self.building = BatchGraphs("tree", sizes, self._build)
         self.acceptance = BatchGraphs("tree acceptance", sizes, self._accept)
-        self.moving = BatchGraphs("tree K/V moves", sizes, self._move)
         self._eager_tree: tuple[torch.Tensor, ...] | None = None
 
     def nodes_at(self, size: int) -> int:
@@ -77,40 +72,55 @@ class TreeDecoding:
 
     def overhead_seconds(self, rung: int) -> float:
         """GPU seconds a tree step of `rung` requests spends beyond its verify and draft: building the tree,
-        accepting, moving K/V (their graphs' replays, measured after capture)."""
-        return sum(graphs.replay_seconds(rung) for graphs in (self.building, self.acceptance, self.moving))
+        accepting and moving K/V (their graphs' replays, measured after capture)."""
+        return sum(graphs.replay_seconds(rung) for graphs in (self.building, self.acceptance))
 
     def capture(self) -> float:
-        self._park_moves(0)  # capturing runs the moves once
-        return self.building.capture() + self.acceptance.capture() + self.moving.capture()
+        # capturing (and measuring) the acceptance runs its K/V moves: from slots of the scratch page alone
+        self.runner.tree_slots[0] = self.runner.kv.scratch_page
+        self.runner.tree_slots[1] = 0
+        return self.building.capture() + self.acceptance.capture()
 
     # ---- the graphed pieces ------------------------------------------------------------------
     def _build(self, size: int) -> tuple[torch.Tensor, ...]:
         logprobs, tokens = (c[:size] for c in self.candidates)
         tree = TokenTree.build(logprobs, tokens, self.nodes_at(size))
-        self._eager_tree = (tree.tokens, tree.parents, tree.depths, tree.scores, tree.ranks, tree.attention_mask())
+        mask = tree.attention_mask()
+        # the masks packed for the verify's attention here, in the graph, where packing them per step took ~0.2 ms of
+        # host time (its launches) on the step's path
+        self._eager_tree = (tree.tokens, tree.parents, tree.depths, tree.scores, tree.ranks, mask,
+                            pack_tree_masks(mask).view(size, -1))
         return self._eager_tree
 
     def _accept(self, size: int) -> tuple[torch.Tensor, ...]:
         """The accepted path, its length and the bonus, the path's tokens, and how many drafts the chain (each
-        position's first candidate) would have had accepted: the leading path nodes of rank 0."""
-        *fields, mask = (t[:size] for t in self.building.outputs.get(size, self._eager_tree))
+        position's first candidate) would have had accepted: the leading path nodes of rank 0. The path's K/V
+        move into place on the way."""
+        *fields, mask, _ = (t[:size] for t in self.building.outputs.get(size, self._eager_tree))
         tree = TokenTree(*fields, self.depth)
         path, accepted, bonus = tree.accept(self.chosen[:size * (tree.size + 1)].view(size, tree.size + 1), mask)
-        on_path = (path - 1).clamp(min=0)
         steps = torch.arange(self.depth, device=path.device)
-        first_choice = (tree.ranks.gather(1, on_path) == 0) & (steps < accepted[:, None])
+        accepted_steps = steps < accepted[:, None]
+        self._move_into_place(path, accepted_steps, tree.size + 1)
+        on_path = (path - 1).clamp(min=0)
+        first_choice = (tree.ranks.gather(1, on_path) == 0) & accepted_steps
         chain = first_choice.long().cumprod(dim=1).sum(dim=1)
         return path, accepted, bonus, tree.tokens.gather(1, on_path), chain
 
-    def _move(self, size: int) -> tuple:
-        self.runner.kv.move_rows(*self.moves[:, :size * self.depth])  # one copy per cache dtype
-        return ()
-
-    def _park_moves(self, rows: int) -> None:
-        """Moves from row `rows` on (a graph rung's padding) copy the scratch page's first slot onto itself."""
-        self.moves[0::2, rows:] = self.runner.kv.scratch_page
-        self.moves[1::2, rows:] = 0
+    def _move_into_place(self, path: torch.Tensor, accepted_steps: torch.Tensor, nodes: int) -> None:
+        """The accepted nodes' K/V from their slots (start + node id) to the path's (start + depth), for every
+        request and layer at once. The slots are the verify's own write slots (`TargetRunner.tree_slots`: node j of
+        request i at row i * nodes + j), so nothing of it comes from the host. Moves past a request's accepted count
+        (and a graph rung's padding requests) copy the scratch page's first slot onto itself."""
+        batch, depth = path.shape
+        slots = self.runner.tree_slots[:, :batch * nodes].view(2, batch, nodes)
+        source = slots.gather(2, path[None].expand(2, batch, depth))
+        destination = slots[:, :, 1:depth + 1]  # a path of d drafts ends at depth d < nodes
+        if destination.shape[2] < depth:  # a tree of fewer nodes than the block's positions
+            destination = torch.cat([destination, slots[:, :, :depth - destination.shape[2]]], dim=2)
+        pages, offsets = ([torch.where(accepted_steps, s[i], fill).flatten() for s in (source, destination)]
+                          for i, fill in ((0, self.runner.kv.scratch_page), (1, 0)))
+        self.runner.kv.move_rows(pages[0], offsets[0], pages[1], offsets[1])  # one copy per cache dtype
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -119,15 +129,17 @@ class TreeDecoding:
         # drafts first: the drafter reads the last step's features, which this step's forwards overwrite
         for buffer, candidates in zip(self.candidates, self.drafter.propose_candidates(running)):
             buffer[:batch].copy_(candidates)
-        tokens, _, depths, _, _, masks = self.building.run(batch)
+        tokens, _, depths, _, _, masks, packed = self.building.run(batch)
+        rung = self.building.rung_for(batch)
+        if rung is not None:  # every row of the rung: a verify replayed at that rung reads its padding rows' too
+            packed = self.building.outputs[rung][-1]
         nodes = tokens.shape[1] + 1
         self.verify_length = nodes
-        starts = np.array([r.num_cached for r in running], dtype=np.int64)
+        starts = [r.num_cached for r in running]
         out = self.runner.run_tree([r.target_pages for r in running], [r.pending_token for r in running],
-                                   TreeRows(tokens, depths, masks))
+                                   TreeRows(tokens, depths, masks, packed.view(-1)))
         self.chosen[:batch * nodes].copy_(sample_block(out, running, nodes).view(-1))
         path, accepted, bonus, path_tokens, chain = self.acceptance.run(batch)
-        self._move_into_place(starts, path, accepted)
         # the anchor's and the path's features, request i's at rows i * block_size on: gathered before the
         # chunks' forward (if any) overwrites the buffer's first rows
         block = self.drafter.block_size
@@ -146,7 +158,7 @@ class TreeDecoding:
         host = to_host(torch.cat([path_tokens, accepted[:, None], bonus[:, None], chain[:, None]], dim=1), prefill)
         committed, counts = [], []
         self.chain_accepted = [row[self.depth + 2] for row in host]
-        for row, request, start in zip(host, running, starts.tolist()):
+        for row, request, start in zip(host, running, starts):
             a = row[self.depth]
             committed.append(row[:a] + [row[self.depth + 1]])
             counts.append(a + 1)
@@ -158,25 +170,3 @@ class TreeDecoding:
             self.drafter.extend(running, self.runner.features_out, [chunk_rows + i * block for i in range(batch)],
                                 counts)
         return committed
-
-    def _move_into_place(self, starts: np.ndarray, path: torch.Tensor, accepted: torch.Tensor) -> None:
-        """The accepted nodes' K/V from their slots (start + node id) to the path's (start + depth), for every
-        request and layer at once, from the verify's page metadata on the device (moves past a request's
-        accepted count go to the scratch page)."""
-        batch, depth = path.shape
-        attn, page_size = self.runner.attn, self.runner.page_size
-        device = path.device
-        start = upload(starts, device)[:, None]
-        requests = torch.arange(batch, device=device)[:, None].expand(batch, depth)
-        steps = torch.arange(depth, device=device)[None, :]
-        valid = steps < accepted[:, None]
-        src_pages, src_offsets = slots_on_device(attn.kv_indices, attn.kv_indptr, requests,
-                                                 torch.where(valid, start + path, start), page_size)
-        dst_pages, dst_offsets = slots_on_device(attn.kv_indices, attn.kv_indptr, requests,
-                                                 torch.where(valid, start + 1 + steps, start), page_size)
-        dst_pages = torch.where(valid, dst_pages, self.runner.kv.scratch_page)
-        rows = batch * depth
-        self.moves[:, :rows].copy_(torch.stack([src_pages.flatten(), src_offsets.flatten(), dst_pages.flatten(),
-                                                dst_offsets.flatten()]))
-        self._park_moves(rows)
-        self.moving.run(batch)

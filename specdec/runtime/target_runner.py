@@ -65,11 +65,13 @@ def write_device_tokens(block_ids: torch.Tensor, rest: torch.Tensor | None, carr
 @dataclass
 class TreeRows:
     """A token tree per request, on the device: the nodes' tokens and depths [B, N] and, with the anchor
-    as node 0, which nodes each node sees [B, N + 1, N + 1] (its ancestors and itself)."""
+    as node 0, which nodes each node sees [B, N + 1, N + 1] (its ancestors and itself); `packed`: those masks
+    packed for attention (`attention.batch_layout.pack_tree_masks`), if made with the trees."""
 
     tokens: torch.Tensor
     depths: torch.Tensor
     masks: torch.Tensor
+    packed: torch.Tensor | None = None
 
 
 @dataclass
@@ -134,6 +136,9 @@ class TargetRunner(ModelRunner):
         if tree_nodes:  # token-tree verify steps, captured up to TREE_GRAPH_MAX_BATCH requests
             tree_rows = max(size * self.tree_q(size) for size in range(1, min(max_batch, TREE_GRAPH_MAX_BATCH) + 1))
             self.tree_inputs = StaticInputs({"ids": tree_rows, "starts": max_batch, "depths": tree_rows}, self.device)
+        # the K/V slot (page, offset) of every row of the last token-tree step (request by request; rows past the
+        # step's on the scratch page), written on the device by the step: the accepted path's K/V moves read it
+        self.tree_slots = torch.zeros(2, rows if tree_nodes else 0, dtype=torch.long, device=self.device)
 
     def tree_q(self, size: int) -> int:
         """Tokens per request (the anchor and the nodes) of a token-tree step of `size` requests: a tree of
@@ -231,7 +236,7 @@ class TargetRunner(ModelRunner):
         if rung is None or self.tree_q(rung) != q:
             return self._run_mixed(tables, anchors, tree.tokens, q, None, tree=tree)
         starts = np.array([t.length for t in tables], dtype=np.int64)
-        layout = self._grow(tables, [q] * batch).with_query_masks(tree.masks)
+        layout = self._grow(tables, [q] * batch).with_query_masks(tree.masks, tree.packed)
         inputs = self.tree_inputs
         ids = np.zeros((batch, q), dtype=np.int64)
         ids[:, 0] = anchors
@@ -250,6 +255,8 @@ class TargetRunner(ModelRunner):
         """The token-tree verify of `batch` requests (a graph rung): RoPE at each node's depth past the anchor."""
         q = self.tree_q(batch)
         self._fixed_forward(self.tree_inputs, batch, q, self.tree_inputs["depths"][:batch * q].view(batch, q))
+        for row, slots in zip(self.tree_slots, (self.attn.write_pages, self.attn.write_offsets)):
+            row[:batch * q].copy_(slots)
 
     def _block_output(self, n: int) -> BlockOutput:
         features = self.features_out[:n] if self.features_out is not None else None
@@ -277,7 +284,7 @@ class TargetRunner(ModelRunner):
             raise ValueError(f"a step of {total} tokens exceeds the {self.max_step_tokens} the runner was sized for")
         layout = replace(self._grow([*tables, *chunk_tables], [q] * len(tables) + chunk_lens), prompts=len(chunk_lens))
         if tree is not None:
-            layout = layout.with_query_masks(tree.masks)
+            layout = layout.with_query_masks(tree.masks, tree.packed)
         self.attn.plan(layout, write_slots=False)  # the step writes K/V to the slots staged here
         # what attention reads as this step's slots between the pieces (a token tree's rows, read back)
         self.attn.set_write_slots(self.mixed.inputs["pages"], self.mixed.inputs["offsets"])
@@ -288,6 +295,8 @@ class TargetRunner(ModelRunner):
         if tree is not None:  # a node sits at the anchor's position plus its depth
             positions = self.mixed.inputs["positions"][:n].view(-1, q)
             positions[:, 1:] = positions[:, :1] + tree.depths
+            rows = self.tree_slots.shape[1]
+            self.tree_slots.copy_(torch.stack([self.mixed.inputs["pages"][:rows], self.mixed.inputs["offsets"][:rows]]))
         self.run_tokens(self.mixed_step, total, eager=not self._graphs_usable())
         hidden = self.mixed.hidden[:total]
         if n:

@@ -357,6 +357,40 @@ def test_a_lone_rung_keeps_its_plan_while_each_rows_kv_chunks_are_the_same(backe
     assert paged.planned_args[-1][0][1].tolist() == [0, 4, 8, 13, 17]
 
 
+def test_a_lone_tree_rung_keeps_its_context_plan_while_its_kv_chunks_are_the_same(backend_class):
+    """A lone request's tree context is planned in KV chunks of its query rows' size, at least two of them (FlashInfer
+    merges only then, as the captured graph does): its rung keeps the plan while the chunk count holds and plans
+    again when it changes; a context of one page gets FlashInfer's own chunks. Packed masks made with the trees are
+    what the tree part gets."""
+    RecordingWrapper.instances = []
+    backend = rows_backend(backend_class)
+    slot = backend.graph_slot(1, 32, tree_step(3, [3]))
+    (paged,) = paged_wrappers()[2:]
+    ragged = [w for w in RecordingWrapper.instances if not w.paged][-1]  # the rung's (the backend's eager one first)
+
+    def plan(length: int, packed: torch.Tensor | None = None) -> BatchLayout:
+        step = tree_step(3, [length])
+        step = replace(step, expected_kv_len=20, packed_masks=packed)
+        backend.plan_graph(slot, step, scratch_page=15)
+        return step
+
+    plan(6)  # a context of 3 tokens: one page, FlashInfer's chunks
+    assert len(paged.plans) == 1 and paged.planned_kwargs[-1]["fixed_split_size"] is None
+    plan(12)  # 9 tokens, 3 pages: chunks of 2 pages (20 + 16 tokens in 132 // 16 chunks), 2 of them
+    assert len(paged.plans) == 2 and paged.planned_kwargs[-1]["fixed_split_size"] == 2
+    plan(14)  # 11 tokens, still 3 pages
+    assert len(paged.plans) == 2
+    assert paged.buffers["paged_kv_indptr_buf"].tolist()[:2] == [0, 3]
+    assert paged.buffers["paged_kv_last_page_len_buf"].tolist()[:1] == [3]
+    plan(16)  # 13 tokens, 4 pages: still 2 chunks
+    assert len(paged.plans) == 2
+    plan(20)  # 17 tokens, 5 pages: 3 chunks
+    assert len(paged.plans) == 3
+    packed = torch.arange(9, dtype=torch.uint8)
+    plan(21, packed)
+    assert len(ragged.plans) == 1 and torch.equal(slot.tree_masks, packed)
+
+
 def test_a_sliding_window_keeps_a_lone_requests_usual_plan(backend_class):
     """With a sliding window a lone request's step is not split into query rows (each row would need the window of
     its own position): it keeps the kernel it had."""
