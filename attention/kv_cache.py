@@ -156,10 +156,23 @@ class KVCache:
                   dst_offsets: torch.Tensor) -> None:
         """Every layer's K/V rows from the source slots to the destination slots (a token tree's accepted
         path into consecutive positions): one indexed copy per cache dtype, every source read before any
-        destination is written (FP8 rows move as stored)."""
+        destination is written (FP8 rows move as stored). The copy indexes the cache as rows of one (layer, page, K
+        or V, offset) each: indexed over its layer dimension too, a cache of more than 2^31 elements took one kernel
+        launch per layer for the read and another for the write (torch splits such an indexed copy into parts that
+        32-bit offsets address), ~0.2 ms of a tree step of the default target on an H200."""
         for stacked in self.stacked.values():
             raw = stacked.view(torch.uint8) if stacked.dtype == FP8_DTYPE else stacked
-            raw[:, dst_pages, :, dst_offsets] = raw[:, src_pages, :, src_offsets]
+            layers, pages, kinds, page_size = raw.shape[:4]
+            rows = raw.view(layers * pages * kinds * page_size, -1)
+            device = raw.device
+            # row of (layer, K or V) at slot 0 of page 0, plus each slot's (page, offset): [layers, K or V, slots]
+            first = (torch.arange(layers, device=device)[:, None] * pages * kinds
+                     + torch.arange(kinds, device=device)[None, :]) * page_size
+
+            def row_index(slot_pages: torch.Tensor, slot_offsets: torch.Tensor) -> torch.Tensor:
+                return (first[:, :, None] + (slot_pages * kinds * page_size + slot_offsets)[None, None, :]).flatten()
+
+            rows[row_index(dst_pages, dst_offsets)] = rows[row_index(src_pages, src_offsets)]
 
     def calibrate_on_first_write(self) -> None:
         for layer in self.layers:
