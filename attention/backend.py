@@ -16,7 +16,9 @@ Implementations are chosen by name through the registry in `attention/__init__.p
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Callable
 
+import numpy as np
 import torch
 
 from attention.batch_layout import BatchLayout
@@ -58,10 +60,11 @@ class AttentionBackend(ABC):
         """No request's KV will span more than `pages` pages: a backend may size per-request buffers by it (the
         FlashInfer backend's lone-request rows, `FlashInferBackend.lone_rows`). A no-op by default."""
 
-    def graph_fits(self, slot, kv_lens) -> bool:
-        """Whether graph rung `slot` runs a step of requests of these KV lengths (counting the step's new tokens) as
-        well as a plan made for that step would: a backend may decline lengths its rung's kernels suit badly, and the
-        step then runs another way. True by default."""
+    def graph_fits(self, slot, kv_lens: Callable[[], np.ndarray]) -> bool:
+        """Whether graph rung `slot` runs a step of requests of the KV lengths `kv_lens()` gives (counting the step's
+        new tokens) as well as a plan made for that step would: a backend may decline lengths its rung's kernels suit
+        badly, and the step then runs another way. The lengths are asked for only where the rung looks at them (host
+        work on every step's path). True by default."""
         return True
 
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:

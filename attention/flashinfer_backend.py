@@ -68,6 +68,8 @@ KV chunks it derives from the real length, while the plan sized and merges them 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import flashinfer
 import numpy as np
 import torch
@@ -237,9 +239,9 @@ class FlashInferBackend(AttentionBackend):
         return (layout is not None and layout.batch_size >= ONE_PIECE_MIN_BATCH and layout.query_masks is None
                 and not layout.prompts and not prefill_heavy(layout))
 
-    def graph_fits(self, slot: GraphSlot, kv_lens) -> bool:
+    def graph_fits(self, slot: GraphSlot, kv_lens: Callable[[], np.ndarray]) -> bool:
         """A one-piece rung declines lengths that its KV in one piece does not suit (`one_piece_suits`)."""
-        return not slot.one_piece or self.one_piece_suits(kv_lens)
+        return not slot.one_piece or self.one_piece_suits(kv_lens())
 
     def one_piece_suits(self, kv_lens) -> bool:
         """Whether a step of these KV lengths may keep each request's KV in one piece: always where plans are made for

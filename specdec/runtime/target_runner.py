@@ -219,7 +219,7 @@ class TargetRunner(ModelRunner):
         ladder = self.ladders.get(q)
         rung = ladder.rung_for(len(tables)) if ladder is not None else None
         return rung is not None and not self.attn.graph_fits(
-            ladder.slot(rung), np.fromiter((t.length + q for t in tables), dtype=np.int64, count=len(tables)))
+            ladder.slot(rung), lambda: np.fromiter((t.length + q for t in tables), dtype=np.int64, count=len(tables)))
 
     def run_prefill(self, prefill: PrefillChunks) -> None:
         """Prompt chunks alone (a step with nothing to decode); sets `prefill.out`."""

@@ -396,5 +396,5 @@ def test_a_one_piece_rung_plans_once_and_attends_as_the_reference_at_every_step(
         assert err <= REL_BOUND
     assert len(plans) == 1 and plans[0]["one_piece"]  # the first step's plan served the later ones
     # a request past the batch's mean by more than ONE_PIECE_MAX_EXCESS tokens: the rung declines the step
-    assert backend.graph_fits(slot, [100] * (size - 1) + [100 + ONE_PIECE_MAX_EXCESS])
-    assert not backend.graph_fits(slot, [100] * (size - 1) + [300 + ONE_PIECE_MAX_EXCESS])
+    assert backend.graph_fits(slot, lambda: [100] * (size - 1) + [100 + ONE_PIECE_MAX_EXCESS])
+    assert not backend.graph_fits(slot, lambda: [100] * (size - 1) + [300 + ONE_PIECE_MAX_EXCESS])
