@@ -115,9 +115,10 @@ class TreeDecoding:
         batch, depth = path.shape
         slots = self.runner.tree_slots[:, :batch * nodes].view(2, batch, nodes)
         source = slots.gather(2, path[None].expand(2, batch, depth))
-        destination = slots[:, :, 1:depth + 1]  # a path of d drafts ends at depth d < nodes
-        if destination.shape[2] < depth:  # a tree of fewer nodes than the block's positions
-            destination = torch.cat([destination, slots[:, :, :depth - destination.shape[2]]], dim=2)
+        # the path's d-th draft goes to node d's slot (start + d); a tree of fewer nodes than the block's positions
+        # has no path that deep, and those moves (any slot of the request's) are parked below
+        destination = slots[:, :, 1:depth + 1] if nodes > depth else \
+            slots[:, :, torch.arange(1, depth + 1, device=path.device).clamp(max=nodes - 1)]
         pages, offsets = ([torch.where(accepted_steps, s[i], fill).flatten() for s in (source, destination)]
                           for i, fill in ((0, self.runner.kv.scratch_page), (1, 0)))
         self.runner.kv.move_rows(pages[0], offsets[0], pages[1], offsets[1])  # one copy per cache dtype

@@ -46,6 +46,21 @@ def test_trees_larger_than_the_block_are_exact_and_shrink_with_the_batch(target_
     assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("tree_nodes", [1, 2])
+def test_trees_of_fewer_nodes_than_the_blocks_positions_are_exact(target_dir, tmp_path, tree_nodes):
+    """1 or 2 nodes at block 8 (seven draft positions): a path is at most as deep as the tree, and the K/V moves of
+    the positions past it are parked on the scratch page."""
+    prompts = MANY_PROMPTS[:3]
+    params = SamplingParams(max_new_tokens=25)
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 8), verify="tree",
+                         attention_backend="torch", max_num_seqs=3, tree_nodes=tree_nodes)
+    got = engine.generate_ids(prompts, params)
+    assert [r.output_ids for r in got] == ar_outputs(target_dir, prompts, params)
+    assert {q for r in got for q in r.stats.verify_lengths} == {tree_nodes + 1}
+    assert max(n for r in got for n in r.stats.acceptance_lengths) <= tree_nodes + 1
+    assert_no_leak(engine)
+
+
 def test_tree_stops_at_eos_and_in_a_small_pool(target_dir, tmp_path):
     prompts = MANY_PROMPTS[:6]
     params = SamplingParams(max_new_tokens=40)
