@@ -389,6 +389,10 @@ def test_a_lone_tree_rung_keeps_its_context_plan_while_its_kv_chunks_are_the_sam
     packed = torch.arange(9, dtype=torch.uint8)
     plan(21, packed)
     assert len(ragged.plans) == 1 and torch.equal(slot.tree_masks, packed)
+    # a tree whose query tiles (600 rows x 2 heads per KV head, 19 tiles of 64) times up to 9 chunks could exceed the
+    # 132 work items of a graph's plan keeps FlashInfer's own chunks; 400 rows (13 tiles) still fit
+    assert backend.tree_split_pages(replace(tree_step(600, [700]), expected_kv_len=700)) is None
+    assert backend.tree_split_pages(replace(tree_step(400, [700]), expected_kv_len=700)) is not None
 
 
 def test_a_sliding_window_keeps_a_lone_requests_usual_plan(backend_class):
