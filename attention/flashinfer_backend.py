@@ -265,14 +265,13 @@ class FlashInferBackend(AttentionBackend):
         whose query tiles times those chunks could exceed the work items a graph's plan has room for."""
         if self.rows_pages == 0 or layout.batch_size != 1 or self.plans_upper_bounds:
             return None
-        rows_split = self.rows_split_pages(layout)
         # the most query tiles (FlashInfer's fa2 tiles hold 64 or 128 rows of queries times heads per KV head) and KV
         # chunks (the rows' chunk count, rounded up) a step of this tree may have
         tiles = -(-int(layout.q_lens[0]) * (self.num_qo_heads // self.num_kv_heads) // 64)
         if tiles * (self.split_items // LONE_ROWS_MAX + 1) > self.split_items:
             return None
         context_pages = -(-(int(layout.kv_lens[0]) - int(layout.new_kv_lens[0])) // layout.page_size)
-        split = min(rows_split, context_pages - 1)
+        split = min(self.rows_split_pages(layout), context_pages - 1)
         return split if split > 0 else None
 
     def _planned(self, layout: BatchLayout, padding_page: int) -> tuple[BatchLayout, dict]:

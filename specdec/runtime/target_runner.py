@@ -255,8 +255,12 @@ class TargetRunner(ModelRunner):
         """The token-tree verify of `batch` requests (a graph rung): RoPE at each node's depth past the anchor."""
         q = self.tree_q(batch)
         self._fixed_forward(self.tree_inputs, batch, q, self.tree_inputs["depths"][:batch * q].view(batch, q))
-        for row, slots in zip(self.tree_slots, (self.attn.write_pages, self.attn.write_offsets)):
-            row[:batch * q].copy_(slots)
+        self._keep_tree_slots(self.attn.write_pages, self.attn.write_offsets)
+
+    def _keep_tree_slots(self, pages: torch.Tensor, offsets: torch.Tensor) -> None:
+        """The tree step's write slots, row by row from its first (`tree_slots`), for its K/V moves."""
+        for row, slots in zip(self.tree_slots, (pages, offsets)):
+            row[:len(slots)].copy_(slots)
 
     def _block_output(self, n: int) -> BlockOutput:
         features = self.features_out[:n] if self.features_out is not None else None
@@ -295,8 +299,8 @@ class TargetRunner(ModelRunner):
         if tree is not None:  # a node sits at the anchor's position plus its depth
             positions = self.mixed.inputs["positions"][:n].view(-1, q)
             positions[:, 1:] = positions[:, :1] + tree.depths
-            rows = self.tree_slots.shape[1]
-            self.tree_slots.copy_(torch.stack([self.mixed.inputs["pages"][:rows], self.mixed.inputs["offsets"][:rows]]))
+            rows = self.tree_slots.shape[1]  # all of them: rows past the step's are staged on the scratch page
+            self._keep_tree_slots(self.mixed.inputs["pages"][:rows], self.mixed.inputs["offsets"][:rows])
         self.run_tokens(self.mixed_step, total, eager=not self._graphs_usable())
         hidden = self.mixed.hidden[:total]
         if n:
