@@ -56,6 +56,7 @@ if wanted steps; then
 fi
 if wanted humaneval; then
   eval_batch1 humaneval chain
+  eval_batch1 humaneval tree
   eval_batch1 humaneval auto
 fi
 if wanted all-tests; then
