@@ -12,12 +12,20 @@ A draft step has a fixed shape, so it is captured as CUDA graphs over the batch 
 
     context rows   block_size per request: the first n_i are the new context (positions
                    start_i - n_i .. start_i - 1), the rest padding written to the scratch page
-    block rows     [anchor, MASK x (bs-1)] at positions start_i .. start_i + bs - 1
+    block rows     [anchor, MASK x (b-1)] at positions start_i .. start_i + b - 1: the whole block, or a
+                   shorter one for a step scoring fewer drafts (`block_rows`, below)
     attention      block queries, non-causal over the request's whole cache (one plan for all layers)
 
 then the block's scratch slots are released, so the cache ends at start_i (the anchor's position),
 holding exactly the context positions 0 .. start_i - 1. Padding the context to block_size (a verify
 commits at most block_size positions) is what makes the shape fixed.
+
+A step that scores n < bs - 1 drafts runs the shortest block the drafter was trained for that holds n + 1
+positions (`DFlashSpec.block_for`; as DFlash's reference implementation runs blocks shorter than the trained one):
+under load, where `auto` verifies chains of 2-4, the block's rows are most of the draft step's work (at 64 requests
+and 3 drafts, 64 x 16 block rows through the draft layers against 64 x 4). A drafter trained on whole blocks alone
+(the shipped one) drafts much worse from shorter ones (math, chains of 4: first-draft acceptance 0.35 against 0.91,
+BENCHMARKS.md), so it always runs whole blocks.
 
 Drafting ahead (`propose_next`): the step after a verify is queued before the verify's acceptance reaches
 the host. Its starts, counts and anchors come from the acceptance on the device, and its attention is
@@ -110,12 +118,15 @@ class DFlashDrafter(ModelRunner, Drafter):
 
     def fixed_steps(self) -> list[FixedStep]:
         bs = self.block_size
-        # a padding request writes block_size context rows and block_size block rows
+        # a padding request writes block_size context rows and the step's block rows
         def dummy(batch: int, scratch: int) -> BatchLayout:
             return BatchLayout.dummy(batch, bs, bs, self.page_size, scratch, causal=False)
 
-        steps = [FixedStep((DRAFT_STEP, n), f"draft of {n}", dummy, 2 * bs,
-                           lambda batch, n=n: self._draft_body(batch, length=n)) for n in self.draft_lengths]
+        steps = [FixedStep((DRAFT_STEP, n), f"draft of {n}",
+                           lambda batch, scratch, b=self.block_rows(n): BatchLayout.dummy(batch, b, b, self.page_size,
+                                                                                          scratch, causal=False),
+                           bs + self.block_rows(n), lambda batch, n=n: self._draft_body(batch, length=n))
+                 for n in self.draft_lengths]
         if self.candidates_out is not None:  # only the steps that feed a token tree pay for the top k
             steps.append(FixedStep(CANDIDATES_STEP, CANDIDATES_STEP, dummy, 2 * bs,
                                    lambda batch: self._draft_body(batch, candidates=True),
@@ -131,6 +142,10 @@ class DFlashDrafter(ModelRunner, Drafter):
     def _length(self, length: int | None) -> int:
         """The shortest draft step that scores at least `length` drafts (None: the whole block)."""
         return next((n for n in self.draft_lengths if length is not None and n >= length), self.block_size - 1)
+
+    def block_rows(self, length: int | None) -> int:
+        """Block positions of a draft step scoring `length` drafts (None: a token tree's, the whole block)."""
+        return self.block_size if length is None else self.model.spec.block_for(self._length(length))
 
     @property
     def queued_length(self) -> int | None:
@@ -337,13 +352,14 @@ class DFlashDrafter(ModelRunner, Drafter):
         if not upper and self.device.type == "cuda":
             return False  # reading the counts back would be a second wait for the GPU in the step
         planned = np.asarray(most, dtype=np.int64) if upper else counts[:batch].cpu().numpy().astype(np.int64)
-        kv_lens = starts + planned + bs
+        block = self.block_rows(None if candidates else length)
+        kv_lens = starts + planned + block
         if sum(self.pool.pages_for(int(n)) - t.num_pages for t, n in zip(tables, kv_lens)) > self.pool.num_free:
             return False
         for table, n in zip(tables, kv_lens.tolist()):
             table.grow(n - table.length)
-        layout = BatchLayout.build([bs] * batch, kv_lens, planned + bs, [t.array for t in tables], self.page_size,
-                                   causal=False)
+        layout = BatchLayout.build([block] * batch, kv_lens, planned + block, [t.array for t in tables],
+                                   self.page_size, causal=False)
         self.inputs.fill("anchors", [])
         self.inputs.fill("starts", starts)
         self.inputs.fill("counts", [])
@@ -374,7 +390,9 @@ class DFlashDrafter(ModelRunner, Drafter):
               length: int | None = None) -> torch.Tensor | None:
         """One draft step of `requests` scoring `length` drafts each (the whole block with candidates); returns the
         logits when it runs eagerly."""
-        bs, batch = self.block_size, len(requests)
+        batch = len(requests)
+        length = self._length(None if candidates else length)
+        block = self.block_rows(None if candidates else length)
         self._write_held()
         tables = [self.tables[r.request_id] for r in requests]
         pending = [self.pending.pop(r.request_id, (0, 0)) for r in requests]
@@ -382,14 +400,13 @@ class DFlashDrafter(ModelRunner, Drafter):
         counts = np.array([p[1] for p in pending], dtype=np.int64)
         for table, count, start in zip(tables, counts.tolist(), starts.tolist()):
             assert table.length + count == start, "drafter context out of step with the target"
-            table.grow(count + bs)
-        layout = BatchLayout.build([bs] * batch, starts + bs, counts + bs, [t.array for t in tables],
+            table.grow(count + block)
+        layout = BatchLayout.build([block] * batch, starts + block, counts + block, [t.array for t in tables],
                                    self.page_size, causal=False)
         self.inputs.fill("anchors", [r.pending_token for r in requests])
         self.inputs.fill("starts", starts)
         self.inputs.fill("counts", counts)
         self.inputs.fill("rows", [p[0] for p in pending])
-        length = self._length(None if candidates else length)
         logits = self.dispatch(CANDIDATES_STEP if candidates else (DRAFT_STEP, length), batch, layout, self.inputs,
                                lambda size: self._draft_body(size, candidates, length), eager=eager)
         for table, start in zip(tables, starts.tolist()):
@@ -398,20 +415,23 @@ class DFlashDrafter(ModelRunner, Drafter):
 
     def _draft_body(self, batch: int, candidates: bool = False, length: int | None = None) -> torch.Tensor:
         """The fixed-shape draft step: static inputs and planned page metadata -> the first `length` drafts of each
-        request in `drafts_out[:batch]` (None: all bs - 1; the block runs whole, only those drafts are scored), and
+        request in `drafts_out[:batch]` (None: all bs - 1), from the block `block_rows` gives, and
         with `candidates` (the whole block), each position's top k -> `candidates_out`."""
         bs, inputs, m = self.block_size, self.inputs, self.model
-        j = self.arange[:bs]
-        self.attn.use_device_lengths(inputs["starts"][:batch] + bs)  # a step planned for upper bounds (`propose_next`)
+        n = bs - 1 if length is None else length
+        b = self.block_rows(None if candidates else n)
+        j, jb = self.arange[:bs], self.arange[:b]  # context rows (bs: what a verify may commit), block rows
+        self.attn.use_device_lengths(inputs["starts"][:batch] + b)  # planned for upper bounds (`propose_next`)
         starts, counts = inputs["starts"][:batch, None], inputs["counts"][:batch, None]
         ctx_valid = j < counts  # [B, bs]
-        ctx_pos = (starts - counts + j).clamp(min=0)
-        blk_pos = starts + j
-        requests = self.arange[:batch, None].expand(batch, bs)
+        # (a padding row's position is kept inside the step's pages: its slot is the scratch page's anyway)
+        ctx_pos = torch.minimum(starts - counts + j, starts).clamp(min=0)
+        blk_pos = starts + jb
         kv_indices, kv_indptr, ps = self.attn.kv_indices, self.attn.kv_indptr, self.page_size
-        ctx_pages, ctx_offsets = slots_on_device(kv_indices, kv_indptr, requests, ctx_pos, ps)
+        requests = self.arange[:batch, None]
+        ctx_pages, ctx_offsets = slots_on_device(kv_indices, kv_indptr, requests.expand(batch, bs), ctx_pos, ps)
         ctx_pages = torch.where(ctx_valid, ctx_pages, self.kv.scratch_page)
-        blk_pages, blk_offsets = slots_on_device(kv_indices, kv_indptr, requests, blk_pos, ps)
+        blk_pages, blk_offsets = slots_on_device(kv_indices, kv_indptr, requests.expand(batch, b), blk_pos, ps)
         self.attn.set_write_slots(torch.cat([ctx_pages.flatten(), blk_pages.flatten()]),
                                   torch.cat([ctx_offsets.flatten(), blk_offsets.flatten()]))
         if self.context.features is not None:
@@ -422,10 +442,9 @@ class DFlashDrafter(ModelRunner, Drafter):
             context = features[rows.flatten()]
         else:  # no verify features exist yet: every context row is padding
             context = torch.zeros(batch * bs, m.fc.in_features, dtype=m.fc.weight.dtype, device=self.device)
-        block_ids = torch.where(j == 0, inputs["anchors"][:batch, None], self.mask_token_id)
+        block_ids = torch.where(jb == 0, inputs["anchors"][:batch, None], self.mask_token_id)
         hidden = self._forward(context, block_ids.flatten(), ctx_pos.flatten(), blk_pos.flatten())
-        n = bs - 1 if length is None else length
-        hidden = hidden.view(batch, bs, -1)[:, 1:n + 1].reshape(batch * n, -1)
+        hidden = hidden.view(batch, b, -1)[:, 1:n + 1].reshape(batch * n, -1)
         logits = m.block_logits(hidden, self.context.lm_head).view(batch, n, -1)
         self.drafts_out[:batch, :n] = logits.argmax(dim=-1)
         if candidates:  # the top k of each position, as log-probabilities
@@ -447,7 +466,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         return attend
 
     def _forward(self, context_features, block_ids, ctx_pos, blk_pos) -> torch.Tensor:
-        """Run the draft layers; returns the block's final hidden states [B * bs, hidden] (pre-norm).
+        """Run the draft layers; returns the block's final hidden states [B * block rows, hidden] (pre-norm).
         K/V rows are written in the order [all context rows ; all block rows] (the write slots' order)."""
         m = self.model
         dtype = m.fc.weight.dtype

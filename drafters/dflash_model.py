@@ -55,6 +55,18 @@ class DFlashSpec:
     # how far back its attention was trained to reach (the longest training sequence; 0: not declared): the
     # engine's default `draft_window` for it
     draft_window: int = 0
+    # the blocks it was trained to draft with, block_size among them (its trainer's `block_sizes`): a draft step
+    # scoring n drafts runs the shortest of them that holds the anchor and n masks. A drafter trained on whole
+    # blocks only drafts badly from shorter ones (BENCHMARKS.md), so by default it gets whole blocks
+    block_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.block_sizes:
+            object.__setattr__(self, "block_sizes", (self.block_size,))
+
+    def block_for(self, drafts: int) -> int:
+        """The block a step scoring `drafts` drafts runs: the shortest trained one of at least drafts + 1."""
+        return min(size for size in self.block_sizes if size > drafts)
 
     @classmethod
     def from_config(cls, config) -> "DFlashSpec":
@@ -78,9 +90,14 @@ class DFlashSpec:
         if not (isinstance(window, int) and not isinstance(window, bool) and window >= 0):
             raise ValueError(f"the drafter config's draft_window must be a non-negative integer (0: none), got "
                              f"{window!r}")
+        sizes = value("block_sizes") or [block]
+        if not (isinstance(sizes, (list, tuple)) and block in sizes
+                and all(isinstance(n, int) and not isinstance(n, bool) and 2 <= n <= block for n in sizes)):
+            raise ValueError(f"the drafter config's block_sizes must list integers in [2, block_size] with block_size "
+                             f"({block}) among them, got {sizes!r}")
         return cls(int(block), int(num_target_layers), tuple(int(i) for i in ids), int(mask),
                    float(value("input_embedding_scale", 1.0)), float(value("output_multiplier", 1.0)),
-                   value("final_logit_softcapping"), window)
+                   value("final_logit_softcapping"), window, tuple(sorted(set(sizes))))
 
 
 def dflash_layer(config) -> DecoderLayer:

@@ -78,6 +78,10 @@ def parse_args(argv=None):
                    help="train with the weights as STORAGE holds them (straight-through rounding), so that the "
                         "drafter exported with --storage STORAGE loses nothing; e.g. q4_0 for twice the weights in "
                         "the bytes of fp8")
+    p.add_argument("--block-sizes", type=lambda s: tuple(int(n) for n in s.split(",")), default=(), metavar="N,N",
+                   help="train shorter blocks as well: each block's size is drawn uniformly from these and the whole "
+                        "block, and the drafter declares them; the engine then drafts the short chains it verifies "
+                        "under load from the shortest such block (e.g. 2,4,8)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="wall-clock budget of this call, model loading included; checkpoints and stops before it")
     return p.parse_args(argv)
@@ -158,7 +162,7 @@ def main(argv=None) -> None:
         weight_decay=args.weight_decay, warmup_frac=args.warmup_frac, grad_clip=args.grad_clip,
         loss_chunk=args.loss_chunk, seed=args.seed, save_every=args.save_every, eval_every=args.eval_every,
         eval_sequences=args.eval_sequences, eval_anchors_per_seq=args.eval_anchors_per_seq,
-        time_budget_s=args.time_budget_s, quant_aware=args.quant_aware)
+        time_budget_s=args.time_budget_s, quant_aware=args.quant_aware, block_sizes=args.block_sizes)
     trainer = Trainer(train_config, drafter, target, train_data, eval_data, start_time=started)
     if args.eval_only:
         record = {"drafter": args.init_from, **trainer.evaluate()}

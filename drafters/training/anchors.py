@@ -10,7 +10,9 @@ the last committed token:
     weight     0        1     ...  exp(-(bs-2)/gamma)
 
 Weights decay with the block offset k as exp(-(k - 1) / gamma): early positions decide how many
-drafts are accepted.
+drafts are accepted. A drafter trained for shorter blocks as well (`sample_block_sizes`) draws each
+block's size: positions past it get no label and no weight, and its tokens see only the block's first
+`size` (`mask.training_mask`), as a draft step of that block would.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ IGNORE = -100
 class Anchors:
     positions: torch.Tensor  # int64 [B, A], ascending per row; padding rows hold 0
     valid: torch.Tensor  # bool [B, A]: False for padding when a sequence has fewer than A anchors
+    block_sizes: torch.Tensor | None = None  # int64 [B, A]: each block's size (None: all whole)
+
+
+def sample_block_sizes(anchors: Anchors, sizes: tuple[int, ...], generator: torch.Generator) -> Anchors:
+    """The same anchors, each block's size drawn uniformly from `sizes` (CPU generator)."""
+    choice = torch.randint(len(sizes), anchors.positions.shape, generator=generator)
+    drawn = torch.tensor(sizes, dtype=torch.long)[choice].to(anchors.positions.device)
+    return Anchors(anchors.positions, anchors.valid, drawn)
 
 
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -107,6 +117,8 @@ def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: Anch
     target = input_ids.gather(1, clamped.flatten(1)).view_as(pos)
     ok = inside & loss_mask.gather(1, clamped.flatten(1)).view_as(pos) & anchors.valid[..., None]
     ok[..., 0] = False
+    if anchors.block_sizes is not None:
+        ok &= torch.arange(block_size, device=pos.device) < anchors.block_sizes[..., None]
     labels = torch.where(ok, target, torch.full_like(target, IGNORE))
     weights = offset_weights(block_size, gamma, input_ids.device) * ok
     return labels, weights

@@ -30,10 +30,10 @@ from drafters.training.mask import training_mask
 
 
 def block_hidden(model: DFlashDraftModel, features: torch.Tensor, block_embeds: torch.Tensor,
-                 anchor_positions: torch.Tensor) -> torch.Tensor:
+                 anchor_positions: torch.Tensor, block_sizes: torch.Tensor | None = None) -> torch.Tensor:
     """features [B, L, F] (target features of every position), block_embeds [B, A, bs, hidden]
-    (target embeddings of the block tokens), anchor_positions [B, A] ->
-    final hidden states [B, A, bs, hidden] (before the final norm)."""
+    (target embeddings of the block tokens), anchor_positions [B, A] (block_sizes [B, A]: each block's size,
+    `training_mask`) -> final hidden states [B, A, bs, hidden] (before the final norm)."""
     b, ctx_len, _ = features.shape
     _, a, bs, hidden = block_embeds.shape
     q_len = a * bs
@@ -42,7 +42,7 @@ def block_hidden(model: DFlashDraftModel, features: torch.Tensor, block_embeds: 
     x = block_embeds.to(dtype).reshape(b, q_len, hidden) * model.spec.input_embedding_scale
     ctx_rope = model.rotary.at(torch.arange(ctx_len, device=dev).repeat(b), dtype)
     blk_rope = model.rotary.at((anchor_positions[..., None] + torch.arange(bs, device=dev)).flatten(), dtype)
-    mask = training_mask(anchor_positions, ctx_len, bs)
+    mask = training_mask(anchor_positions, ctx_len, bs, block_sizes)
 
     def attend(attn, h):  # block queries over [context ; blocks] under the training mask
         nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim

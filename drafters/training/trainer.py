@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from drafters.dflash_model import DFlashDraftModel
 from drafters.training.anchors import (Anchors, acceptance_lengths, block_input_ids, block_labels, decoding_walk,
-                                       first_anchors, sample_anchors)
+                                       first_anchors, sample_anchors, sample_block_sizes)
 from drafters.training.checkpoint import (config_to_json, load_checkpoint, restore_rng, rng_state,
                                           save_checkpoint)
 from drafters.training.data import TokenSamples, collate, epoch_batches
@@ -63,6 +63,10 @@ class TrainConfig:
     eval_anchors_per_seq: int = 256  # every anchor among the first this many response positions
     time_budget_s: float | None = None  # stop (and checkpoint) before this much wall time has passed
     quant_aware: str | None = None  # a weight storage the drafter trains in (drafters.training.quant_aware)
+    # block sizes to train besides the whole block, each block's drawn uniformly from these and the whole one
+    # (`anchors.sample_block_sizes`); the drafter then declares them, and the engine runs the shortest that holds a
+    # step's drafts (`DFlashSpec.block_sizes`). (): whole blocks only
+    block_sizes: tuple[int, ...] = ()
 
     def __post_init__(self):
         if min(self.max_steps, self.batch_size, self.anchors_per_seq, self.max_length, self.loss_chunk) < 1:
@@ -113,6 +117,12 @@ class Trainer:
         # the drafter declares how far back it was trained to attend: the engine's default window for it
         extra = self.model.config.dflash_config = dict(getattr(self.model.config, "dflash_config", None) or {})
         extra["draft_window"] = max(int(extra.get("draft_window") or 0), config.max_length)
+        bs = self.model.spec.block_size
+        if any(not 2 <= n <= bs for n in config.block_sizes):
+            raise ValueError(f"block sizes to train must be in [2, {bs}] (the drafter's block), got {config.block_sizes}")
+        self.block_sizes = tuple(sorted(set(config.block_sizes) | {bs})) if config.block_sizes else ()
+        if self.block_sizes:
+            extra["block_sizes"] = sorted(set(extra.get("block_sizes") or []) | set(self.block_sizes))
         if config.quant_aware:
             make_quant_aware(self.model, config.quant_aware)
         if len(train_data) == 0:
@@ -190,15 +200,19 @@ class Trainer:
         with torch.no_grad():
             embeds = self.target.embed(block_input_ids(input_ids, anchors, bs, self.model.spec.mask_token_id))
         with self._autocast():
-            hidden = block_hidden(self.model, features, embeds, anchors.positions)
+            hidden = block_hidden(self.model, features, embeds, anchors.positions, anchors.block_sizes)
             result = block_loss(self.model, hidden, self.target.lm_head, labels, weights, c.loss_chunk)
         return result, anchors
 
     def train_step(self, indices) -> tuple[float, float]:
         """One optimizer step; returns (loss, greedy acceptance length on this batch's full blocks)."""
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.step)
-        result, _ = self.batch_loss(self.train_data, indices,
-                                    lambda mask: sample_anchors(mask, self.config.anchors_per_seq, generator))
+
+        def choose(mask: torch.Tensor) -> Anchors:
+            anchors = sample_anchors(mask, self.config.anchors_per_seq, generator)
+            return sample_block_sizes(anchors, self.block_sizes, generator) if self.block_sizes else anchors
+
+        result, _ = self.batch_loss(self.train_data, indices, choose)
         result.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()

@@ -3,6 +3,8 @@ z-lab's `dflash` package when importable, and always a dense implementation writ
 documented architecture. Checked on the first step (prompt context) and on a later step (context
 cache built incrementally across steps, with rollback)."""
 
+import json
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from tests.engine_helpers import tiny_target
 
 PROMPTS = [[5, 17, 33, 9, 11, 40, 41], [7, 8], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73]]
 BLOCK = 5
+SHORT_BLOCKS = (3,)  # the test drafter declares this block besides the whole one
 
 
 def rotate(x, pos, inv_freq):
@@ -71,6 +74,9 @@ def setup(tmp_path_factory):
     hf = build_tiny_model("qwen3", root / "target", seed=7)
     build_random_drafter(root / "drafter", hf.config, seed=2, block_size=BLOCK, num_layers=2,
                          target_layer_ids=[0, 2])
+    config = json.loads((root / "drafter" / "config.json").read_text())
+    config["dflash_config"]["block_sizes"] = list(SHORT_BLOCKS) + [BLOCK]  # as if trained for them too
+    (root / "drafter" / "config.json").write_text(json.dumps(config))
     return root, hf
 
 
@@ -90,17 +96,25 @@ def test_block_logits_match_reference(setup, reference):
     cfg = read_dflash_config(root / "drafter")
     embed, lm_head = hf.model.embed_tokens.weight.detach(), hf.lm_head.weight.detach()
 
+    # a step scoring fewer drafts runs the shortest declared block that holds them (`DFlashSpec.block_for`)
+    # (a draft of 1, a chain of 2, from the block of 3: the shortest that holds the anchor and its mask)
+    blocks = {n: drafter.block_rows(n) for n in drafter.draft_lengths}
+    assert blocks == {1: 3, 4: 5}
+
     def check(requests):
-        ours = drafter.draft_logits(requests)
-        for request, got in zip(requests, ours):
+        drafted = {BLOCK - 1: drafter.draft_logits(requests)}
+        for n in (1,):  # from the same context, written by the first step
+            drafted[n] = drafter._step(requests, eager=True, length=n)
+        for i, request in enumerate(requests):
             committed = request.all_ids[:-1]
-            block = torch.tensor([request.pending_token] + [drafter.mask_token_id] * (BLOCK - 1))
             feats = hf_features(hf, committed, drafter.target_layer_ids)
-            if reference == "dense":
-                want = dense_dflash_logits(sd, cfg, feats, block, len(committed), embed, lm_head)
-            else:
-                want = zlab_logits(root / "drafter", feats, block, len(committed), embed, lm_head)
-            torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+            for n, logits in drafted.items():
+                block = torch.tensor([request.pending_token] + [drafter.mask_token_id] * (blocks[n] - 1))
+                if reference == "dense":
+                    want = dense_dflash_logits(sd, cfg, feats, block, len(committed), embed, lm_head)
+                else:
+                    want = zlab_logits(root / "drafter", feats, block, len(committed), embed, lm_head)
+                torch.testing.assert_close(logits[i], want[:n], atol=2e-4, rtol=2e-4)
 
     requests = [engine.add_request(p, SamplingParams(max_new_tokens=40)) for p in PROMPTS]
     engine.step()  # the prefill (every prompt fits the step's budget); then driven by hand, step by step

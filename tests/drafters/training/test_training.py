@@ -1,6 +1,7 @@
 """Drafter training: anchors and the training mask, the dense training forward against the
 inference drafter, learning, resume, export (bf16 and fp8 storage) and data shards."""
 
+import copy
 import json
 from types import SimpleNamespace
 
@@ -19,6 +20,7 @@ from drafters.training.anchors import (
     decoding_walk,
     first_anchors,
     sample_anchors,
+    sample_block_sizes,
 )
 from drafters.training.checkpoint import drafter_from_checkpoint, load_checkpoint
 from drafters.training.data import TokenSamples, heldout_key, load_samples, shard_metadata, shard_path
@@ -41,6 +43,23 @@ def test_training_mask_on_a_hand_example():
     assert ctx.tolist() == [[1, 1, 0, 0, 0, 0, 0]] * 3 + [[1, 1, 1, 1, 1, 0, 0]] * 3
     # each block sees all of its own tokens (non-causal) and nothing of the other block
     assert blocks.tolist() == [[1, 1, 1, 0, 0, 0]] * 3 + [[0, 0, 0, 1, 1, 1]] * 3
+
+
+def test_a_shorter_blocks_tokens_see_only_its_first_tokens():
+    """Block sizes drawn per block: block 0 of size 2 is a block of 2 at inference (its third row sees what the
+    others see, and has no label); block 1 keeps its whole 3."""
+    mask = training_mask(torch.tensor([[2, 5]]), context_len=7, block_size=3, block_sizes=torch.tensor([[2, 3]]))[0, 0]
+    ctx, blocks = mask[:, :7].int(), mask[:, 7:].int()
+    assert ctx.tolist() == [[1, 1, 0, 0, 0, 0, 0]] * 3 + [[1, 1, 1, 1, 1, 0, 0]] * 3
+    assert blocks.tolist() == [[1, 1, 0, 0, 0, 0]] * 3 + [[0, 0, 0, 1, 1, 1]] * 3
+    batch = batch_of([list(range(10, 20))], [4])
+    anchors = Anchors(torch.tensor([[4, 6]]), torch.tensor([[True, True]]), torch.tensor([[2, 4]]))
+    labels, weights = block_labels(batch.input_ids, batch.loss_mask, anchors, block_size=4, gamma=2.0)
+    assert labels[0].tolist() == [[IGNORE, 15, IGNORE, IGNORE], [IGNORE, 17, 18, 19]]
+    assert (weights == 0).eq(labels == IGNORE).all()
+    drawn = sample_block_sizes(sample_anchors(batch.loss_mask, 6, torch.Generator().manual_seed(0)), (2, 4),
+                               torch.Generator().manual_seed(1))
+    assert set(drawn.block_sizes.flatten().tolist()) == {2, 4}
 
 
 def test_labels_weights_and_block_inputs():
@@ -145,6 +164,46 @@ def test_training_forward_matches_inference_drafter(setup):
         hidden = block_hidden(drafter, frozen.features(batch.input_ids), embeds, anchor_set.positions)
         got = drafter.block_logits(hidden[:, :, 1:], frozen.lm_head).reshape(want.shape)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_training_forward_of_short_blocks_matches_the_inference_drafters_short_blocks(setup):
+    """Trained for blocks of 3 as well (the whole block is BLOCK), the drafter declares them, and the paged
+    drafter's step scoring 1 draft (a chain of 2) runs a block of 3: its logits are the training forward's for
+    blocks of size 3, whose other rows do not change them."""
+    root, hf, drafter = setup
+    drafter = copy.deepcopy(drafter)  # the module's drafter stays trained for whole blocks alone
+    drafter.config.dflash_config = {**drafter.config.dflash_config, "block_sizes": [3, BLOCK]}
+    save_dflash(drafter, root / "short-blocks", dtype=torch.float32)
+    sequence = hf.generate(torch.tensor([[5, 17, 33, 9, 11, 40, 41]]), do_sample=False, max_new_tokens=12,
+                           eos_token_id=[], pad_token_id=0)[0].tolist()
+    anchors = [7, 10, 14]
+
+    target = tiny_target(root / "target", eos=())
+    paged = load_drafter(root / "short-blocks", target.model)
+    engine = Engine(target, EngineConfig(device="cpu", num_kv_pages=256, page_size=4, verify="auto"), paged)
+    requests = [engine.add_request(sequence[:a], SamplingParams(max_new_tokens=40)) for a in anchors]
+    engine.step()
+    assert paged.block_rows(1) == 3
+    want = paged._step(requests, eager=True, length=1)  # [3, 1, vocab]
+
+    frozen = frozen_target(root)
+    batch = batch_of([sequence], [7])
+    anchor_set = Anchors(torch.tensor([anchors]), torch.ones(1, 3, dtype=torch.bool), torch.full((1, 3), 3))
+    embeds = frozen.embed(block_input_ids(batch.input_ids, anchor_set, BLOCK, MASK))
+    with torch.no_grad():
+        hidden = block_hidden(drafter, frozen.features(batch.input_ids), embeds, anchor_set.positions,
+                              anchor_set.block_sizes)
+        got = drafter.block_logits(hidden[0, :, 1:2], frozen.lm_head)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_trainer_of_shorter_blocks_declares_them(setup, tmp_path):
+    root, _, drafter = setup
+    trainer = make_trainer(root, tmp_path, drafter.state_dict(), block_sizes=(2, 3), max_steps=2, eval_every=2)
+    assert trainer.model.config.dflash_config["block_sizes"] == [2, 3, BLOCK]
+    assert len(trainer.train(progress=False)) == 2
+    with pytest.raises(ValueError, match="block sizes to train"):
+        make_trainer(root, tmp_path / "bad", drafter.state_dict(), block_sizes=(1,))
 
 
 # ---- (c) learning, (d) resume ----------------------------------------------------------------
