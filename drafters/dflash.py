@@ -118,17 +118,18 @@ class DFlashDrafter(ModelRunner, Drafter):
 
     def fixed_steps(self) -> list[FixedStep]:
         bs = self.block_size
-        # a padding request writes block_size context rows and the step's block rows
-        def dummy(batch: int, scratch: int) -> BatchLayout:
-            return BatchLayout.dummy(batch, bs, bs, self.page_size, scratch, causal=False)
 
-        steps = [FixedStep((DRAFT_STEP, n), f"draft of {n}",
-                           lambda batch, scratch, b=self.block_rows(n): BatchLayout.dummy(batch, b, b, self.page_size,
-                                                                                          scratch, causal=False),
-                           bs + self.block_rows(n), lambda batch, n=n: self._draft_body(batch, length=n))
-                 for n in self.draft_lengths]
+        def dummy(block: int):  # a padding request writes block_size context rows and `block` block rows
+            return lambda batch, scratch: BatchLayout.dummy(batch, block, block, self.page_size, scratch, causal=False)
+
+        def draft_step(n: int) -> FixedStep:
+            block = self.block_rows(n)
+            return FixedStep((DRAFT_STEP, n), f"draft of {n}", dummy(block), bs + block,
+                             lambda batch: self._draft_body(batch, length=n))
+
+        steps = [draft_step(n) for n in self.draft_lengths]
         if self.candidates_out is not None:  # only the steps that feed a token tree pay for the top k
-            steps.append(FixedStep(CANDIDATES_STEP, CANDIDATES_STEP, dummy, 2 * bs,
+            steps.append(FixedStep(CANDIDATES_STEP, CANDIDATES_STEP, dummy(bs), 2 * bs,
                                    lambda batch: self._draft_body(batch, candidates=True),
                                    max_rung=self.context.candidates_max_batch))
         return steps

@@ -5,9 +5,9 @@ of block j (anchor a_j) sees
 
     context position p   iff p < a_j          (the features the drafter has when a_j is the last
                                                committed token; a_j's own features are not known yet)
-    block token (i, k')  iff i == j           (its own block, non-causal, all bs tokens; with block sizes
-                        and k' < size_j              drawn per block, its first size_j tokens: a block of
-                                                     that size at inference)
+    block token (i, k')  iff i == j           (its own block, non-causal, all bs tokens)
+                         and k' < size_j      (with block sizes drawn per block: its first size_j tokens,
+                                               a block of that size at inference)
 
 which is exactly the inference situation of each block, so one forward trains A blocks at once.
 No query row is empty: every query sees its own block.
