@@ -77,7 +77,7 @@ import torch
 from attention.backend import AttentionBackend
 from attention.batch_layout import BatchLayout, real_page_metadata, slots_on_device
 from attention.kv_cache import FP8_DTYPE, LayerKV
-from attention.transfer import StagedIndices, pinned, upload
+from attention.transfer import CopyFence, StagedIndices, pinned, upload
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -106,7 +106,8 @@ _keep_mask_offsets_pinned()
 class GraphSlot:
     """The wrappers (one per cache dtype) and index buffers of one CUDA-graph batch size (their addresses
     never change), and pinned host buffers to plan from (reused once the copies of the slot's last plan have
-    run: `staged`). A token-tree rung (`tree`) plans its paged wrappers for the trees' context part, over
+    run: `host_fence`; a draft queued ahead is planned before the step's wait, and its copies may still be
+    queued). A token-tree rung (`tree`) plans its paged wrappers for the trees' context part, over
     buffers of their own, and keeps the step's page metadata (what its write slots and K/V moves read) in
     `kv_indptr` / `kv_indices`; its tree part has ragged wrappers with a custom mask of `example`'s tree size,
     planned once per tree size (later steps write only their masks)."""
@@ -141,7 +142,7 @@ class GraphSlot:
         # one wrapper per cache dtype over the same index buffers (each plan writes the same values), made
         # here so that the graph memory estimate counts them; the kernel is the rung's (`FlashInferBackend.fa2`)
         self.fa2 = fa2
-        self.staged: torch.cuda.Event | None = None  # recorded after the copies of the slot's last plan
+        self.host_fence = CopyFence(dev)  # marked after the copies of the slot's last plan
         kv_indptr, kv_indices, last_page_len = self.planned
         self.wrappers = {dtype: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr,
@@ -162,13 +163,6 @@ class GraphSlot:
                 backend.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=tree_indptr, kv_indptr_buf=tree_indptr,
                 custom_mask_buf=self.tree_masks, mask_indptr_buf=mask_indptr, backend="fa2")
                 for dtype in backend.kv_dtypes}
-
-    def reuse_host(self) -> None:
-        """Wait until the copies of the slot's last plan have run, so that its pinned host buffers can be written
-        again (a draft queued ahead is planned before the step's wait, and its copies may still be queued)."""
-        if self.staged is not None:
-            self.staged.synchronize()
-            self.staged = None
 
 
 class FlashInferBackend(AttentionBackend):
@@ -199,6 +193,9 @@ class FlashInferBackend(AttentionBackend):
         self.eager_tree_wrappers = {dtype: flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
             self.workspace, "NHD", backend="fa2") for dtype in self.kv_dtypes}
         self.tree_wrappers: dict | None = None
+        # the eager wrappers' plans write pinned buffers of their own (FlashInfer's), which the plan's copy to the GPU
+        # reads when the stream reaches it: the next eager plan waits for the last one's copies (`CopyFence`)
+        self.eager_fence = CopyFence(device)
         # (layer, k, v) of the last write_kv since the step's plan: a tree part reads the step's rows from here
         # rather than back from the cache where they are stored as they are (the model's dtype). Reset by every
         # plan: a piecewise graph's attention runs apart from its write, which a replay does not pass through here
@@ -305,11 +302,13 @@ class FlashInferBackend(AttentionBackend):
                                                   layout.page_size))
         self.wrappers = self.eager_wrappers[self.fa2(layout)]
         one_piece = self.one_piece(layout) and self.one_piece_suits(layout.kv_lens)
+        self.eager_fence.wait()
         self._plan_wrappers(planned, pinned(planned.qo_indptr()), pinned(planned.kv_indptr()),
                             planned_indices if separate else self.kv_indices, pinned(planned.last_page_lens()),
                             pinned(planned.kv_lens), one_piece=one_piece, **extra)
         self.tree_wrappers = self._plan_trees(self.eager_tree_wrappers, layout, pinned(layout.qo_indptr())) if tree \
             else None
+        self.eager_fence.mark()
 
     def graph_slot(self, batch_size: int, max_pages: int, example: BatchLayout | None = None) -> GraphSlot:
         """The buffers and wrappers of one rung; `example` (a layout of the steps it will replay, padded to
@@ -339,7 +338,7 @@ class FlashInferBackend(AttentionBackend):
         self.wrappers, self.slot = slot.wrappers, slot
         self.kv_indices, self.kv_indptr = slot.kv_indices, slot.kv_indptr
         planned, extra = self._planned(layout, scratch_page)
-        slot.reuse_host()
+        slot.host_fence.wait()
         if planned is not layout:  # the step's own page metadata, for its write slots and K/V moves
             slot.step_index.stage("kv_indptr", layout.kv_indptr())
             slot.step_index.stage("kv_indices", layout.kv_indices)
@@ -365,9 +364,7 @@ class FlashInferBackend(AttentionBackend):
             slot.split = split
         # the tree part's indptr: the context's qo_indptr (the same queries), staged above
         self.tree_wrappers = self._plan_trees(slot.tree_wrappers, layout, qo_indptr, slot) if tree else None
-        if self.device.type == "cuda":
-            slot.staged = torch.cuda.Event()
-            slot.staged.record()
+        slot.host_fence.mark()
 
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
         """A graph rung planned for upper bounds (`device_lengths`): its page metadata becomes the real lengths'

@@ -43,6 +43,28 @@ class HostCopy:
         return self._host.tolist()
 
 
+class CopyFence:
+    """Guards pinned host buffers that queued copies read. A copy from pinned memory reads the host bytes when the
+    stream reaches it, not when it is queued, so buffers written again before then change what an earlier step,
+    still queued, receives. The window is normally microseconds (the copy follows the work the host last waited
+    for), but on a GPU shared with other processes their work can run first for milliseconds. `mark` after queuing
+    the copies; `wait` before writing the buffers again (normally the copies have long run, and it returns at once)."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self._copied: torch.cuda.Event | None = None
+
+    def mark(self) -> None:
+        if self.cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def wait(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+
 ALIGN = 64  # int32s: 256 bytes
 
 

@@ -68,6 +68,26 @@ def test_a_sliding_window_matches_reference(name, kv, window_left):
     assert rel_error(out, ref) <= REL_BOUND
 
 
+def test_an_eager_plan_waits_until_the_last_eager_plans_copies_have_run():
+    """FlashInfer's plan writes pinned host buffers of its wrapper, which the plan's copy to the GPU reads when the
+    stream reaches it: written again before then, they hand the queued step the next step's plan (three engines
+    sharing one H200 hit illegal memory accesses so, BENCHMARKS.md). So with the GPU busy (a spin kernel queued
+    first), a second eager plan returns only once the first plan's copies have run."""
+    first, second = (PagedCase(*CASES[name], page_size=16, kv_dtype=torch.bfloat16, device="cuda",
+                               dtype=torch.bfloat16) for name in ("decode", "verify_page_boundaries"))
+    backend = flashinfer_backend(torch.bfloat16)
+    for case in (first, second):  # kernels loaded, buffers sized: the timed plans below do host work only
+        backend.plan(case.layout)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # ~0.25 s of GPU time queued ahead of the first plan's copies
+    backend.plan(first.layout)
+    first_planned = torch.cuda.Event()
+    first_planned.record()
+    backend.plan(second.layout)
+    assert first_planned.query(), "the second plan returned while the first plan's copies were still queued"
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("rows", [1, 37, 300])
 def test_the_append_kernel_stores_what_the_indexed_write_stores(rows):
     """A layer in the model's dtype is written by FlashInfer's append kernel: the bytes `LayerKV.write` stores, at the
