@@ -37,21 +37,26 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="demo name or HF dir (default: random weights, the default target's shape)")
     p.add_argument("--drafter", help="DFlash drafter (default: the shipped one; --quick: a tiny random one)")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--batches", type=int, nargs="+", help="batch sizes (default: 1 16 64; --quick: 1 2)")
     p.add_argument("--systems", nargs="+", choices=("AR", "DFlash"), default=["DFlash", "AR"])
-    p.add_argument("--prompt-tokens", type=int, default=700)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, help="default: 700 (--quick: 16)")
+    p.add_argument("--max-new-tokens", type=int, help="default: 128 (--quick: 6)")
     p.add_argument("--top", type=int, default=45, help="functions listed per profile")
     p.add_argument("--device", default="cuda")
     p.add_argument("--verify", nargs="+", choices=("chain", "tree", "auto"), default=["chain"],
                    help="DFlash: the verify policies profiled, one engine each")
     p.add_argument("--timeline", action="store_true",
                    help="DFlash chain: also the host's path from a step's tokens to the next verify's launch, per piece")
-    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes")
+    p.add_argument("--quick", action="store_true",
+                   help="CPU smoke run: tiny sizes (sizes given still apply: e.g. --batches 256 for the host's "
+                        "per-request work)")
     p.add_argument("--out", help="also write the report here")
     args = p.parse_args(argv)
+    defaults = ([1, 2], 16, 6) if args.quick else ([1, 16, 64], 700, 128)
+    args.batches, args.prompt_tokens, args.max_new_tokens = (given or default for given, default in zip(
+        (args.batches, args.prompt_tokens, args.max_new_tokens), defaults))
     if args.quick:
-        args.batches, args.prompt_tokens, args.max_new_tokens, args.device, args.top = [1, 2], 16, 6, "cpu", 10
+        args.device, args.top = "cpu", 10
     args.device = torch.device(args.device)
     return args
 

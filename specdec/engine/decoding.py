@@ -99,15 +99,18 @@ class StepTransfer:
         self.shape, self.prefill = tuple(rows.shape), prefill
         if first_tokens is None and prefill is not None and prefill.sample_first is not None:
             first_tokens = prefill.sample_first(prefill.out.logits)
-        flat = rows.reshape(-1)
-        self._copy = HostCopy(torch.cat([flat, first_tokens]) if first_tokens is not None else flat)
+        self.with_first_tokens = first_tokens is not None
+        # without first tokens the rows are copied as they are: their lists come from one tolist, without a Python
+        # slice per row
+        self._copy = HostCopy(torch.cat([rows.reshape(-1), first_tokens]) if self.with_first_tokens else rows)
 
     def read(self) -> list[list[int]]:
         """`rows` as lists (and the first tokens into `prefill.first_tokens`)."""
         host = self._copy.tolist()
-        (batch, k), prefill = self.shape, self.prefill
-        if prefill is not None and prefill.sample_first is not None:
-            prefill.first_tokens = host[batch * k:]
+        if not self.with_first_tokens:
+            return host
+        batch, k = self.shape
+        self.prefill.first_tokens = host[batch * k:]
         return [host[i:i + k] for i in range(0, batch * k, k)]
 
 

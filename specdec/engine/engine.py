@@ -43,7 +43,7 @@ from specdec.engine.grammar import Grammars
 from specdec.engine.logprobs import LogprobRows, TokenLogprob, unpack, wants_logprobs
 from specdec.engine.request import Request
 from specdec.engine.request_limits import RequestLimits
-from specdec.engine.sampler import adjusts_logits, make_generator, sample_rows
+from specdec.engine.sampler import make_generator, sample_rows
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.speculator import SpeculativeDecoding
@@ -349,7 +349,7 @@ class Engine:
         if self.drafter is not None and decode:
             self.decoding.policy.ran(plain, len(decode))
         steady = self.flight is not None
-        in_order = (self.overlap and any(adjusts_logits(r.params) for r in decode)) or (
+        in_order = (self.overlap and any(r.params.adjusts_logits for r in decode)) or (
             self.drafter is not None and not plain)
         landed = in_order and steady
         if landed:
@@ -491,7 +491,7 @@ class Engine:
             log.exception("request %s failed while committing tokens", request.request_id)
             request.finish("error", f"request {request.request_id} failed: {type(err).__name__}: {err}")
             return 0
-        on_commit(request, tokens[:taken])
+        on_commit(request, tokens if taken == len(tokens) else tokens[:taken])  # most requests take them all
         return taken
 
     # ---- forwards ----------------------------------------------------------------------------
@@ -605,12 +605,15 @@ class Engine:
         logprobs = self.decoding.logprobs or [None] * len(running)
         if prefill is not None:  # arrivals first, as in a step that prefills alone
             self._prefilled(chunks, prefill, starting, on_commit)
+        speculating = self.drafter is not None
+        verify_length = self.decoding.verify_length if speculating else None  # read once per step
         for request, committed, logprob in zip(running, tokens, logprobs):
             taken = self.commit(request, committed, on_commit, logprob)
             # acceptance length: what the step committed (0: the request failed alone while committing)
-            if self.drafter is not None and taken:
-                request.stats.acceptance_lengths.append(taken)
-                request.stats.verify_lengths.append(self.decoding.verify_length)
+            if speculating and taken:
+                stats = request.stats
+                stats.acceptance_lengths.append(taken)
+                stats.verify_lengths.append(verify_length)
 
     # ---- convenience -------------------------------------------------------------------------
     @torch.no_grad()

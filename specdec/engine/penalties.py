@@ -20,11 +20,6 @@ from attention.transfer import upload
 CHUNK_BYTES = 128 << 20  # float32 rows handled at once (150k-token vocabularies: 13 requests of 16 rows)
 
 
-def penalized(params) -> bool:
-    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-                or params.logit_bias)
-
-
 def penalized_rows(logits: torch.Tensor, requests: list, drafts: torch.Tensor | None) -> torch.Tensor:
     """The verified rows of P requests [P * q, vocab] (any dtype) -> float32 logits with each request's
     penalties applied; drafts [P, q - 1] on the device (None for one-row steps). All requests at once: a few

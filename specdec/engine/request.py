@@ -95,7 +95,10 @@ class Request:
 
     @property
     def decoding(self) -> bool:
-        return (bool(self.output_ids) or self.in_flight) and self.target_pages.length == self.prefill_len
+        """Whether its prefill is done: the cache holds every token but the pending one (`prefill_len`, written out
+        for a request with output: the scheduler asks this of every running request at every step)."""
+        generated = len(self.output_ids) + self.in_flight
+        return generated > 0 and self.target_pages.length == len(self.prompt_ids) + generated - 1
 
     @property
     def can_take_more(self) -> bool:
@@ -163,16 +166,18 @@ class Request:
         commits several tokens of every running request, so this runs for most requests of every step."""
         if not tokens:
             return 0
-        room = self._room(len(self.output_ids))
-        taken = tokens[:max(room, 1)]  # commit() takes one token even past the limits, then finishes
+        output, stats = self.output_ids, self.stats
+        room = self._room(len(output))
+        # commit() takes one token even past the limits, then finishes (most steps fit: no copy)
+        taken = tokens if len(tokens) <= room else tokens[:max(room, 1)]
         reason = "length" if len(taken) >= room else None
         if not self.params.ignore_eos and not self.eos_token_ids.isdisjoint(taken):
             end = next(n for n, token in enumerate(taken, start=1) if token in self.eos_token_ids)
             taken, reason = taken[:end], "stop"
-        self.output_ids.extend(taken)
-        self.stats.generated_tokens = len(self.output_ids)
-        if self.stats.first_token_time is None:
-            self.stats.first_token_time = time.perf_counter()
+        output.extend(taken)
+        stats.generated_tokens = len(output)
+        if stats.first_token_time is None:
+            stats.first_token_time = time.perf_counter()
         if reason is not None:
             self.finish(reason)
         return len(taken)

@@ -17,7 +17,7 @@ import torch
 
 from attention.transfer import HostCopy, upload
 from specdec.engine.grammar import bitmask, masked
-from specdec.engine.penalties import penalized, penalized_rows
+from specdec.engine.penalties import penalized_rows
 from specdec.engine.sampling_params import SamplingParams
 
 
@@ -75,12 +75,6 @@ def make_generator(seed: int | None) -> random.Random:
     return random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
 
 
-def adjusts_logits(params: SamplingParams) -> bool:
-    """Whether a request's rows are reshaped before sampling (penalties, logit bias, structured output): they
-    depend on its output so far, which the host holds, so its steps run in order and verify chains."""
-    return penalized(params) or params.structured_output is not None
-
-
 def sample_block(out, requests: list, rows_per_request: int, drafts: torch.Tensor | None = None,
                  drafts_host: HostCopy | None = None) -> torch.Tensor:
     """Tokens for every row of a block step (`out` has the rows' `logits` and their argmax `greedy`):
@@ -95,14 +89,14 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor | None, requests: lis
     applied: penalties (specdec/engine/penalties.py), then the grammar's mask (specdec/engine/grammar.py).
     `drafts` [B, rows - 1]: what each row follows (`drafts_host`: their copy on its way to the host, started
     before the forward). Each request's random stream is drawn from once per row either way."""
-    adjusted = [i for i, r in enumerate(requests) if adjusts_logits(r.params)]
+    adjusted = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
     if not adjusted:
         if all(r.params.greedy for r in requests):
             return greedy if greedy is not None else logits.argmax(dim=-1)
         return sample_batch(logits, [rows_per_request] * len(requests), [r.params for r in requests],
                             [r.generator for r in requests])
     tokens = (greedy if greedy is not None else logits.argmax(dim=-1))[:len(requests) * rows_per_request].clone()
-    others = [i for i, r in enumerate(requests) if not r.params.greedy and not adjusts_logits(r.params)]
+    others = [i for i, r in enumerate(requests) if not r.params.greedy and not r.params.adjusts_logits]
     for chosen, adjust in ((others, False), (adjusted, True)):
         if not chosen:
             continue
@@ -121,7 +115,7 @@ def _adjusted(rows: torch.Tensor, requests: list, chosen: list[int], rows_per_re
               drafts: torch.Tensor | None, drafts_host: HostCopy | None) -> torch.Tensor:
     """The rows of `requests` (requests[j] is the step's request chosen[j]) with their penalties and grammar
     masks applied."""
-    if any(penalized(r.params) for r in requests):
+    if any(r.params.penalized for r in requests):
         rows = penalized_rows(rows, requests, drafts[upload(np.asarray(chosen), rows.device)]
                               if drafts is not None else None)
     if any(r.matcher is not None for r in requests):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from specdec.engine.structured_output import StructuredOutput
 
@@ -121,9 +122,23 @@ class SamplingParams:
         if problems:
             raise ValueError("invalid sampling parameters: " + "; ".join(problems))
 
-    @property
+    # the derived flags below are cached (settings never change): the engine asks them of every request at every step
+
+    @cached_property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @cached_property
+    def penalized(self) -> bool:
+        """Penalties or a logit bias on the target's logits (specdec/engine/penalties.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
+
+    @cached_property
+    def adjusts_logits(self) -> bool:
+        """Whether the request's rows are reshaped before sampling (penalties, logit bias, structured output): they
+        depend on its output so far, which the host holds, so its steps run in order and verify chains."""
+        return self.penalized or self.structured_output is not None
 
     def for_sample(self, j: int) -> SamplingParams:
         """The settings of answer j of n: one answer, seeded with seed + j (mod 2**63) when seeded."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from attention.page_pool import PagePool
+from attention.page_pool import PagePool, pages_for
 from attention.prefix_cache import PrefixCache
 from specdec.engine.request import Request, Status
 
@@ -172,7 +172,7 @@ class Scheduler:
     def _growth(self, request: Request, tokens: int) -> int:
         """New pages `request` needs to hold `tokens` more slots."""
         table = request.target_pages
-        return self.pool.pages_for(table.length + tokens) - table.num_pages
+        return pages_for(table.length + tokens, self.pool.page_size) - table.num_pages
 
     def _tokens_that_fit(self, request: Request, free_pages: int) -> int:
         table = request.target_pages

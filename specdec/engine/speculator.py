@@ -9,8 +9,9 @@
     tokens  = drafts[:a] + [bonus]; target cache -> start + a + 1 (whole pages past one more block back to the pool);
     the drafter's context grows by the features of positions start .. start + a.
 
-One device-to-host transfer per step (drafts, a and bonus together); a step with a grammar (structured
-output) adds one, of the drafts, which its masks walk on the host while the verify runs. With `draft_ahead`
+One device-to-host transfer per step (the target's tokens and a together: the accepted drafts are the target's
+own tokens); a step with a grammar (structured output) adds one, of the drafts, which its masks walk on the host
+while the verify runs. With `draft_ahead`
 the next step's draft is queued right after the transfer (from the acceptance on the device, see
 `Drafter.propose_next`), so the GPU drafts while the host reads and commits; its length is the policy's choice
 for the next step's batch then, and that step verifies no more drafts than it holds. The engine commits the tokens;
@@ -20,6 +21,7 @@ target pages and drafter state, so the rollback and the drafter's context need n
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from attention.transfer import HostCopy
@@ -28,7 +30,7 @@ from specdec.engine.decoding import Launched, PlainDecoding, StepTransfer
 from specdec.engine.drafter import Drafter
 from specdec.engine.logprobs import LogprobRows, TokenLogprob, wants_logprobs
 from specdec.engine.request import Request
-from specdec.engine.sampler import adjusts_logits, sample_block
+from specdec.engine.sampler import sample_block
 from specdec.engine.tree_speculator import TreeDecoding
 from specdec.engine.verify_policy import PLAIN, TREE, VerifyPolicy
 from specdec.runtime.target_runner import Carried, PrefillChunks, TargetRunner
@@ -71,8 +73,8 @@ class SpeculativeDecoding:
         self.logprobs = None
         nodes = self.tree.nodes_for(batch) if self.tree is not None else 0
         # logprobs, penalties and grammars work on the rows of a chain's verify: a step with a request that asks for
-        # one verifies a chain (of the length the policy picks)
-        chains_only = wants_logprobs(running) or any(adjusts_logits(r.params) for r in running)
+        # one verifies a chain (of the length the policy picks). Asked only where the policy may pick a tree
+        chains_only = self.policy.tree and (wants_logprobs(running) or any(r.params.adjusts_logits for r in running))
         q = self.policy.choose(batch, nodes, trees=not chains_only, plain=False)
         self.option = q
         if q == TREE:
@@ -86,37 +88,41 @@ class SpeculativeDecoding:
         if queued is not None:
             q = min(q, queued + 1)
         self.option = self.verify_length = q  # the chain that runs: its wall time is weighed against its cost
-        starts = [r.num_cached for r in running]
+        tables = [r.target_pages for r in running]
+        starts = [t.length for t in tables]
         drafts = self.drafter.propose(running, q - 1)[:, :q - 1]  # [B, q-1] on the device
         # grammars walk the drafts on the host: their copy is queued before the verify, which runs while the
         # masks are computed
         drafts_host = HostCopy(drafts) if any(r.matcher is not None for r in running) else None
-        out = self.runner.run_block([r.target_pages for r in running], [r.pending_token for r in running], drafts, q,
-                                     prefill)
+        out = self.runner.run_block(tables, [r.pending_token for r in running], drafts, q, prefill)
         first_tokens = self._prefilled(prefill)
         targets = sample_block(out, running, q, drafts, drafts_host)
         accepted, bonus = accept(drafts, targets.view(batch, q))
         rows = LogprobRows.start(out.logits, targets, running, q)  # committed token j is the target's at row j
-        transfer = StepTransfer(torch.cat([drafts, accepted[:, None].long(), bonus[:, None]], dim=1), prefill,
+        # the accepted drafts equal the target's tokens at their rows, and the bonus is its token after them: a
+        # request commits the first a + 1 of its target tokens, so those and a are all the host reads
+        transfer = StepTransfer(torch.cat([targets.view(batch, q), accepted[:, None].long()], dim=1), prefill,
                                 first_tokens)
         starting = prefill.starting if first_tokens is not None else []
         drafting = running + starting
         ahead = self._queue_next_draft(running, starting, bonus, accepted, first_tokens, q)
         host = transfer.read()
-        tokens = []
-        for row, request, start in zip(host, running, starts):
-            a = row[q - 1]
-            tokens.append(row[:a] + [row[q]])
+        tokens, counts = [], []
+        room = self.tokens_per_step
+        for row, table, start in zip(host, tables, starts):
+            count = row[q] + 1
+            tokens.append(row[:count])
+            counts.append(count)
             # keep K/V of the anchor and the accepted drafts; the bonus is the new pending token. The pages of the
             # next step's block stay with the request (it writes there again)
-            request.target_pages.truncate(start + a + 1, room=self.tokens_per_step)
+            table.truncate(start + count, room=room)
         if rows is not None:
             self.logprobs = rows.read(tokens)
-        self.policy.observe([len(t) - 1 for t in tokens], q)
+        self.policy.observe(np.subtract(counts, 1), q)
         if ahead:
-            self.drafter.settle(drafting, [len(t) for t in tokens] + [0] * len(starting))
+            self.drafter.settle(drafting, counts + [0] * len(starting))
         else:  # request i's verify features start at row i * q
-            self.drafter.extend(running, out.features, [i * q for i in range(batch)], [len(t) for t in tokens])
+            self.drafter.extend(running, out.features, [i * q for i in range(batch)], counts)
         return tokens
 
     def _queue_next_draft(self, running: list[Request], starting: list[Request], bonus: torch.Tensor,
@@ -142,7 +148,7 @@ class SpeculativeDecoding:
         """Whether the policy runs the step of `running` as a plain decoding step (PLAIN): no draft pays at this
         batch. Not for requests whose tokens the host must follow one by one (penalties, grammars)."""
         return (PLAIN in self.policy.lengths and self.policy.choose(len(running), trees=False) == PLAIN
-                and not any(adjusts_logits(r.params) for r in running))
+                and not any(r.params.adjusts_logits for r in running))
 
     @torch.no_grad()
     def launch(self, running: list[Request], prefill: PrefillChunks | None, carried: Carried | None,

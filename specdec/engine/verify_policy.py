@@ -339,14 +339,10 @@ class VerifyPolicy:
         self._expected = None
         self.accepted *= DECAY
         self.seen *= DECAY
-        # positions 0..a-1 were accepted; position a (if verified) was rejected; beyond it, unseen: position
-        # j counts the requests with more than j positions verified (accepted), counted at once
+        # positions 0..a-1 were accepted; position a (if verified) was rejected; beyond it, unseen: position j
+        # was verified by the requests with at least j drafts accepted (j < q - 1: one of the drafts verified) and
+        # accepted by those with more than j, all counted at once from one histogram
         a = np.asarray(accepted, dtype=np.int64)
-        n = len(self.seen)
-        self.seen += at_least(np.minimum(a + 1, q - 1), n)
-        self.accepted += at_least(a, n)
-
-
-def at_least(counts: np.ndarray, n: int) -> np.ndarray:
-    """[n]: at index j, how many of `counts` exceed j."""
-    return np.cumsum(np.bincount(counts, minlength=n + 1)[::-1])[::-1][1:n + 1]
+        at_or_past = np.cumsum(np.bincount(a, minlength=len(self.seen) + 1)[::-1])[::-1]  # [j]: how many a >= j
+        self.seen[:q - 1] += at_or_past[:q - 1]
+        self.accepted += at_or_past[1:]

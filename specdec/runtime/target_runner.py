@@ -33,6 +33,11 @@ from specdec.runtime.model_runner import FixedStep, ModelRunner, TokenStep
 from specdec.runtime.piecewise_graphs import Cut
 
 
+def table_lengths(tables: list[PageTable]) -> np.ndarray:
+    """The tables' lengths (int64), read in one pass."""
+    return np.fromiter((t.length for t in tables), dtype=np.int64, count=len(tables))
+
+
 @dataclass
 class BlockOutput:
     logits: torch.Tensor  # [B * q, vocab], model dtype
@@ -181,9 +186,12 @@ class TargetRunner(ModelRunner):
         return self.model(token_ids, positions, self.kv, self.attn, logits_rows=logits_rows,
                           feature_layers=feature_layers)
 
-    def _grow(self, tables: list[PageTable], q_lens: list[int]) -> BatchLayout:
-        """Append q_lens[i] tokens to request i's table; the causal layout of those new tokens."""
-        ends = np.array([t.length for t in tables], dtype=np.int32) + np.asarray(q_lens, dtype=np.int32)
+    def _grow(self, tables: list[PageTable], q_lens: list[int], lengths: np.ndarray | None = None) -> BatchLayout:
+        """Append q_lens[i] tokens to request i's table; the causal layout of those new tokens. `lengths`: the tables'
+        lengths before (`table_lengths`), where the caller has read them already."""
+        if lengths is None:
+            lengths = table_lengths(tables)
+        ends = (lengths + np.asarray(q_lens)).astype(np.int32)
         for table, n in zip(tables, q_lens):
             table.grow(n)
         return BatchLayout.for_tokens(q_lens, ends, [t.array for t in tables], self.page_size, causal=True,
@@ -195,11 +203,13 @@ class TargetRunner(ModelRunner):
         `carried` replaces some first tokens with ones still on the device (overlapped steps).
         With `prefill`, its chunks run in the same forward and `prefill.out` is set; a step whose graph rung declines
         its KV lengths (`AttentionBackend.graph_fits`) runs the same way, without chunks."""
-        if prefill is not None or self._rung_declines(q, tables):
+        if prefill is not None:
             return self._run_mixed(tables, first_tokens, rest, q, prefill, carried)
         batch = len(tables)
-        starts = np.array([t.length for t in tables], dtype=np.int64)
-        layout = self._grow(tables, [q] * batch)
+        starts = table_lengths(tables)  # read once (a pass over the batch): the rung's check, the layout, the inputs
+        if self._rung_declines(q, starts):
+            return self._run_mixed(tables, first_tokens, rest, q, prefill, carried)
+        layout = self._grow(tables, [q] * batch, starts)
         inputs = self.inputs[q]
         ids = np.zeros((batch, q), dtype=np.int64)
         ids[:, 0] = first_tokens
@@ -213,13 +223,12 @@ class TargetRunner(ModelRunner):
                       after_upload=device_tokens_into_ids if rest is not None or carried is not None else None)
         return self._block_output(batch * q)
 
-    def _rung_declines(self, q: int, tables: list[PageTable]) -> bool:
-        """Whether the graph rung that would replay a block step of `tables` declines their KV lengths after it (one
-        request's KV far longer than the others' where the rung keeps each in one piece)."""
+    def _rung_declines(self, q: int, starts: np.ndarray) -> bool:
+        """Whether the graph rung that would replay a block step of requests at lengths `starts` declines their KV
+        lengths after it (one request's KV far longer than the others' where the rung keeps each in one piece)."""
         ladder = self.ladders.get(q)
-        rung = ladder.rung_for(len(tables)) if ladder is not None else None
-        return rung is not None and not self.attn.graph_fits(
-            ladder.slot(rung), lambda: np.fromiter((t.length + q for t in tables), dtype=np.int64, count=len(tables)))
+        rung = ladder.rung_for(len(starts)) if ladder is not None else None
+        return rung is not None and not self.attn.graph_fits(ladder.slot(rung), lambda: starts + q)
 
     def run_prefill(self, prefill: PrefillChunks) -> None:
         """Prompt chunks alone (a step with nothing to decode); sets `prefill.out`."""
