@@ -95,10 +95,7 @@ class Request:
 
     @property
     def decoding(self) -> bool:
-        """Whether its prefill is done: the cache holds every token but the pending one (`prefill_len`, written out
-        for a request with output: the scheduler asks this of every running request at every step)."""
-        generated = len(self.output_ids) + self.in_flight
-        return generated > 0 and self.target_pages.length == len(self.prompt_ids) + generated - 1
+        return (bool(self.output_ids) or self.in_flight) and self.target_pages.length == self.prefill_len
 
     @property
     def can_take_more(self) -> bool:
