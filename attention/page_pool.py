@@ -96,6 +96,25 @@ class PagePool:
         self._free.append(page)
 
 
+def grow_tables(tables: list["PageTable"], counts: list[int]) -> None:
+    """`PageTable.grow` of each of `tables` (distinct tables of one pool) by its count, the pages they need taken from
+    the pool in one call (a step that holds one context row per request grows hundreds of tables at once). Nothing
+    changes when the pool has too few pages."""
+    if not tables:
+        return
+    pool, page_size = tables[0].pool, tables[0].pool.page_size
+    lengths = [table.length + count for table, count in zip(tables, counts)]
+    needs = [-(-length // page_size) - table.num_pages for table, length in zip(tables, lengths)]
+    taken = pool.take(sum(n for n in needs if n > 0))
+    start = 0
+    for table, length, need in zip(tables, lengths, needs):
+        if need > 0:
+            table._extend(taken[start:start + need], length)
+            start += need
+        else:
+            table.length = length
+
+
 class PageTable:
     """One sequence's pages and length. All growth and shrinkage goes through the pool.
 
@@ -141,8 +160,11 @@ class PageTable:
         if length <= self.num_pages * self.pool.page_size:  # room in the pages held: a step's usual case
             self.length = length
             return
-        end = self.pool.pages_for(length)
-        new = self.pool.take(end - self.num_pages)
+        self._extend(self.pool.take(self.pool.pages_for(length) - self.num_pages), length)
+
+    def _extend(self, new: list[int], length: int) -> None:
+        """Append pages `new` (taken for this table) and set the length they make room for."""
+        end = self.num_pages + len(new)
         if end > len(self._ids):
             self._ids = np.resize(self._ids, max(end, 2 * len(self._ids)))
         self._ids[self.num_pages:end] = new

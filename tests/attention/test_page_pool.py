@@ -1,9 +1,10 @@
 """Page bookkeeping: random allocate / grow / truncate / free never leaks or shares a page."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention.page_pool import OutOfPagesError, PagePool, PageTable
+from attention.page_pool import OutOfPagesError, PagePool, PageTable, grow_tables
 
 ops = st.lists(st.tuples(st.sampled_from(["new", "grow", "truncate", "free"]), st.integers(0, 10**6),
                          st.integers(0, 40)), max_size=200)
@@ -108,3 +109,22 @@ def test_append_gives_the_slot_growing_by_one_would():
             assert position == grown.length - 1 == appended.length - 1, start
             assert page * 4 + position % 4 == grown.slot(position) == appended.slot(position), start
         assert appended.pages == grown.pages, start
+
+
+def test_growing_tables_together_is_growing_each_and_changes_nothing_when_pages_run_out():
+    pool, reference_pool = PagePool(40, 4), PagePool(40, 4)
+    lengths, counts = [0, 3, 4, 9, 13], [1, 1, 5, 3, 0]
+    tables, reference = [PageTable(pool) for _ in lengths], [PageTable(reference_pool) for _ in lengths]
+    for table, ref, length in zip(tables, reference, lengths):
+        table.grow(length)
+        ref.grow(length)
+    grow_tables(tables, counts)
+    for ref, count in zip(reference, counts):
+        ref.grow(count)
+    assert [(t.length, t.num_pages) for t in tables] == [(t.length, t.num_pages) for t in reference]
+    assert pool.num_free == reference_pool.num_free
+    assert all(len(set(t.pages)) == t.num_pages for t in tables)  # each its own pages
+    before = [(t.length, t.num_pages, t.pages) for t in tables], pool.num_free
+    with pytest.raises(OutOfPagesError):
+        grow_tables(tables, [4 * 40] * len(tables))
+    assert ([(t.length, t.num_pages, t.pages) for t in tables], pool.num_free) == before

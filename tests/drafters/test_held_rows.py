@@ -45,3 +45,22 @@ def test_held_rows_take_the_places_of_appending_them_row_by_row():
         assert [t.length for t in tables] == [t.length for t in reference]
         assert [t.num_pages for t in tables] == [t.num_pages for t in reference]
         assert pool.num_free == reference_pool.num_free
+
+
+def test_rows_of_plain_steps_of_the_same_requests_take_the_places_of_appending_them_row_by_row():
+    """`_stage_repeated`: the same requests in the same order at every held step (the usual case under load)."""
+    rng = random.Random(1)
+    for _ in range(50):
+        lengths = [rng.randrange(0, 13) for _ in range(rng.randrange(1, 7))]
+        order = rng.sample(range(len(lengths)), len(lengths))
+        steps = rng.randrange(1, 9)
+        pool, reference_pool = PagePool(200, 4), PagePool(200, 4)
+        tables, reference = tables_at(lengths, pool), tables_at(lengths, reference_pool)
+        drafter = StagedPlaces()
+        assert DFlashDrafter._stage_repeated(drafter, [tables[i] for i in order], steps) == steps * len(order)
+        rows = order * steps
+        positions = [reference[i].append()[0] for i in rows]
+        pages = [int(tables[i].array[p // 4]) for i, p in zip(rows, positions)]
+        assert drafter.places == [positions, pages, [p % 4 for p in positions]]
+        assert [t.length for t in tables] == [t.length for t in reference]
+        assert pool.num_free == reference_pool.num_free

@@ -256,12 +256,20 @@ def test_plain_steps_hold_their_context_rows_and_write_them_together(target_dir,
         writes.append((len(held), len(held) - rows))
 
     drafter._write_held = recorded_write_held
+    repeated, stage_repeated = [], drafter._stage_repeated  # writes of rows of the same requests at every step
+
+    def recorded_stage_repeated(tables, steps):
+        repeated.append(steps)
+        return stage_repeated(tables, steps)
+
+    drafter._stage_repeated = recorded_stage_repeated
     requests = [engine.add_request(p, params) for p in prompts]
     preempted = []
     while engine.has_unfinished_requests:
         preempted += engine.step().preempted
     assert [r.output_ids for r in requests] == want
     assert preempted and any(dropped for _, dropped in writes)
+    assert repeated and len(repeated) < len(writes)  # both ways of staging the rows ran
     assert max(held for held, _ in writes) <= 9 and sum(held > 4 for held, _ in writes) > 3  # more than a step's
     assert not drafter.held_tables or all(t in drafter.dropped for t in drafter.held_tables)
     assert_no_leak(engine)
