@@ -50,6 +50,7 @@ from scripts.bench.random_models import TINY_SHAPE, random_target, tiny_drafter 
 from scripts.bench.runner import environment, release_memory  # noqa: E402
 from scripts.bench.step_trace import trace_bins, trace_table  # noqa: E402
 from scripts.bench.gpu_profile import range_activity, top_kernels  # noqa: E402
+from scripts.bench.host_waits import HostWaits  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 
 
@@ -81,7 +82,8 @@ class LoadRow:
     # every step in order: [prompt chunks in it (0/1), decoding requests, wall ms, tokens verified per request (1: a
     # plain step; None: plain decoding's engine, or no request decoding), the speculative and plain overheads `auto`
     # had learned for that batch after the step (ms), tokens committed in the step (an overlapped step commits the
-    # tokens of the one before it), the costs of switching to speculation and to plain steps `auto` had learned (ms)]:
+    # tokens of the one before it), the costs of switching to speculation and to plain steps `auto` had learned (ms),
+    # the time the host waited for the GPU in the step (ms; ~0: a host-bound step, scripts/bench/host_waits.py)]:
     # where a level's time went, what it delivered, and what the policy saw
     steps: list[list] | None = None
     started: float | None = None  # unix time the level began (to set it against machine logs, e.g. GPU clocks)
@@ -149,10 +151,11 @@ def random_prompts(vocab_size: int, count: int) -> list[list[int]]:
             for _ in range(count)]
 
 
-def timed_steps(engine) -> list[tuple]:
+def timed_steps(engine, waits: HostWaits) -> list[tuple]:
     """From now on, record (prefilled, decoding batch, seconds, tokens verified per request, learned overheads, tokens
-    committed, learned switch costs) of every engine step (each step is also a profiler range named STEP_RANGE);
-    verified, overheads and switch costs None without a drafter."""
+    committed, learned switch costs, seconds the host waited for the GPU while `waits` counts) of every engine step
+    (each step is also a profiler range named STEP_RANGE); verified, overheads and switch costs None without a
+    drafter."""
     records, schedule, step = [], engine.scheduler.schedule, engine.step
     plans = []
     decoding = engine.decoding if engine.drafter is not None else None
@@ -162,7 +165,7 @@ def timed_steps(engine) -> list[tuple]:
         return plans[-1]
 
     def timed_step(*args, **kwargs):
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), waits.seconds
         with torch.profiler.record_function(STEP_RANGE):
             out = step(*args, **kwargs)
         seconds = time.perf_counter() - start
@@ -172,7 +175,7 @@ def timed_steps(engine) -> list[tuple]:
             verified, overheads = decoding.verify_length, decoding.policy.overheads_at(len(plan.decode))
             switches = decoding.policy.switch_cost(False), decoding.policy.switch_cost(True)
         records.append((bool(plan.prefill), len(plan.decode), seconds, verified, overheads,
-                        sum(len(tokens) for _, tokens in out.committed), switches))
+                        sum(len(tokens) for _, tokens in out.committed), switches, waits.seconds - waited))
         return out
 
     engine.scheduler.schedule, engine.step = recording_schedule, timed_step
@@ -182,11 +185,13 @@ def timed_steps(engine) -> list[tuple]:
 def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, max_new_tokens: int) -> LoadRow:
     engine = llm.engine
     engine.scheduler.max_num_seqs = concurrency
-    records = timed_steps(engine)
+    waits = HostWaits()
+    records = timed_steps(engine, waits)
     plain_steps = counted_plain_steps(engine)
     params = SamplingParams(max_new_tokens=max_new_tokens)  # answers end where the model ends them: arrivals vary
     started, start = time.time(), time.perf_counter()
-    requests = engine.generate_ids(prompts, params)
+    with waits:
+        requests = engine.generate_ids(prompts, params)
     wall = time.perf_counter() - start
     del engine.step, engine.scheduler.schedule  # back to the class's methods
     if plain_steps is not None:
@@ -206,9 +211,10 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
 
 
 def step_trace(record: tuple) -> list:
-    prefilled, batch, seconds, verified, overheads, committed, switches = record
+    prefilled, batch, seconds, verified, overheads, committed, switches, waited = record
     in_ms = lambda pair: [round(1e3 * s, 3) for s in pair] if pair is not None else [None, None]  # noqa: E731
-    return [int(prefilled), batch, round(1e3 * seconds, 3), verified, *in_ms(overheads), committed, *in_ms(switches)]
+    return [int(prefilled), batch, round(1e3 * seconds, 3), verified, *in_ms(overheads), committed, *in_ms(switches),
+            round(1e3 * waited, 3)]
 
 
 def counted_plain_steps(engine) -> list | None:
@@ -256,7 +262,7 @@ def profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: i
     engine = llm.engine
     engine.scheduler.max_num_seqs = concurrency
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    records = timed_steps(engine)
+    records = timed_steps(engine, HostWaits())  # (not counting: the profiler's own waits)
     with torch.profiler.profile(activities=activities) as prof:
         engine.generate_ids(prompts, SamplingParams(max_new_tokens=max_new_tokens))
     del engine.step, engine.scheduler.schedule

@@ -28,6 +28,7 @@ class TraceBin:
     mean_batch: float
     tokens_per_request: float  # per step
     tokens_per_request_ms: float  # per request per ms of step
+    waited_ms: float | None = None  # median time the host waited for the GPU in a step (~0: host-bound steps)
 
 
 def trace_bins(steps: list[list]) -> list[TraceBin]:
@@ -43,18 +44,20 @@ def trace_bins(steps: list[list]) -> list[TraceBin]:
             requests = sum(s[1] for s in picked)
             tokens = requests if kind == "plain" else sum(s[6] for s in picked)
             wall = sum(s[2] for s in picked)
+            waits = [s[9] for s in picked if len(s) > 9]  # (traces written before waits were recorded lack them)
             bins.append(TraceBin(f">= {low}" if high is None else f"{low}-{high}", kind, len(picked), wall,
                                  statistics.median(s[2] for s in picked), requests / len(picked), tokens / requests,
-                                 tokens / requests / (wall / len(picked))))
+                                 tokens / requests / (wall / len(picked)), statistics.median(waits) if waits else None))
     return bins
 
 
 def trace_table(levels: list[tuple[str, int, list[TraceBin]]]) -> str:
     """Markdown: one line per (system, concurrency, batch range, kind)."""
-    lines = ["| system | concurrency | decode batch | kind | steps | wall ms | median ms | mean batch | "
-             "tokens per request | per request per ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| system | concurrency | decode batch | kind | steps | wall ms | median ms | host's wait for the GPU, "
+             "median ms | mean batch | tokens per request | per request per ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for system, concurrency, bins in levels:
         lines += [f"| {system} | {concurrency} | {b.batches} | {b.kind} | {b.steps} | {b.wall_ms:.1f} | "
-                  f"{b.median_ms:.2f} | {b.mean_batch:.0f} | {b.tokens_per_request:.2f} | {b.tokens_per_request_ms:.3f} |"
-                  for b in bins]
+                  f"{b.median_ms:.2f} | {'-' if b.waited_ms is None else f'{b.waited_ms:.2f}'} | {b.mean_batch:.0f} | "
+                  f"{b.tokens_per_request:.2f} | {b.tokens_per_request_ms:.3f} |" for b in bins]
     return "\n".join(lines)

@@ -6,27 +6,33 @@ from scripts.bench.step_trace import trace_bins, trace_table
 
 
 def test_decode_only_steps_are_summed_by_batch_range_and_kind():
-    # [prefilled, batch, wall ms, verified per request, overheads (2), committed, switch costs (2)]
-    steps = [[1, 0, 20.0, None, None, None, 256, None, None],  # the prompts' step: not a decode-only step
-             [0, 256, 3.0, 1, 0.0, 0.0, 0, 0.0, 0.0],  # plain (commits nothing yet: overlapped)
-             [0, 250, 4.0, 1, 0.0, 0.0, 256, 0.0, 0.0],
-             [0, 240, 8.0, 2, 0.0, 0.0, 600, 0.0, 0.0],  # a chain of 2
-             [0, 150, 6.0, 4, 0.0, 0.0, 330, 0.0, 0.0],
-             [1, 140, 9.0, 4, 0.0, 0.0, 300, 0.0, 0.0],  # with a prompt chunk: left out
-             [0, 10, 3.0, 8, 0.0, 0.0, 40, 0.0, 0.0]]
+    # [prefilled, batch, wall ms, verified per request, overheads (2), committed, switch costs (2), host's wait]
+    steps = [[1, 0, 20.0, None, None, None, 256, None, None, 0.0],  # the prompts' step: not a decode-only step
+             [0, 256, 3.0, 1, 0.0, 0.0, 0, 0.0, 0.0, 0.6],  # plain (commits nothing yet: overlapped)
+             [0, 250, 4.0, 1, 0.0, 0.0, 256, 0.0, 0.0, 0.0],  # host-bound
+             [0, 240, 8.0, 2, 0.0, 0.0, 600, 0.0, 0.0, 1.0],  # a chain of 2
+             [0, 150, 6.0, 4, 0.0, 0.0, 330, 0.0, 0.0, 0.5],
+             [1, 140, 9.0, 4, 0.0, 0.0, 300, 0.0, 0.0, 0.0],  # with a prompt chunk: left out
+             [0, 10, 3.0, 8, 0.0, 0.0, 40, 0.0, 0.0, 0.1]]
     bins = {(b.batches, b.kind): b for b in trace_bins(steps)}
     assert set(bins) == {(">= 200", "plain"), (">= 200", "speculative"), ("100-199", "speculative"),
                          ("1-31", "speculative")}
     plain = bins[">= 200", "plain"]
     assert (plain.steps, plain.wall_ms, plain.median_ms, plain.mean_batch) == (2, 7.0, 3.5, 253)
     assert plain.tokens_per_request == 1.0 and plain.tokens_per_request_ms == pytest.approx(1 / 3.5)
+    assert plain.waited_ms == pytest.approx(0.3)
     chain = bins[">= 200", "speculative"]
     assert chain.tokens_per_request == pytest.approx(2.5) and chain.tokens_per_request_ms == pytest.approx(2.5 / 8)
     assert bins["1-31", "speculative"].tokens_per_request == 4.0
     table = trace_table([("DFlash", 256, trace_bins(steps))])
-    assert "| DFlash | 256 | 100-199 | speculative | 1 | 6.0 | 6.00 | 150 | 2.20 | 0.367 |" in table
+    assert "| DFlash | 256 | 100-199 | speculative | 1 | 6.0 | 6.00 | 0.50 | 150 | 2.20 | 0.367 |" in table
 
 
 def test_a_run_without_a_drafter_has_only_plain_steps():
-    steps = [[0, 64, 2.0, None, None, None, 64, None, None], [0, 20, 1.0, None, None, None, 20, None, None]]
+    steps = [[0, 64, 2.0, None, None, None, 64, None, None, 0.5], [0, 20, 1.0, None, None, None, 20, None, None, 0.2]]
     assert [(b.batches, b.kind, b.steps) for b in trace_bins(steps)] == [("32-99", "plain", 1), ("1-31", "plain", 1)]
+
+
+def test_traces_recorded_before_the_hosts_waits_were_leave_that_column_empty():
+    bins = trace_bins([[0, 64, 2.0, None, None, None, 64, None, None]])
+    assert bins[0].waited_ms is None and "| 2.00 | - | 64 |" in trace_table([("AR", 64, bins)])
