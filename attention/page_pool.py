@@ -98,7 +98,7 @@ class PagePool:
 
 def grow_tables(tables: list["PageTable"], counts: list[int]) -> None:
     """`PageTable.grow` of each of `tables` (distinct tables of one pool) by its count, the pages they need taken from
-    the pool in one call (a step that holds one context row per request grows hundreds of tables at once). Nothing
+    the pool in one call (a step that holds one context row per request grows hundreds of tables at once). No table
     changes when the pool has too few pages."""
     if not tables:
         return

@@ -262,7 +262,7 @@ def profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: i
     engine = llm.engine
     engine.scheduler.max_num_seqs = concurrency
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    records = timed_steps(engine, HostWaits())  # (not counting: the profiler's own waits)
+    records = timed_steps(engine, HostWaits())  # (waits not counted under the profiler)
     with torch.profiler.profile(activities=activities) as prof:
         engine.generate_ids(prompts, SamplingParams(max_new_tokens=max_new_tokens))
     del engine.step, engine.scheduler.schedule
