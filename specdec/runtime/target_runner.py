@@ -313,18 +313,31 @@ class TargetRunner(ModelRunner):
         self.run_tokens(self.mixed_step, total, eager=not self._graphs_usable())
         hidden = self.mixed.hidden[:total]
         if n:
-            self.model.logits(hidden[:n], self.logits_out[:n])
+            block_rows = self._lm_head_rows(len(tables), q)
+            self.model.logits(self.mixed.hidden[:block_rows], self.logits_out[:block_rows])
             torch.argmax(self.logits_out[:n], dim=-1, out=self.greedy_out[:n])
         if prefill is None:
             return self._block_output(n)
         rows = np.concatenate([prefill.logits_rows, prefill.echo_rows]).astype(np.int64)
-        logits = self.model.logits(hidden[n + upload(rows, self.device)]) if len(rows) else None
+        # (the count padded to a power of two by repeating the last row: a handful of GEMM shapes, see `_lm_head_rows`)
+        padded = np.pad(rows, (0, (1 << (len(rows) - 1).bit_length()) - len(rows)), mode="edge") if len(rows) else rows
+        logits = self.model.logits(hidden[n + upload(padded, self.device)])[:len(rows)] if len(rows) else None
         if len(prefill.echo_rows):
             first = len(prefill.logits_rows)
             logits, prefill.echo_logits = (logits[:first] if first else None), logits[first:]
         features = self.features_out[n:total] if self.features_out is not None else None
         prefill.out = ForwardOutput(logits, features)
         return self._block_output(n)
+
+    def _lm_head_rows(self, batch: int, q: int) -> int:
+        """The rows a mixed step's output layer runs over for its `batch` requests' blocks of q: those of the block
+        step's graph rung for the batch (rung times q), past the block rows the step's other rows or stale ones, whose
+        logits are never read. A GEMM's first call at a row count cuBLAS has not met costs the host 0.1-4 ms choosing
+        its kernel (an H200, 2026-11-27); a rung's count was met in its capture's warm-up. The rung's count also gives
+        each row the bits the graph step gives it."""
+        ladder = self.ladders.get(q)
+        rung = ladder.rung_for(batch) if ladder is not None else None
+        return min(rung * q, self.logits_out.shape[0]) if rung is not None else batch * q
 
     def _graphs_usable(self) -> bool:
         """An FP8 cache still calibrating its scales reads them back on the host: not capturable."""

@@ -148,6 +148,32 @@ def test_mixed_step_graphs_equal_eager(model_dirs, drafter):
     print(json.dumps(report))
 
 
+@pytest.mark.parametrize("drafter", [False, True], ids=["ar", "dflash"])
+def test_a_mixed_steps_output_layer_runs_at_its_batch_rungs_rows(model_dirs, drafter):
+    """The output layer of a step with arrivals runs over the rows of the block step's graph rung for its batch (rung
+    times the tokens per request), whose GEMM shape the capture met, never over a row count of its own (cuBLAS's
+    kernel choice for a new count costs the host up to milliseconds); the step's tokens stay the eager engine's."""
+    eager, graphs = make_engine(model_dirs, drafter, "auto", True), make_engine(model_dirs, drafter, "auto", False)
+    runner, rows = graphs.runner, []
+    logits = runner.model.logits
+
+    def recorded(hidden, out=None):
+        if out is not None:  # (the block rows' logits; the prompts' first tokens' come without `out`)
+            rows.append(hidden.shape[0])
+        return logits(hidden, out)
+
+    runner.model.logits = recorded
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ids = prompts(21)
+    want, got = staggered(eager, ids, params, 5), staggered(graphs, ids, params, 5)
+    del runner.model.logits
+    counts = {size * q for q, ladder in runner.ladders.items() if isinstance(q, int) for size in ladder.sizes}
+    # (batches of 5, 10, 15 and 20 requests decode beside the arrivals: their own row counts are none of these)
+    assert rows and all(n in counts for n in rows), (rows, sorted(counts))
+    diverged = divergences(eager, want, got)
+    assert all(d["logit_gap"] <= NEAR_TIE for d in diverged), diverged
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_overlapped_steps_equal_steps_in_order(model_dirs, eager):
     """Plain decoding with the next step queued before this one's tokens are read back: the same tokens as
