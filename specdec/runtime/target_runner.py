@@ -319,8 +319,10 @@ class TargetRunner(ModelRunner):
         if prefill is None:
             return self._block_output(n)
         rows = np.concatenate([prefill.logits_rows, prefill.echo_rows]).astype(np.int64)
-        # (the count padded to a power of two by repeating the last row: a handful of GEMM shapes, see `_lm_head_rows`)
-        padded = np.pad(rows, (0, (1 << (len(rows) - 1).bit_length()) - len(rows)), mode="edge") if len(rows) else rows
+        # a few first tokens: their count padded to a power of two by repeating the last row, a handful of GEMM shapes
+        # (see `_lm_head_rows`); a prompt's echoed rows (prompt logprobs) as they are, their logits already large
+        padded = (np.pad(rows, (0, (1 << (len(rows) - 1).bit_length()) - len(rows)), mode="edge")
+                  if 0 < len(rows) <= PADDED_FIRST_ROWS else rows)
         logits = self.model.logits(hidden[n + upload(padded, self.device)])[:len(rows)] if len(rows) else None
         if len(prefill.echo_rows):
             first = len(prefill.logits_rows)
@@ -388,6 +390,7 @@ class TargetRunner(ModelRunner):
 
 
 TREE_STEP = "tree"  # the token-tree verify step's graph ladder
+PADDED_FIRST_ROWS = 64  # the most first-token rows of a mixed step padded to a power of two
 TREE_GRAPH_MAX_BATCH = 16  # trees pay at small batches; larger tree steps run the mixed step's graphs
 
 
