@@ -168,7 +168,8 @@ def test_a_mixed_steps_output_layer_runs_at_its_batch_rungs_rows(model_dirs, dra
     want, got = staggered(eager, ids, params, 5), staggered(graphs, ids, params, 5)
     del runner.model.logits
     counts = {size * q for q, ladder in runner.ladders.items() if isinstance(q, int) for size in ladder.sizes}
-    # (batches of 5, 10, 15 and 20 requests decode beside the arrivals: their own row counts are none of these)
+    # (batches of 5, 10, 15 and 20 requests decode beside the arrivals: their own row counts, 5 or 15 times q, are not
+    # rung counts)
     assert rows and all(n in counts for n in rows), (rows, sorted(counts))
     diverged = divergences(eager, want, got)
     assert all(d["logit_gap"] <= NEAR_TIE for d in diverged), diverged
