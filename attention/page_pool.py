@@ -104,7 +104,7 @@ def grow_tables(tables: list["PageTable"], counts: list[int]) -> None:
         return
     pool, page_size = tables[0].pool, tables[0].pool.page_size
     lengths = [table.length + count for table, count in zip(tables, counts)]
-    needs = [-(-length // page_size) - table.num_pages for table, length in zip(tables, lengths)]
+    needs = [pages_for(length, page_size) - table.num_pages for table, length in zip(tables, lengths)]
     taken = pool.take(sum(n for n in needs if n > 0))
     start = 0
     for table, length, need in zip(tables, lengths, needs):
@@ -113,6 +113,11 @@ def grow_tables(tables: list["PageTable"], counts: list[int]) -> None:
             start += need
         else:
             table.length = length
+
+
+def table_lengths(tables: list["PageTable"]) -> np.ndarray:
+    """The tables' lengths (int64), read in one pass."""
+    return np.fromiter((t.length for t in tables), dtype=np.int64, count=len(tables))
 
 
 class PageTable:

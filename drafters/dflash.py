@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from attention.batch_layout import BatchLayout, slots_on_device
-from attention.page_pool import PagePool, PageTable, grow_tables
+from attention.page_pool import PagePool, PageTable, grow_tables, table_lengths
 from attention.transfer import upload
 from drafters.dflash_model import DFlashDraftModel
 from specdec.engine.drafter import DraftContext, Drafter, DraftRequest
@@ -244,7 +244,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         order = np.argsort(groups, kind="stable")  # each table's rows together, in the order listed
         rank = np.empty(len(tables), dtype=np.int64)
         rank[order] = np.arange(len(tables)) - (np.cumsum(counts) - counts)[groups[order]]
-        positions = np.fromiter((t.length for t in unique), dtype=np.int64, count=len(unique))[groups] + rank
+        positions = table_lengths(unique)[groups] + rank
         grow_tables(unique, counts.tolist())
         page_starts = np.cumsum([0] + [t.num_pages for t in unique[:-1]])
         pages = np.concatenate([t.array for t in unique])[page_starts[groups] + positions // self.page_size]
@@ -256,7 +256,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         without sorting the rows by table and with one call to the pool: the 2048 rows of 256 requests in 0.37-0.44 ms
         of an H200 machine's host time against 1.04-1.15 ms (BENCHMARKS.md)."""
         n = len(tables)
-        lengths = np.fromiter((t.length for t in tables), dtype=np.int64, count=n)
+        lengths = table_lengths(tables)
         grow_tables(tables, [steps] * n)
         positions = (lengths + np.arange(steps)[:, None]).reshape(-1)
         arrays = [t.array for t in tables]
@@ -368,7 +368,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         if any(r.request_id in self.pending or r.request_id not in self.tables for r in requests):
             return False  # a context not yet written up to the request's position (a step not drafted by `propose`)
         tables = [self.tables[r.request_id] for r in requests]
-        starts = np.array([t.length for t in tables], dtype=np.int64)  # each request's last written position + 1
+        starts = table_lengths(tables)  # each request's last written position + 1
         # positions each request commits: planned for the most when the step replays a graph that reads its real
         # lengths on the device; read back when it runs eagerly on the CPU (where reading back costs nothing)
         upper = self.attn.plans_upper_bounds and self.replays(step, batch)

@@ -205,10 +205,14 @@ class ModelRunner:
         del slot
         return size
 
+    def rung_for(self, key, batch: int) -> int | None:
+        """The captured rung of step `key` that replays `batch` requests (None: the step runs eagerly)."""
+        ladder = self.ladders.get(key)
+        return ladder.rung_for(batch) if ladder is not None else None
+
     def replays(self, key, batch: int) -> bool:
         """Whether `dispatch` of step `key` for `batch` requests replays a graph (rather than running eagerly)."""
-        ladder = self.ladders.get(key)
-        return ladder is not None and ladder.rung_for(batch) is not None
+        return self.rung_for(key, batch) is not None
 
     def dispatch(self, key, batch: int, layout: BatchLayout, inputs: StaticInputs, body: Callable[[int], object], *,
                  eager: bool = False, after_upload: Callable[[], None] | None = None):

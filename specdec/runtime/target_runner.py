@@ -25,17 +25,12 @@ import numpy as np
 import torch
 
 from attention.batch_layout import BatchLayout, slots_on_device
-from attention.page_pool import PageTable
+from attention.page_pool import PageTable, table_lengths
 from attention.transfer import upload
 from specdec.models.decoder import Attention, CausalLM, ForwardOutput
 from specdec.runtime.cuda_graphs import StaticInputs
 from specdec.runtime.model_runner import FixedStep, ModelRunner, TokenStep
 from specdec.runtime.piecewise_graphs import Cut
-
-
-def table_lengths(tables: list[PageTable]) -> np.ndarray:
-    """The tables' lengths (int64), read in one pass."""
-    return np.fromiter((t.length for t in tables), dtype=np.int64, count=len(tables))
 
 
 @dataclass
@@ -226,9 +221,8 @@ class TargetRunner(ModelRunner):
     def _rung_declines(self, q: int, starts: np.ndarray) -> bool:
         """Whether the graph rung that would replay a block step of requests at lengths `starts` declines their KV
         lengths after it (one request's KV far longer than the others' where the rung keeps each in one piece)."""
-        ladder = self.ladders.get(q)
-        rung = ladder.rung_for(len(starts)) if ladder is not None else None
-        return rung is not None and not self.attn.graph_fits(ladder.slot(rung), lambda: starts + q)
+        rung = self.rung_for(q, len(starts))
+        return rung is not None and not self.attn.graph_fits(self.ladders[q].slot(rung), lambda: starts + q)
 
     def run_prefill(self, prefill: PrefillChunks) -> None:
         """Prompt chunks alone (a step with nothing to decode); sets `prefill.out`."""
@@ -240,11 +234,10 @@ class TargetRunner(ModelRunner):
         the tree step's graph of the next larger rung when one holds the batch and its tree size, else the
         mixed token step (piecewise graphs; attention planned with the masks, eager between the pieces)."""
         batch, q = len(tables), tree.tokens.shape[1] + 1
-        ladder = self.ladders.get(TREE_STEP)
-        rung = ladder.rung_for(batch) if ladder is not None else None
+        rung = self.rung_for(TREE_STEP, batch)
         if rung is None or self.tree_q(rung) != q:
             return self._run_mixed(tables, anchors, tree.tokens, q, None, tree=tree)
-        starts = np.array([t.length for t in tables], dtype=np.int64)
+        starts = table_lengths(tables)
         layout = self._grow(tables, [q] * batch).with_query_masks(tree.masks, tree.packed)
         inputs = self.tree_inputs
         ids = np.zeros((batch, q), dtype=np.int64)
@@ -337,8 +330,7 @@ class TargetRunner(ModelRunner):
         logits are never read. A GEMM's first call at a row count cuBLAS has not met costs the host 0.1-4 ms choosing
         its kernel (an H200, 2026-11-27); a rung's count was met in its capture's warm-up. The rung's count also gives
         each row the bits the graph step gives it."""
-        ladder = self.ladders.get(q)
-        rung = ladder.rung_for(batch) if ladder is not None else None
+        rung = self.rung_for(q, batch)
         return min(rung * q, self.logits_out.shape[0]) if rung is not None else batch * q
 
     def _graphs_usable(self) -> bool:
