@@ -245,3 +245,60 @@ def test_a_kind_that_proves_no_worse_than_its_estimate_fades_at_the_full_rate_ag
         policy.ran(False, 250)
     policy.ran(True, 250)
     assert policy.probes_failed[256, False] == 1
+
+
+def draining_speculative_steps(policy: VerifyPolicy, seed: int = 0) -> int:
+    """Speculative steps among 300 of a batch draining from 250 to 100 requests, one request fewer every other step,
+    with the step times an H200 took on the coding requests there: steady plain steps 3.0 ms, steady chains of 2
+    6.3 ms, a switch's first steps as above, and the first plain step at each new rung host-bound (4.1 ms)."""
+    rng = np.random.default_rng(seed)
+    speculative, last_rung = 0, None
+    for step in range(300):
+        batch = 250 - step // 2
+        rung = verify_policy.holding_rung((160, 192, 224, 256), batch) or 128
+        q = policy.choose(batch)
+        plain = q == PLAIN
+        policy.ran(plain, batch)
+        first = policy.kind_steps == 1 and step > 0
+        wall = (4.8 if plain else 13.3) if first else (3.0 if plain else 6.3)
+        if plain and rung != last_rung:
+            wall, last_rung = 4.1, rung
+        policy.observe_seconds(q, batch, wall * (1 + 0.05 * rng.standard_normal()) / 1e3)
+        if not plain:
+            speculative += 1
+            policy.observe(np.minimum(rng.geometric(0.15, batch) - 1, q - 1).tolist(), q)
+    return speculative
+
+
+def test_a_rung_where_a_kind_has_not_run_yet_takes_its_estimate_from_the_nearest_rung(monkeypatch):
+    """Under a draining load the batch enters a new rung every few dozen steps. A kind that has not run at that rung
+    carries the nearest rung's estimate there (speculation is not free where it has not been measured), and a single
+    host-bound step of the kind running refines that estimate instead of setting it alone. Speculation never pays
+    here (1.85 / 6.3 against 1 / 3.0 tokens per ms) though its measured cost says it does (1.85 / 4.9 against 1 / 2.7):
+    over the drain the policy runs at most two dwells of it, where without the borrowed estimates it speculated at
+    every new rung, as it did on the H200."""
+    rungs = (128, 160, 192, 224, 256)
+
+    def policy():
+        costs = StepCosts(draft={2: {r: 1.3e-3 for r in rungs}},
+                          verify={PLAIN: {r: 2.7e-3 for r in rungs}, 2: {r: 3.6e-3 for r in rungs}})
+        made = VerifyPolicy(16, (PLAIN, 2, 16), costs)
+        made.accepted[0], made.seen[0] = 0.85, 1.0
+        made.overhead = {(256, False): 1.4e-3, (256, True): 0.3e-3}  # learned at the full batch
+        made.ran(True, 250)
+        return made
+
+    made = policy()
+    made.observe_seconds(PLAIN, 250, 2.7e-3 + 0.3e-3)
+    made.ran(True, 250)
+    made.ran(True, 200)  # the batch enters rung 224, where neither kind has run
+    assert made.overheads_at(200) == (pytest.approx(1.4e-3), pytest.approx(0.3e-3))
+    made.observe_seconds(PLAIN, 200, 4.1e-3)  # a host-bound plain step: 1.4 ms beyond its cost
+    assert made.overhead[224, True] == pytest.approx(0.9 * 0.3e-3 + 0.1 * 1.4e-3)
+    assert made.choose(200) == PLAIN
+
+    borrowed = max(draining_speculative_steps(policy(), seed) for seed in range(3))
+    assert borrowed <= 2 * KIND_DWELL, borrowed
+    monkeypatch.setattr(VerifyPolicy, "known_overhead", lambda self, rung, plain: self.overhead.get((rung, plain)))
+    unborrowed = min(draining_speculative_steps(policy(), seed) for seed in range(3))
+    assert unborrowed >= 3 * KIND_DWELL, unborrowed

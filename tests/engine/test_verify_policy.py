@@ -211,11 +211,18 @@ def test_what_each_kind_of_step_takes_beyond_its_measured_cost_is_learned_from_i
     for _ in range(30):
         policy.observe_seconds(2, 200, 7.0)  # 2 s beyond the measured 5 s
     assert policy.overhead == {(256, False): pytest.approx(2.0, rel=0.01)}
-    assert policy.overheads_at(200) == (pytest.approx(2.0, rel=0.01), 0.0) and policy.overheads_at(40) == (0.0, 0.0)
+    assert policy.overheads_at(200) == (pytest.approx(2.0, rel=0.01), 0.0)
     assert policy.choose(200) == PLAIN  # 1.86 / 7.0 < 1 / 3.0
-    assert policy.choose(40) == 16  # another rung: nothing learned there
+    # another rung, where nothing is learned yet, takes the nearest rung's estimate: 2.72 / (3.5 + 2.0) < 1 / 2.0
+    assert policy.overheads_at(40) == (pytest.approx(2.0, rel=0.01), 0.0)
+    assert policy.choose(40) == PLAIN
+    for _ in range(30):  # its own steps refine it from there: 0.2 s beyond the measured 3.5
+        policy.observe_seconds(16, 40, 3.7)
+    assert policy.overhead[64, False] == pytest.approx(0.2 + 1.8 * 0.9 ** 30, rel=0.01)
+    assert policy.choose(40) == 16  # 2.72 / 3.77 > 1 / 2.0
+    assert policy.overhead[256, False] == pytest.approx(2.0, rel=0.01)  # the other rung's estimate is its own
     policy.observe_seconds(2, 300, 9.0)  # above the measured ladder: nothing to compare with
-    assert set(policy.overhead) == {(256, False)}
+    assert set(policy.overhead) == {(64, False), (256, False)}
     for _ in range(30):
         policy.observe_seconds(PLAIN, 200, 4.0)  # plain steps take 1 s beyond their measured 3 s
     assert policy.overhead[256, True] == pytest.approx(1.0, rel=0.01)
