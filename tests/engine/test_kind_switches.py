@@ -289,9 +289,8 @@ def test_a_rung_where_a_kind_has_not_run_yet_takes_its_estimate_from_the_nearest
         return made
 
     made = policy()
-    made.observe_seconds(PLAIN, 250, 2.7e-3 + 0.3e-3)
     made.ran(True, 250)
-    made.ran(True, 200)  # the batch enters rung 224, where neither kind has run
+    made.ran(True, 200)  # a steady plain step (the third in a row) as the batch enters rung 224, new to both kinds
     assert made.overheads_at(200) == (pytest.approx(1.4e-3), pytest.approx(0.3e-3))
     made.observe_seconds(PLAIN, 200, 4.1e-3)  # a host-bound plain step: 1.4 ms beyond its cost
     assert made.overhead[224, True] == pytest.approx(0.9 * 0.3e-3 + 0.1 * 1.4e-3)
