@@ -238,7 +238,7 @@ class TargetRunner(ModelRunner):
         if rung is None or self.tree_q(rung) != q:
             return self._run_mixed(tables, anchors, tree.tokens, q, None, tree=tree)
         starts = table_lengths(tables)
-        layout = self._grow(tables, [q] * batch).with_query_masks(tree.masks, tree.packed)
+        layout = self._grow(tables, [q] * batch, starts).with_query_masks(tree.masks, tree.packed)
         inputs = self.tree_inputs
         ids = np.zeros((batch, q), dtype=np.int64)
         ids[:, 0] = anchors
