@@ -64,6 +64,12 @@ class CopyFence:
             self._copied.synchronize()
             self._copied = None
 
+    def busy(self) -> bool:
+        """Whether a marked copy may still read the buffers (`wait` would block)."""
+        if self._copied is not None and self._copied.query():
+            self._copied = None
+        return self._copied is not None
+
 
 ALIGN = 64  # int32s: 256 bytes
 

@@ -180,9 +180,9 @@ def first_draft_logits(engine, prompt, params, plain_at=()):
             state["seen"] = (drafter.draft_logits(requests).clone(), list(requests[0].output_ids))
         return propose(requests, length)
 
-    def launched(*args, **kwargs):
-        state["plain"] = True
-        return launch(*args, **kwargs)
+    def launched(running, *args, **kwargs):
+        state["plain"] = state["plain"] or bool(running)  # a plain step (not a step of prompt chunks alone)
+        return launch(running, *args, **kwargs)
 
     drafter.propose, decoding.launch = recording, launched
     engine.add_request(prompt, params)

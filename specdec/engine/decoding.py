@@ -66,13 +66,14 @@ class PlainDecoding:
             logprobs[0] = LogprobRows.start(out.logits, parts[-1], running, 1)
         else:
             self.runner.run_prefill(prefill)
-        if after_forward is not None:
-            after_forward(running, prefill)
         if prefill is not None and prefill.sample_first is not None:
             parts.append(prefill.sample_first(prefill.out.logits).view(-1).long())
             logprobs[1] = LogprobRows.start(prefill.out.logits, parts[-1], starting, 1)
-        return Launched(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.runner.device),
-                        tuple(logprobs))
+        launched = Launched(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.runner.device),
+                            tuple(logprobs))
+        if after_forward is not None:  # queued after the tokens' copy: reading them waits for the forward alone
+            after_forward(running, prefill)
+        return launched
 
 
 class Launched:

@@ -16,7 +16,8 @@ returns the tokens each request commits; the engine commits them. The scheduler 
 (specdec/engine/scheduler.py). With `overlap_steps` (plain decoding) a step queues its forward and then
 commits the previous step's tokens, so each token is committed one step later (specdec/engine/flight.py); so do a
 DFlash engine's plain steps, which `verify="auto"` runs where no draft pays (under heavy load), its drafter's
-context kept up by each of them (`SpeculativeDecoding.launch`).
+context kept up by each of them (`SpeculativeDecoding.launch`), and its steps of prompt chunks alone (a burst's
+first prefill: the host prepares the next step while the GPU prefills; a speculative step lands them first).
 """
 
 from __future__ import annotations
@@ -142,6 +143,9 @@ class Engine:
             if config.enable_prefix_caching else None
         # overlapped steps: plain decoding only (a speculative step's plans need the previous acceptance)
         self.overlap = config.overlap_steps and drafter is None
+        # with a drafter, steps of prompt chunks alone are overlapped too: the next step (speculative or plain) finds
+        # their first tokens as it would a plain step's, and the host prepares it while the GPU prefills
+        self.overlap_prompts = config.overlap_steps
         self.flight: Flight | None = None  # the launched step whose tokens are not committed yet
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, lookahead,
                                    self.prefix_cache)
@@ -346,16 +350,19 @@ class Engine:
         # after the step in flight has landed. With a drafter, the policy's plain steps (no draft pays at this
         # batch) run overlapped as well; a speculative step needs the tokens in flight on the host first
         plain = self.drafter is not None and bool(decode) and self.decoding.plain_pays(decode)
+        prompts_only = self.drafter is not None and self.overlap_prompts and not decode and bool(plan.prefill)
         if self.drafter is not None and decode:
             self.decoding.policy.ran(plain, len(decode))
         steady = self.flight is not None
+        # a step that lands a forward with prompt chunks waits for their prefill: its wall time says nothing of its kind
+        after_prompts = steady and self.flight.prefilled
         in_order = (self.overlap and any(r.params.adjusts_logits for r in decode)) or (
-            self.drafter is not None and not plain)
+            self.drafter is not None and not plain and not prompts_only)
         landed = in_order and steady
         if landed:
             self._overlapped([], [], commit)
             decode = [r for r in decode if not r.finished]
-        if (self.overlap and not in_order) or plain:
+        if (self.overlap and not in_order) or plain or prompts_only:
             self._overlapped(decode, plan.prefill, commit)
         elif decode:  # prompt chunks ride along in the decode forward: an arrival never stalls the batch
             self._decode(decode, commit, plan.prefill)
@@ -364,7 +371,7 @@ class Engine:
         if self.prefix_cache is not None:
             self._cache_committed_pages(self.scheduler.running)
         out.finished = self._retire()
-        if self.drafter is not None and decode and not plan.prefill:
+        if self.drafter is not None and decode and not plan.prefill and not after_prompts:
             # a decode-only step's wall time tells the policy what its kind takes beyond its measured cost (a steady
             # step) or what a switch costs (a step after one)
             option = PLAIN if plain else self.decoding.option
@@ -585,7 +592,8 @@ class Engine:
         tokens while the GPU runs it (specdec/engine/flight.py)."""
         launched = None
         if running or chunks:
-            self._capture_graphs_if_due()
+            if running:  # not before the first prefill: it may calibrate the FP8 scales the graphs bake in
+                self._capture_graphs_if_due()
             prefill, starting = self._prefill_chunks(chunks) if chunks else (None, [])
             launched = Flight.launch(self.decoding, running, prefill, starting, self.flight, self.device)
             if prefill is not None:

@@ -11,7 +11,9 @@ its length limit is known ahead, so that one never runs past it (`Request.can_ta
 finished request may go back while step N + 1 is queued: every step runs on one stream, so a later
 step that reuses them writes after step N + 1 has. Speculative steps cannot overlap this way: the
 next step's attention plans need this step's acceptance (its KV lengths) on the host. A DFlash engine's plain
-steps (verify auto's PLAIN) can, and do: `decoding` is then the speculative phase, whose `launch` runs one.
+steps (verify auto's PLAIN) can, and do: `decoding` is then the speculative phase, whose `launch` runs one; so do
+its steps of prompt chunks alone, which the next step lands before it speculates. The tokens' copy to the host is
+queued before the drafter's context work (`after_forward`), so landing them waits for the forward alone.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Flight:
     launched: Launched
     running: list[Request]  # one token each: rows 0 .. len(running) - 1 of the step's tokens
     starting: list[Request]  # requests whose prompt the step completed: their first tokens, after those
+    prefilled: bool  # whether its forward carried prompt chunks (landing it waits for their prefill)
 
     @classmethod
     def launch(cls, decoding: PlainDecoding, running: list[Request], prefill: PrefillChunks | None,
@@ -43,7 +46,7 @@ class Flight:
         for row, request in enumerate([*running, *starting]):
             request.in_flight += 1
             request.flight_row = row
-        return cls(launched, running, starting)
+        return cls(launched, running, starting, prefill is not None)
 
     @property
     def requests(self) -> list[Request]:

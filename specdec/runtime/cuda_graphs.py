@@ -77,34 +77,50 @@ def graph_max_pages(num_pages: int, max_batch: int, new_rows_per_request: int, p
 
 
 class StaticInputs:
-    """Named int64 input buffers at fixed device addresses, filled on the host in one pinned mirror and
-    sent with one non-blocking copy per step. The next fill waits for that copy to have run (`CopyFence`;
-    normally long done: the step's device-to-host transfer came after it)."""
+    """Named int64 input buffers at fixed device addresses, filled on the host in a pinned mirror and sent
+    with one non-blocking copy per step. A fill must not change what a queued copy still reads (`CopyFence`):
+    normally that copy has long run (the step's device-to-host transfer came after it), but a second upload in
+    the same step (a plain step's held drafter context, then its prompt chunks') finds the first one queued
+    behind the step's forward. On CUDA there are two mirrors: a fill then writes the other one, brought up to
+    date, instead of waiting for the forward."""
 
     def __init__(self, sizes: dict[str, int], device: torch.device):
         self.offsets, total = {}, 0
         for name, size in sizes.items():
             self.offsets[name] = (total, size)
             total += size
-        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.host_view = self.host.numpy()
+        cuda = device.type == "cuda"
+        self.mirrors = [torch.zeros(total, dtype=torch.int64, pin_memory=cuda) for _ in range(2 if cuda else 1)]
+        self.views = [mirror.numpy() for mirror in self.mirrors]
+        self.fences = [CopyFence(device) for _ in self.mirrors]  # each mirror's last copy, while it may read it
+        self.current = 0  # the mirror that fills write and the next upload sends
         self.device_buffer = torch.zeros(total, dtype=torch.int64, device=device)
-        self.fence = CopyFence(device)  # the last copy, while it may still read the mirror
 
     def __getitem__(self, name: str) -> torch.Tensor:
         start, size = self.offsets[name]
         return self.device_buffer[start:start + size]
 
     def fill(self, name: str, values, pad: int = 0) -> None:
-        self.fence.wait()
         start, size = self.offsets[name]
         values = np.asarray(values, dtype=np.int64).reshape(-1)
-        self.host_view[start:start + len(values)] = values
-        self.host_view[start + len(values):start + size] = pad
+        view = self._writable()
+        view[start:start + len(values)] = values
+        view[start + len(values):start + size] = pad
+
+    def _writable(self) -> np.ndarray:
+        """The current mirror, or, while a queued copy may still read it, the other one (once its own copy has run)
+        holding the same values: names not filled again keep what they had."""
+        if len(self.mirrors) > 1 and self.fences[self.current].busy():
+            previous, self.current = self.current, 1 - self.current
+            self.fences[self.current].wait()
+            self.views[self.current][:] = self.views[previous]
+        else:
+            self.fences[self.current].wait()
+        return self.views[self.current]
 
     def upload(self) -> None:
-        self.device_buffer.copy_(self.host, non_blocking=True)
-        self.fence.mark()
+        self.device_buffer.copy_(self.mirrors[self.current], non_blocking=True)
+        self.fences[self.current].mark()
 
 
 class GraphLadder:

@@ -91,7 +91,9 @@ def test_block_logits_match_reference(setup, reference):
     root, hf = setup
     target = tiny_target(root / "target", eos=())
     drafter = load_drafter(root / "drafter", target.model)
-    engine = Engine(target, EngineConfig(device="cpu", num_kv_pages=256, page_size=4), drafter)
+    # steps in order: after the prefill step the first tokens are committed and the drafter's context written
+    engine = Engine(target, EngineConfig(device="cpu", num_kv_pages=256, page_size=4, overlap_steps=False),
+                    drafter)
     sd = {k: v.float() for k, v in load_dflash(root / "drafter", torch.device("cpu"), torch.float32).state_dict().items()}
     cfg = read_dflash_config(root / "drafter")
     embed, lm_head = hf.model.embed_tokens.weight.detach(), hf.lm_head.weight.detach()

@@ -2,8 +2,8 @@
 They really overlap (a step commits the previous step's tokens while its own are in flight), change no
 output token (greedy, seeded sampling, EOS, length limits; the scheduling tests run the same schedules
 overlapped), never run a request past its length limit, and an exception anywhere leaves the engine
-clean. Speculative engines keep their steps in order under the setting (it makes them draft ahead:
-test_draft_ahead.py)."""
+clean. Speculative engines keep their speculative steps in order under the setting (it makes them draft ahead:
+test_draft_ahead.py); their steps of prompt chunks alone are overlapped."""
 
 import random
 
@@ -92,5 +92,12 @@ def test_speculative_engines_run_their_steps_in_order(target_dir, tmp_path):
     engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), overlap_steps=True)
     assert not engine.overlap
     request = engine.add_request(MANY_PROMPTS[0], SamplingParams(max_new_tokens=5))
-    engine.step()
-    assert request.output_ids and engine.flight is None
+    out = engine.step()  # a step of prompt chunks alone is overlapped: its first token is not read back yet
+    assert not out.committed and request.in_flight == 1 and engine.flight is not None
+    out = engine.step()  # the speculative step lands it first, then runs in order
+    assert out.committed[0] == (request, [request.output_ids[0]]) and len(out.committed) == 2
+    assert request.in_flight == 0 and engine.flight is None
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert len(request.output_ids) == 5
+    assert_no_leak(engine)

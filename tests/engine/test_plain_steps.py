@@ -71,9 +71,9 @@ def test_switching_between_plain_steps_and_speculation_keeps_plain_decodings_out
 
 
 def test_the_policy_learns_overheads_only_from_steady_steps_and_switch_costs_from_the_others(target_dir, tmp_path):
-    """The engine tells the policy each step's kind and hands it the wall time of every decode-only step: those that
-    follow steps of their kind (a speculative step one, a plain step two) teach the overhead of their kind, the
-    others only what a switch costs."""
+    """The engine tells the policy each step's kind and hands it the wall time of every decode-only step but those that
+    land an overlapped step with prompt chunks (they wait for its prefill): those that follow steps of their kind (a
+    speculative step one, a plain step two) teach the overhead of their kind, the others only what a switch costs."""
     engine = dflash_engine(target_dir, tmp_path, max_num_seqs=4, max_prefill_tokens=9)
     counts = random_choices(engine, 2, (PLAIN, 2, 4))
     kinds, observed = [], []  # per step: (plain?, None without decode; prefilled?); per measured step: what it taught
@@ -104,8 +104,13 @@ def test_the_policy_learns_overheads_only_from_steady_steps_and_switch_costs_fro
     engine.step, engine.scheduler.schedule = recording_step, recording_schedule
     params_list = [SamplingParams(max_new_tokens=8 + 5 * i) for i in range(len(MANY_PROMPTS))]
     run_staggered(engine, MANY_PROMPTS, params_list)
+    def lands_prompt_chunks(i: int) -> bool:  # the step before: overlapped (plain, or chunks alone), with chunks
+        return i > 0 and kinds[i - 1][1] and kinds[i - 1][0] is not False
+
     assert [index for index, *_ in observed] == [i for i, (kind, prefilled) in enumerate(kinds)
-                                                  if kind is not None and not prefilled]  # every decode-only step
+                                                  if kind is not None and not prefilled and not lands_prompt_chunks(i)]
+    assert any(kind is not None and not prefilled and lands_prompt_chunks(i)
+               for i, (kind, prefilled) in enumerate(kinds))
     for index, option, steady, taught_overhead, taught_switch in observed:
         plain = kinds[index][0]
         before = [kind for kind, _ in kinds[index - (2 if plain else 1):index]]

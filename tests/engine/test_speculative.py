@@ -4,6 +4,7 @@ rollback leaves the target cache as a fresh prefill would and no page leaks."""
 import pytest
 import torch
 
+from specdec.engine import decoding
 from specdec.engine.sampling_params import SamplingParams
 from tests.conftest import VOCAB, build_tiny_model
 from tests.drafter_helpers import ScriptedDrafter
@@ -42,9 +43,10 @@ def test_a_draft_window_changes_the_drafts_alone(target_dir, tmp_path):
     expected = ar_outputs(target_dir, [prompt], 19)
 
     def first_drafts(window: int) -> torch.Tensor:
-        engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), draft_window=window)
+        engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), draft_window=window,
+                             overlap_steps=False)
         request = engine.add_request(prompt, SamplingParams(max_new_tokens=19))
-        engine.step()  # the prefill: the whole prompt is the drafter's context
+        engine.step()  # the prefill, in order: the whole prompt is the drafter's context, its first token committed
         logits = engine.drafter.draft_logits([request]).clone()
         engine.abort(request.request_id)
         got = engine.generate_ids([prompt], SamplingParams(max_new_tokens=19))
@@ -128,40 +130,56 @@ def test_eos_inside_accepted_run_ends_there(target_dir):
 
 
 @pytest.mark.parametrize("max_new", [1, 12])
-def test_first_tokens_are_committed_before_the_drafter_gets_the_prompt(target_dir, tmp_path, max_new):
-    """A streamed answer's first token waits for the prefill alone: it is committed before the drafter's context
-    write for that prompt is launched; answers stay those of plain decoding (also when the first token ends one)."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
+def test_first_tokens_are_read_before_the_drafter_gets_the_prompt(target_dir, tmp_path, max_new, overlap, monkeypatch):
+    """A streamed answer's first token waits for the prefill alone: in order, it is committed before the drafter's
+    context write for that prompt is launched; overlapped, its copy to the host is queued before that write (the next
+    step reads it). Answers stay those of plain decoding (also when the first token ends one)."""
     prompts = MANY_PROMPTS[:3]
     expected = ar_outputs(target_dir, prompts, max_new)
-    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4))
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), overlap_steps=overlap)
     events, add_context = [], engine.drafter.add_context
 
     def recorded_add_context(requests, features, lens):
         events.extend(("context", r.request_id) for r in requests)
         return add_context(requests, features, lens)
 
+    class RecordedCopy(decoding.HostCopy):  # the overlapped step's tokens on their way to the host
+        def __init__(self, tensor):
+            events.append(("copy", tuple(tensor.tolist())))
+            super().__init__(tensor)
+
+    monkeypatch.setattr(decoding, "HostCopy", RecordedCopy)
     engine.drafter.add_context = recorded_add_context
     requests = [engine.add_request(p, SamplingParams(max_new_tokens=max_new)) for p in prompts]
     while engine.has_unfinished_requests:
         engine.step(on_commit=lambda request, tokens: events.append(("commit", request.request_id)))
     for request in requests:
-        mine = [kind for kind, rid in events if rid == request.request_id]
-        assert mine[:2] == ["commit", "context"]
+        first = events.index(("context", request.request_id))
+        if overlap:  # the last copy before it holds the first tokens of the step's prompts, this one's among them
+            copied = next(value for kind, value in reversed(events[:first]) if kind == "copy")
+            assert request.output_ids[0] in copied and ("commit", request.request_id) not in events[:first]
+        else:
+            assert ("commit", request.request_id) in events[:first]
     assert [r.output_ids for r in requests] == expected
     assert_no_leak(engine)
 
 
-def test_a_failing_first_token_callback_leaves_the_drafter_context_level_with_the_target(target_dir, tmp_path):
-    """The drafter's context is written after the first tokens' commits, and also when the caller's on_commit
-    raises there: the step fails, but no request's drafter context falls behind its target KV."""
-    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4))
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
+def test_a_failing_first_token_callback_leaves_the_drafter_context_level_with_the_target(target_dir, tmp_path,
+                                                                                         overlap):
+    """The drafter's context is written after the first tokens' commits in order (before them overlapped), and also
+    when the caller's on_commit raises there: the step fails, but no request's drafter context falls behind its
+    target KV."""
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), overlap_steps=overlap)
     requests = [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in MANY_PROMPTS[:3]]
 
     def failing(request, tokens):
         raise RuntimeError("the caller failed")
 
     with pytest.raises(RuntimeError, match="the caller failed"):
-        engine.step(on_commit=failing)
+        for _ in range(2):  # overlapped, the next step commits the first tokens
+            engine.step(on_commit=failing)
     for request in requests:
         assert engine.drafter.context_table(request).length == request.target_pages.length == len(request.prompt_ids)
     engine.abort_all(requests)

@@ -281,6 +281,30 @@ def test_each_draft_lengths_graph_scores_the_eager_drafts(model_dirs):
         assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
 
 
+def test_static_inputs_filled_again_while_their_last_upload_is_queued_neither_wait_nor_change_it():
+    """A second upload in one step (a plain step's held drafter context, then its prompt chunks') finds the first
+    copy queued behind the step's forward: the fill writes the other pinned mirror, without waiting for the GPU, and
+    what the first copy sends is the first fill's values."""
+    from specdec.runtime.cuda_graphs import StaticInputs
+
+    inputs = StaticInputs({"a": 4, "b": 3}, torch.device("cuda"))
+    inputs.fill("a", [1, 2, 3, 4])
+    inputs.fill("b", [5, 6, 7])
+    torch.cuda._sleep(200_000_000)  # the stream stays busy (~0.1 s): the copy below waits in the queue
+    inputs.upload()
+    sent_first = inputs.device_buffer.clone()  # queued after that copy: what it sent
+    inputs.fill("a", [9, 9])  # "b" is not filled again: it keeps its values
+    assert not torch.cuda.current_stream().query()  # the fill did not wait for the queued copy
+    inputs.upload()
+    torch.cuda.synchronize()
+    assert sent_first.tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert inputs.device_buffer.tolist() == [9, 9, 0, 0, 5, 6, 7]
+    inputs.fill("b", [8])  # both copies have run: the mirror in use is written again
+    inputs.upload()
+    torch.cuda.synchronize()
+    assert inputs.device_buffer.tolist() == [9, 9, 0, 0, 8, 0, 0]
+
+
 @pytest.mark.parametrize("drafter", [False, True], ids=["ar", "dflash"])
 def test_graph_memory_is_counted_before_the_pool_is_sized(model_dirs, drafter):
     gc.collect()  # engines of earlier tests give their memory back first

@@ -149,7 +149,7 @@ def test_training_forward_matches_inference_drafter(setup):
 
     target = tiny_target(root / "target", eos=())
     paged = load_drafter(root / "fp32", target.model)
-    engine = Engine(target, EngineConfig(device="cpu", num_kv_pages=256, page_size=4), paged)
+    engine = Engine(target, EngineConfig(device="cpu", num_kv_pages=256, page_size=4, overlap_steps=False), paged)
     requests = [engine.add_request(s[:a], SamplingParams(max_new_tokens=40)) for s, row in zip(sequences, anchors)
                 for a in row]
     engine.step()  # the prefill: every prompt fits one step's budget
@@ -180,7 +180,8 @@ def test_training_forward_of_short_blocks_matches_the_inference_drafters_short_b
 
     target = tiny_target(root / "target", eos=())
     paged = load_drafter(root / "short-blocks", target.model)
-    engine = Engine(target, EngineConfig(device="cpu", num_kv_pages=256, page_size=4, verify="auto"), paged)
+    engine = Engine(target, EngineConfig(device="cpu", num_kv_pages=256, page_size=4, verify="auto",
+                                         overlap_steps=False), paged)
     requests = [engine.add_request(sequence[:a], SamplingParams(max_new_tokens=40)) for a in anchors]
     engine.step()
     assert paged.block_rows(1) == 3
@@ -291,7 +292,7 @@ def test_export_bf16_and_fp8(setup, tmp_path):
         assert torch.equal(v, rounded[k]), k
     target = tiny_target(root / "target", eos=())
     paged = load_drafter(tmp_path / "bf16", target.model)
-    engine = Engine(target, EngineConfig(device="cpu", num_kv_pages=64, page_size=4), paged)
+    engine = Engine(target, EngineConfig(device="cpu", num_kv_pages=64, page_size=4, overlap_steps=False), paged)
     prompt = [5, 17, 33, 9, 11, 40, 41, 12]
     request = engine.add_request(prompt, SamplingParams(max_new_tokens=8))
     engine.step()  # the prefill
