@@ -110,6 +110,26 @@ def test_fp8_with_kept_layers_graphs_equal_eager(model_dirs):
         assert not diverged if batch == 1 else all(d["logit_gap"] <= NEAR_TIE for d in diverged), diverged
 
 
+@pytest.mark.parametrize("drafter", [False, True], ids=["ar", "dflash"])
+def test_graphs_awaiting_calibrated_fp8_scales_are_captured_after_the_first_prefill(model_dirs, drafter):
+    """With calibrate_fp8_scales the first prefill sets the FP8 scales the graphs bake in. With overlapped steps the
+    first step queues that prefill without waiting for it, and the graphs are still captured after it: the scales
+    are those an eager engine's first prefill sets, and the outputs the eager engine's, near-ties aside."""
+    config = dict(calibrate_fp8_scales=True, overlap_steps=True)
+    eager, graphs = (make_engine(model_dirs, drafter, "fp8", e, **config) for e in (True, False))
+    assert graphs.graph_capture_seconds is None  # waiting for the first prefill
+    ids, params = prompts(17), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    want, got = eager.generate_ids(ids, params), graphs.generate_ids(ids, params)
+    assert graphs.graph_capture_seconds is not None
+
+    def scales(engine: Engine) -> list[tuple[float, float]]:
+        return [(layer.k_scale, layer.v_scale) for layer in engine.kv.layers]
+
+    assert scales(graphs) == scales(eager) and any(scale != (1.0, 1.0) for scale in scales(eager))
+    diverged = divergences(eager, want, got)
+    assert all(d["logit_gap"] <= NEAR_TIE for d in diverged), diverged
+
+
 def staggered(engine: Engine, ids: list[list[int]], params: SamplingParams, per_step: int):
     """Requests arrive `per_step` at a time, one wave per step, while the earlier ones decode."""
     requests = []
