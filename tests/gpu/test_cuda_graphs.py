@@ -275,6 +275,50 @@ def test_held_context_rows_of_plain_steps_draft_as_rows_written_at_once(model_di
     assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item()
 
 
+def test_a_plain_step_writing_held_context_rows_and_a_prompts_context_never_waits_for_its_own_forward(
+        model_dirs, monkeypatch):
+    """A plain step whose held context rows fill up writes them, and a prompt chunk riding along then writes its
+    context: two uploads of the drafter's context inputs in one step, the first queued behind the step's forward. The
+    second fills the other pinned mirror: no fill waits for a copy still queued, and the prompt's answer is plain
+    decoding's."""
+    import drafters.dflash as dflash
+    from attention.transfer import CopyFence
+    from specdec.engine.verify_policy import PLAIN
+
+    monkeypatch.setattr(dflash, "HELD_ROWS", 8)  # with 4 requests: the held rows fill up every other plain step
+    engine = make_engine(model_dirs, True, "auto", False, overlap_steps=True, verify="auto", max_num_seqs=5)
+    engine.decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True: PLAIN if plain else 2
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    running = [engine.add_request(p, params) for p in prompts(4)]
+    for _ in range(3):  # the prompts, then plain steps
+        engine.step()
+    drafter = engine.drafter
+    while len(drafter.held_tables) + len(running) <= drafter.held_features.shape[0]:
+        engine.step()  # until the next plain step writes the held rows
+    blocked, wait = [], CopyFence.wait
+
+    def recorded_wait(fence):  # a wait of the context inputs' fences for a copy the GPU has not run yet
+        if fence in drafter.context_inputs.fences and fence._copied is not None and not fence._copied.query():
+            blocked.append(fence)
+        wait(fence)
+
+    monkeypatch.setattr(CopyFence, "wait", recorded_wait)
+    arrival = engine.add_request(prompts(5)[4], params)
+    writes = count_calls(drafter, "_run_context")
+    torch.cuda._sleep(200_000_000)  # the GPU busy (~0.1 s) with earlier work while the step is queued
+    engine.step()
+    assert len(writes) == 2  # the held rows, then the arrival's context, in one step
+    assert not blocked
+    monkeypatch.setattr(CopyFence, "wait", wait)
+    while engine.has_unfinished_requests:
+        engine.step()
+    plain = make_engine(model_dirs, False, "auto", False)
+    want = plain.generate_ids([arrival.prompt_ids], params)
+    assert all(d["logit_gap"] <= NEAR_TIE for d in divergences(plain, want, [arrival]))
+    assert engine.pool.num_free == engine.pool.num_pages
+    assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
+
+
 def test_each_draft_lengths_graph_scores_the_eager_drafts(model_dirs):
     """verify="auto" captures a draft graph per chain length (only the drafts a step verifies are scored): each
     replayed at batch 1 and 5 gives the argmax of the eager step's logits at those positions (near-ties aside),
