@@ -104,6 +104,7 @@ def test_the_policy_learns_overheads_only_from_steady_steps_and_switch_costs_fro
     engine.step, engine.scheduler.schedule = recording_step, recording_schedule
     params_list = [SamplingParams(max_new_tokens=8 + 5 * i) for i in range(len(MANY_PROMPTS))]
     run_staggered(engine, MANY_PROMPTS, params_list)
+
     def lands_prompt_chunks(i: int) -> bool:  # the step before: overlapped (plain, or chunks alone), with chunks
         return i > 0 and kinds[i - 1][1] and kinds[i - 1][0] is not False
 
