@@ -143,9 +143,6 @@ class Engine:
             if config.enable_prefix_caching else None
         # overlapped steps: plain decoding only (a speculative step's plans need the previous acceptance)
         self.overlap = config.overlap_steps and drafter is None
-        # with a drafter, steps of prompt chunks alone are overlapped too: the next step (speculative or plain) finds
-        # their first tokens as it would a plain step's, and the host prepares it while the GPU prefills
-        self.overlap_prompts = config.overlap_steps
         self.flight: Flight | None = None  # the launched step whose tokens are not committed yet
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, lookahead,
                                    self.prefix_cache)
@@ -350,7 +347,9 @@ class Engine:
         # after the step in flight has landed. With a drafter, the policy's plain steps (no draft pays at this
         # batch) run overlapped as well; a speculative step needs the tokens in flight on the host first
         plain = self.drafter is not None and bool(decode) and self.decoding.plain_pays(decode)
-        prompts_only = self.drafter is not None and self.overlap_prompts and not decode and bool(plan.prefill)
+        # with a drafter, a step of prompt chunks alone is overlapped too: the next step (speculative or plain) finds
+        # their first tokens as it would a plain step's, and the host prepares it while the GPU prefills
+        prompts_only = self.drafter is not None and self.config.overlap_steps and not decode and bool(plan.prefill)
         if self.drafter is not None and decode:
             self.decoding.policy.ran(plain, len(decode))
         steady = self.flight is not None
