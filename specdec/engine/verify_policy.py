@@ -40,19 +40,20 @@ batch 1.
 Under heavy load the target's forward is compute-bound and even the anchor and one draft may cost more than they
 commit; `auto` then also weighs a plain decoding step (PLAIN: the anchor alone, one token per request; its cost the
 target's decode step), which the engine runs overlapped as plain decoding does (specdec/engine/flight.py) while the
-drafter's context keeps up, so speculation resumes when the batch shrinks. The start-up costs are measured on
-short contexts: under load both kinds of step take longer, by different amounts (a speculative step's host work is
-not hidden behind the GPU as an overlapped plain step's is; its verify attends over the context with q tokens per
+drafter's context keeps up, so speculation resumes when the batch shrinks. The start-up costs are measured on short
+contexts: under load both kinds of step take longer, by different amounts (a speculative step's host work is not
+hidden behind the GPU as an overlapped plain step's is; its verify attends over the context with q tokens per
 request, a plain step's with one; a plain step also writes the drafter's context). So what each kind takes beyond
 its measured cost is learned from the wall time of decode-only steps, per batch rung, and added when the best
 speculative option is weighed against a plain step (the speculative options are compared among themselves by their
-measured costs). A rung where a kind has not run yet takes that kind's estimate from the nearest rung that has one, and
-its first steps refine it from there: under a draining load the batch enters a new rung every few dozen steps, and
-with nothing known there speculation looked free. On an H200 at 256 coding requests, each new rung from 224 down
-ran 8-24 speculative steps of 6-9 ms where plain steps took 3 ms, and a single host-bound plain step (4.1 ms) set
-plain steps' estimate at a new rung alone; the overheads of neighbouring rungs differed little there (speculative
-steps 1.2-1.5 ms at rungs 96-224, plain ones 0.4-0.5 ms at rungs 128-256). With the nearest rung's estimates, the same
-load speculated for 23-35 steps above 100 requests instead of 54-149 (BENCHMARKS.md).
+measured costs); a slow step among steady ones counts at most twice the median of its kind's last 16 steady steps
+there (`OUTLIER_FACTOR`). A rung where a kind has not run yet takes that kind's estimate from the nearest rung that
+has one, and its first steps refine it from there: under a draining load the batch enters a new rung every few dozen
+steps, and with nothing known there speculation looked free. On an H200 at 256 coding requests, each new rung from
+224 down ran 8-24 speculative steps of 6-9 ms where plain steps took 3 ms, and a single host-bound plain step (4.1
+ms) set plain steps' estimate at a new rung alone; the overheads of neighbouring rungs differed little there
+(speculative steps 1.2-1.5 ms at rungs 96-224, plain ones 0.4-0.5 ms at rungs 128-256). With the nearest rung's
+estimates, the same load speculated for 23-35 steps above 100 requests instead of 54-149 (BENCHMARKS.md).
 
 Switching kind costs more than either kind's steady steps: the first speculative step after plain ones lands the
 plain step in flight and drafts without a draft queued ahead, and the first two plain steps after speculative ones
@@ -73,6 +74,8 @@ decoding: 48.6-59.4k in the same job).
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,6 +100,13 @@ TREE = 0  # the choice "verify a token tree" (chain choices are their token coun
 CHAIN_MARGIN = 0.02
 # an overhead estimate follows the last ~10 decode-only steps of its kind (speculative or plain) and batch rung
 OVERHEAD_DECAY = 0.9
+# each step counting at most twice the median of the last 16 steady steps of its kind there (once 8 are known): a few
+# slow steps among steady ones say little of the next step; a lasting change shows in the median after 8 steps.
+# On an H200 at 256 coding requests, 5-13 plain steps per run took 4-8.6 ms among ones of 3.0 (0.3 ms beyond their
+# measured cost); counted whole, they set plain steps' estimate at 0.88-1.29 ms just before each try of speculation at
+# 200 or more requests, tries whose 6.3-8.3 ms steps delivered 0.23-0.27 tokens a request per ms against plain steps'
+# 0.31-0.33
+OUTLIER_FACTOR, OUTLIER_WINDOW = 2.0, 16
 # a step of one kind measures nothing of the other: the other's estimate fades by 1% each, so that after some
 # dozens of steps of one kind the other is tried again and measured anew (no estimate stays stuck on an outlier)
 OTHER_KIND_FADE = 0.99
@@ -185,6 +195,8 @@ class VerifyPolicy:
         self._expected: np.ndarray | None = None
         # (batch rung, plain step?) -> seconds a step of that kind takes beyond its measured cost
         self.overhead: dict[tuple[int, bool], float] = {}
+        # (batch rung, plain step?) -> what its last OUTLIER_WINDOW steady steps took beyond their measured cost
+        self.recent: dict[tuple[int, bool], deque[float]] = {}
         self.plain_running: bool | None = None  # the kind of the engine's last step (None: no step yet)
         self.kind_steps = 0  # steps of that kind in a row, the last one included
         # kind switched to (plain?) -> seconds its steps before the steady ones took beyond steady steps of it
@@ -283,10 +295,23 @@ class VerifyPolicy:
         if predicted is None or rung is None:
             return
         extra = max(seconds - predicted, 0.0)
+        recent = self._recent(rung, plain)
+        known_steps = len(recent) >= OUTLIER_WINDOW // 2
+        counted = min(extra, OUTLIER_FACTOR * statistics.median(recent)) if known_steps else extra
+        recent.append(extra)
         known = self.known_overhead(rung, plain)
-        self.overhead[rung, plain] = extra if known is None else OVERHEAD_DECAY * known + (1 - OVERHEAD_DECAY) * extra
+        self.overhead[rung, plain] = counted if known is None else (
+            OVERHEAD_DECAY * known + (1 - OVERHEAD_DECAY) * counted)
         if (rung, not plain) in self.overhead:
             self.overhead[rung, not plain] *= OTHER_KIND_FADE ** (0.5 ** self.probes_failed.get((rung, not plain), 0))
+
+    def _recent(self, rung: int, plain: bool) -> deque[float]:
+        """The last steady steps' overheads of this kind at `rung` (OUTLIER_WINDOW); at a rung new to the kind, the
+        nearest rung's, whose estimate it starts from (`known_overhead`)."""
+        if (rung, plain) not in self.recent:
+            source = self._estimated_from(rung, plain)
+            self.recent[rung, plain] = deque(self.recent.get(source, ()), maxlen=OUTLIER_WINDOW)
+        return self.recent[rung, plain]
 
     def _observe_switch(self, extra: float | None) -> None:
         """A step of the switch running now took `extra` seconds beyond a steady step of its kind (None: unknown).
@@ -317,11 +342,17 @@ class VerifyPolicy:
     def known_overhead(self, rung: int | None, plain: bool) -> float | None:
         """Seconds a step of this kind is learned to take beyond its measured cost at `rung`: the rung's own estimate,
         else the nearest rung's that has one (the larger of two as near), None where none has (see the module's doc)."""
-        own = self.overhead.get((rung, plain))
-        if own is not None or rung is None:
-            return own
+        source = self._estimated_from(rung, plain)
+        return None if source is None else self.overhead[source]
+
+    def _estimated_from(self, rung: int | None, plain: bool) -> tuple[int, bool] | None:
+        """The (rung, kind) whose estimate `known_overhead` gives for this kind at `rung`."""
+        if (rung, plain) in self.overhead:
+            return rung, plain
+        if rung is None:
+            return None
         nearest = min(((abs(r - rung), -r) for r, p in self.overhead if p == plain), default=None)
-        return None if nearest is None else self.overhead[-nearest[1], plain]
+        return None if nearest is None else (-nearest[1], plain)
 
     def _rung(self, batch: int) -> int | None:
         """The measured batch size a step of `batch` requests runs as (the whole chain's verify rungs)."""

@@ -229,6 +229,35 @@ def test_what_each_kind_of_step_takes_beyond_its_measured_cost_is_learned_from_i
     assert policy.choose(200) == 2  # 1 / 4.0 < 1.86 / (5.0 + the faded 2 * 0.99 ** 30)
 
 
+def test_a_slow_step_among_steady_ones_counts_at_most_twice_their_median_until_a_change_lasts():
+    """Plain steps that take 0.3 ms beyond their measured 3 ms, then one of 8.6 ms (as on an H200 at 256 coding
+    requests): it counts as 0.6 ms, and plain steps stay ahead of chains of 2 (1.8 tokens in 5 ms and a faded 1.2 ms of
+    overhead); counted whole it
+    would put plain steps' estimate at 0.83 ms and set off a try of speculation. A change that lasts is counted whole
+    once it shows in the median of the last 16 steps, after 8."""
+    from specdec.engine.verify_policy import PLAIN
+
+    costs = StepCosts(draft={2: {256: 1.0e-3}}, verify={PLAIN: {256: 3.0e-3}, 2: {256: 4.0e-3}})
+    policy = VerifyPolicy(16, (PLAIN, 2, 16), costs)
+    policy.accepted[0], policy.seen[0] = 0.8, 1.0
+    policy.overhead = {(256, False): 1.5e-3}
+
+    def plain_steps(count: int, seconds: float) -> None:
+        for _ in range(count):
+            policy.ran(True, 250)
+            policy.observe_seconds(PLAIN, 250, seconds)
+
+    plain_steps(18, 3.3e-3)
+    assert policy.overhead[256, True] == pytest.approx(0.3e-3)
+    plain_steps(1, 8.6e-3)
+    assert policy.overhead[256, True] == pytest.approx(0.9 * 0.3e-3 + 0.1 * 0.6e-3)
+    assert policy.choose(250) == PLAIN
+    plain_steps(7, 5.0e-3)  # a lasting change: 2 ms beyond the cost, counted as 0.6 while the median is 0.3
+    assert policy.overhead[256, True] < 0.6e-3
+    plain_steps(30, 5.0e-3)
+    assert policy.overhead[256, True] == pytest.approx(2.0e-3, rel=0.05)
+
+
 def test_an_estimate_the_running_kind_cannot_refresh_fades_until_the_other_kind_is_tried():
     """Steps of one kind measure nothing of the other: its estimate fades by 1% a step, so the other kind is tried
     again after some dozens of steps, whichever kind an early outlier had ruled out."""
