@@ -50,8 +50,8 @@ measured costs); a slow step among steady ones counts at most twice the median o
 there (`OUTLIER_FACTOR`). A rung where a kind has not run yet takes that kind's estimate from the nearest rung that
 has one, and its first steps refine it from there: under a draining load the batch enters a new rung every few dozen
 steps, and with nothing known there speculation looked free. On an H200 at 256 coding requests, each new rung from
-224 down ran 8-24 speculative steps of 6-9 ms where plain steps took 3 ms, and a single host-bound plain step (4.1
-ms) set plain steps' estimate at a new rung alone; the overheads of neighbouring rungs differed little there
+224 down ran 8-24 speculative steps of 6-9 ms where plain steps took 3 ms, and a single host-bound plain step
+(4.1 ms) set plain steps' estimate at a new rung alone; the overheads of neighbouring rungs differed little there
 (speculative steps 1.2-1.5 ms at rungs 96-224, plain ones 0.4-0.5 ms at rungs 128-256). With the nearest rung's
 estimates, the same load speculated for 23-35 steps above 100 requests instead of 54-149 (BENCHMARKS.md).
 
@@ -100,7 +100,7 @@ TREE = 0  # the choice "verify a token tree" (chain choices are their token coun
 CHAIN_MARGIN = 0.02
 # an overhead estimate follows the last ~10 decode-only steps of its kind (speculative or plain) and batch rung
 OVERHEAD_DECAY = 0.9
-# each step counting at most twice the median of the last 16 steady steps of its kind there (once 8 are known): a few
+# a steady step counts at most twice the median of the last 16 steady steps of its kind there (once 8 are known): a few
 # slow steps among steady ones say little of the next step; a lasting change shows in the median after 8 steps.
 # On an H200 at 256 coding requests, 5-13 plain steps per run took 4-8.6 ms among ones of 3.0 (0.3 ms beyond their
 # measured cost); counted whole, they set plain steps' estimate at 0.88-1.29 ms just before each try of speculation at

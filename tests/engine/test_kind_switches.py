@@ -1,6 +1,8 @@
 """Switching between plain steps and speculation (`auto`): the dwell, which steps teach a kind's overhead, and what a
 switch costs, down to simulations with the step times an H200 took."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -301,3 +303,44 @@ def test_a_rung_where_a_kind_has_not_run_yet_takes_its_estimate_from_the_nearest
     monkeypatch.setattr(VerifyPolicy, "known_overhead", lambda self, rung, plain: self.overhead.get((rung, plain)))
     unborrowed = min(draining_speculative_steps(policy(), seed) for seed in range(3))
     assert unborrowed >= 3 * KIND_DWELL, unborrowed
+
+
+def speculative_steps_among_slow_plain_steps(policy: VerifyPolicy, slow_share: float, seed: int) -> int:
+    """Speculative steps among 3,000 of 250 requests with the step times of 256 coding requests on an H200: steady plain
+    steps 3.02 ms (0.22 beyond their measured cost), steady chains of 2 7.0 ms (1.9 tokens: speculation never pays), a
+    switch's first steps as above; a `slow_share` of the plain steps takes 4-8.6 ms, as 5-13 of ~270 did there."""
+    rng = np.random.default_rng(seed)
+    speculative = 0
+    for step in range(3000):
+        q = policy.choose(250)
+        plain = q == PLAIN
+        policy.ran(plain, 250)
+        first = policy.kind_steps == 1 and step > 0
+        wall = (4.8 if plain else 13.3) if first else (3.02 if plain else 7.0)
+        if plain and rng.random() < slow_share:
+            wall = rng.uniform(4.0, 8.6)
+        policy.observe_seconds(q, 250, wall * (1 + 0.03 * rng.standard_normal()) / 1e3)
+        if not plain:
+            speculative += 1
+            policy.observe(np.minimum(rng.geometric(0.1, 250) - 1, q - 1).tolist(), q)
+    return speculative
+
+
+def test_slow_plain_steps_among_steady_ones_do_not_set_off_tries_of_speculation(monkeypatch):
+    """With 3% of the plain steps slow, counting each whole put plain steps' estimate above what they take and set off
+    100-780 speculative steps in 3,000; counted at most twice the median of the last 16 (OUTLIER_FACTOR), the policy
+    speculates for one dwell, as it does without slow steps."""
+    def policy():
+        costs = StepCosts(draft={2: {256: 1.3e-3}}, verify={PLAIN: {256: 2.8e-3}, 2: {256: 4.0e-3}, 16: {256: 40e-3}})
+        made = VerifyPolicy(16, (PLAIN, 2, 16), costs)
+        made.accepted[0], made.seen[0] = 0.9, 1.0
+        made.overhead = {(256, False): 1.4e-3, (256, True): 0.3e-3}
+        made.ran(True, 250)
+        return made
+
+    for seed in range(3):
+        assert speculative_steps_among_slow_plain_steps(policy(), 0.0, seed) <= KIND_DWELL
+        assert speculative_steps_among_slow_plain_steps(policy(), 0.03, seed) <= KIND_DWELL
+    monkeypatch.setattr(verify_policy, "OUTLIER_FACTOR", math.inf)
+    counted_whole = [speculative_steps_among_slow_plain_steps(policy(), 0.03, seed) for seed in range(3)]
+    assert min(counted_whole) > 5 * KIND_DWELL, counted_whole

@@ -232,9 +232,8 @@ def test_what_each_kind_of_step_takes_beyond_its_measured_cost_is_learned_from_i
 def test_a_slow_step_among_steady_ones_counts_at_most_twice_their_median_until_a_change_lasts():
     """Plain steps that take 0.3 ms beyond their measured 3 ms, then one of 8.6 ms (as on an H200 at 256 coding
     requests): it counts as 0.6 ms, and plain steps stay ahead of chains of 2 (1.8 tokens in 5 ms and a faded 1.2 ms of
-    overhead); counted whole it
-    would put plain steps' estimate at 0.83 ms and set off a try of speculation. A change that lasts is counted whole
-    once it shows in the median of the last 16 steps, after 8."""
+    overhead); counted whole it would put plain steps' estimate at 0.83 ms and set off a try of speculation. A change
+    that lasts is counted whole once it shows in the median of the last 16 steps, after 8."""
     from specdec.engine.verify_policy import PLAIN
 
     costs = StepCosts(draft={2: {256: 1.0e-3}}, verify={PLAIN: {256: 3.0e-3}, 2: {256: 4.0e-3}})
