@@ -87,6 +87,10 @@ class LoadRow:
     # where a level's time went, what it delivered, and what the policy saw
     steps: list[list] | None = None
     started: float | None = None  # unix time the level began (to set it against machine logs, e.g. GPU clocks)
+    # of the prompt tokens, the share the prefix cache held at admission (not prefilled): runs of the same prompts on
+    # one engine find what earlier runs left cached, as much as the decoding in between did not evict, so their steps
+    # with prefill differ (a burst's prompts in one step or two)
+    cached_share: float | None = None
 
 
 def parse_args(argv):
@@ -207,7 +211,8 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
                    sum(r[2] for r in prefill) / wall, statistics.mean(taus) if taus else None,
                    statistics.mean(verified) if verified else None,
                    plain_steps=len(plain_steps) if plain_steps is not None else None,
-                   steps=[step_trace(r) for r in records], started=started)
+                   steps=[step_trace(r) for r in records], started=started,
+                   cached_share=sum(r.stats.cached_tokens or 0 for r in requests) / max(sum(map(len, prompts)), 1))
 
 
 def step_trace(record: tuple) -> list:
@@ -310,8 +315,9 @@ def profile_table(profiles: list[StepProfile]) -> str:
 
 def table(rows: list[LoadRow]) -> str:
     lines = ["| system | concurrency | tokens/s | decode steps x median ms (mean batch) | steps with prefill x "
-             "median ms | share of wall in prefill steps | tau | verified per step | plain steps |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "median ms | share of wall in prefill steps | prompt tokens cached | tau | verified per step | "
+             "plain steps |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tau = f"{r.tau:.2f}" if r.tau is not None else "-"
         verified = f"{r.verified:.1f}" if r.verified is not None else "-"
@@ -319,7 +325,7 @@ def table(rows: list[LoadRow]) -> str:
                   if r.runs_tokens_per_s else "")
         lines.append(f"| {r.system} | {r.concurrency} | {r.tokens_per_s:,.0f}{spread} | {r.decode_steps} x "
                      f"{r.decode_step_ms:.2f} ({r.decode_batch:.1f}) | {r.prefill_steps} x {r.prefill_step_ms:.2f} | "
-                     f"{100 * r.prefill_share:.0f}% | {tau} | {verified} | "
+                     f"{100 * r.prefill_share:.0f}% | {100 * (r.cached_share or 0):.0f}% | {tau} | {verified} | "
                      f"{r.plain_steps if r.plain_steps is not None else '-'} |")
     return "\n".join(lines)
 

@@ -15,6 +15,8 @@ def test_quick_run_reports_every_system_and_concurrency(tmp_path, capsys):
         assert 0 < row["tokens"] <= row["requests"] * 8
         assert row["prefill_steps"] >= 1 and row["decode_steps"] >= 1
         assert 0 < row["prefill_share"] < 1 and row["decode_batch"] <= row["concurrency"]
+        # the same prompts ran before on this engine (the warm-up, the level before): the prefix cache holds some
+        assert 0 < row["cached_share"] <= 1
         assert (row["tau"] is None) == (row["system"] == "AR")
         # on CPU nothing is measured, so the policy verifies the whole chain (the tiny drafter's block)
         assert row["verified"] == (None if row["system"] == "AR" else 4.0)
