@@ -15,7 +15,9 @@ learned, tokens committed, the switch costs learned), so a level whose tokens/s 
 the steps that took the time. The output ends with the decode-only steps summed by batch range and kind of step
 (`scripts/bench/step_trace.py`): what each kind delivered per request per ms at each batch.
 Single runs of a level vary by 10-16% on a GPU (host-bound steps): --repeats N runs each level N times on
-the same engine and reports the run with the median tokens/s. A shared machine also has slow periods of seconds
+the same engine and reports the run with the median tokens/s. Runs of the same prompts find what earlier runs left in
+the prefix cache (each row's `prompt tokens cached`), so their steps with prefill vary too; --no-prefix-caching
+prefills every run whole. A shared machine also has slow periods of seconds
 that slow every system alike (plain decoding's steps too), so systems run one after the other do not compare:
 --interleave builds every system's engine first (the GPU memory split between them) and runs each level's rounds
 system after system (A B A B ...); each row then also gives its tokens/s over the first system's in each round, whose
@@ -112,6 +114,9 @@ def parse_args(argv):
                    help="chat: math500 and coding requests alternating; the others: bench_serve.py's prompts")
     p.add_argument("--system-repeat", type=int, default=0,
                    help="each prompt under this many copies of the multiturn set's system prompt (~500 tokens each)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="the engines without a prefix cache: every run prefills its prompts whole (with it, runs of "
+                        "the same prompts find what earlier runs left cached)")
     p.add_argument("--draft-window", type=int, default=None,
                    help="the DFlash rows' draft_window (default: the drafter's declared window; 0: whole context)")
     p.add_argument("--overlap-steps", nargs="?", const="both", default="off", choices=("off", "both", "on"),
@@ -364,7 +369,7 @@ def load_system(args, model: str, system: tuple, device: torch.device, **options
     """A system's engine, warmed up (graphs, kernels, allocator), and its prompts."""
     name, draft, verify, overlap = system
     llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency), kv_cache_dtype=args.kv_cache_dtype,
-              overlap_steps=overlap, verify=verify,
+              overlap_steps=overlap, verify=verify, enable_prefix_caching=not args.no_prefix_caching,
               **(dict(draft_window=args.draft_window) if draft and args.draft_window is not None else {}), **options)
     prompts = (random_prompts(llm.engine.model.config.vocab_size, args.requests) if args.quick
                else chat_prompts(llm, args.requests, args.dataset, args.system_repeat))

@@ -36,6 +36,13 @@ def test_quick_run_reports_every_system_and_concurrency(tmp_path, capsys):
     assert "| DFlash | 4 |" in printed and "| DFlash | 4 | 1-31 | speculative |" in printed  # and the steps by batch
 
 
+def test_without_the_prefix_cache_every_run_prefills_its_prompts_whole(tmp_path):
+    out = tmp_path / "load.json"
+    assert main(["--quick", "--no-prefix-caching", "--concurrency", "4", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(row["cached_share"] == 0 for row in rows)
+
+
 def test_each_verify_policy_has_a_dflash_row(tmp_path):
     out = tmp_path / "load.json"
     assert main(["--quick", "--verify", "chain", "auto", "--out", str(out)]) == 0
