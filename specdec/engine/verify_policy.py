@@ -296,8 +296,8 @@ class VerifyPolicy:
             return
         extra = max(seconds - predicted, 0.0)
         recent = self._recent(rung, plain)
-        known_steps = len(recent) >= OUTLIER_WINDOW // 2
-        counted = min(extra, OUTLIER_FACTOR * statistics.median(recent)) if known_steps else extra
+        enough_steps = len(recent) >= OUTLIER_WINDOW // 2
+        counted = min(extra, OUTLIER_FACTOR * statistics.median(recent)) if enough_steps else extra
         recent.append(extra)
         known = self.known_overhead(rung, plain)
         self.overhead[rung, plain] = counted if known is None else (
