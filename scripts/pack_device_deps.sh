@@ -13,7 +13,7 @@ packages=(llguidance math-verify latex2sympy2_extended antlr4-python3-runtime fa
           jsonschema referencing rpds-py jsonschema-specifications)
 pinned=()
 for package in "${packages[@]}"; do
-  version=$(pip show "$package" 2> /dev/null | awk '/^Version/ {print $2}')
+  version=$(pip show "$package" 2> /dev/null | awk '/^Version/ {print $2}') || true  # not installed here: the newest
   pinned+=("$package${version:+==$version}")
 done
 mkdir -p .gpu/deps

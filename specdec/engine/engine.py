@@ -346,7 +346,8 @@ class Engine:
         # penalties and grammars follow every output token on the host: a step with such a request runs in order,
         # after the step in flight has landed. With a drafter, the policy's plain steps (no draft pays at this
         # batch) run overlapped as well; a speculative step needs the tokens in flight on the host first
-        plain = self.drafter is not None and bool(decode) and self.decoding.plain_pays(decode)
+        adjusting = any(r.params.adjusts_logits for r in decode)  # asked once: a scan of every request
+        plain = self.drafter is not None and bool(decode) and not adjusting and self.decoding.plain_pays(len(decode))
         # with a drafter, a step of prompt chunks alone is overlapped too: the next step (speculative or plain) finds
         # their first tokens as it would a plain step's, and the host prepares it while the GPU prefills
         prompts_only = self.drafter is not None and self.config.overlap_steps and not decode and bool(plan.prefill)
@@ -355,7 +356,7 @@ class Engine:
         steady = self.flight is not None
         # a step that lands a forward with prompt chunks waits for their prefill: its wall time says nothing of its kind
         after_prompts = steady and self.flight.prefilled
-        in_order = (self.overlap and any(r.params.adjusts_logits for r in decode)) or (
+        in_order = (self.overlap and adjusting) or (
             self.drafter is not None and not plain and not prompts_only)
         landed = in_order and steady
         if landed:

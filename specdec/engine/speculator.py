@@ -144,11 +144,10 @@ class SpeculativeDecoding:
         return self.drafter.propose_next(running + starting, anchors, counts, [i * q for i in range(batch)]
                                          + [0] * len(starting), [q] * batch + [0] * len(starting), length)
 
-    def plain_pays(self, running: list[Request]) -> bool:
-        """Whether the policy runs the step of `running` as a plain decoding step (PLAIN): no draft pays at this
-        batch. Not for requests whose tokens the host must follow one by one (penalties, grammars)."""
-        return (PLAIN in self.policy.lengths and self.policy.choose(len(running), trees=False) == PLAIN
-                and not any(r.params.adjusts_logits for r in running))
+    def plain_pays(self, batch: int) -> bool:
+        """Whether the policy runs a step of `batch` requests as a plain decoding step (PLAIN): no draft pays at this
+        batch. The caller rules out requests whose tokens the host must follow one by one (penalties, grammars)."""
+        return PLAIN in self.policy.lengths and self.policy.choose(batch, trees=False) == PLAIN
 
     @torch.no_grad()
     def launch(self, running: list[Request], prefill: PrefillChunks | None, carried: Carried | None,
