@@ -8,6 +8,7 @@ from pathlib import Path
 
 from drafters.dflash import DFlashDrafter
 from drafters.dflash_model import read_dflash_config
+from drafters.token_ranking import read_token_ranking
 from specdec.engine.drafter import Drafter
 from specdec.weights.demo_models import DEFAULT_TARGET
 
@@ -37,7 +38,7 @@ def load_drafter(name_or_path: str | os.PathLike, target_model) -> Drafter:
     check_compatible(read_dflash_config(path), target_model.config, str(path))
     device = target_model.lm_head.weight.device
     dtype = target_model.lm_head.weight.dtype
-    return DFlashDrafter(load_dflash(path, device, dtype))
+    return DFlashDrafter(load_dflash(path, device, dtype), read_token_ranking(path))
 
 
 __all__ = ["Drafter", "DFlashDrafter", "load_drafter", "DEFAULT_DRAFTERS", "resolve_drafter_path"]

@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
 
 from attention.batch_layout import BatchLayout, slots_on_device
 from attention.page_pool import PagePool, PageTable, grow_tables, table_lengths
 from attention.transfer import upload
 from drafters.dflash_model import DFlashDraftModel
+from drafters.token_ranking import draft_vocabulary
 from specdec.engine.drafter import DraftContext, Drafter, DraftRequest
 from specdec.models.logprobs import log_normalizer
 from specdec.runtime.cuda_graphs import StaticInputs
@@ -61,8 +63,9 @@ HELD_ROWS = 2048
 class DFlashDrafter(ModelRunner, Drafter):
     proposes_candidates = True
 
-    def __init__(self, model: DFlashDraftModel):
+    def __init__(self, model: DFlashDraftModel, token_ranking: np.ndarray | None = None):
         self.model = model
+        self.token_ranking = token_ranking  # its tokens, most frequent first (drafters/token_ranking.py; None: none)
         self.block_size = model.spec.block_size
         self.target_layer_ids = model.spec.target_layer_ids
         self.mask_token_id = model.spec.mask_token_id
@@ -98,6 +101,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.candidates_out = (torch.zeros(batch, bs - 1, k, dtype=torch.float32, device=self.device),
                                torch.zeros(batch, bs - 1, k, dtype=torch.long, device=self.device)) if k else None
         self.arange = torch.arange(max(batch, bs), device=self.device)
+        self._draft_head(context)
         # a prompt chunk's context rows: at most the target's features buffer; plain steps' held rows: HELD_ROWS
         features = context.features
         self.held_features = torch.zeros(max(HELD_ROWS, batch), features.shape[1], dtype=features.dtype,
@@ -112,6 +116,28 @@ class DFlashDrafter(ModelRunner, Drafter):
                                    lambda size, cut: self._context_body(size, self.held_features))
         # the most K/V rows a step writes: a draft step's context and block rows, or a context step's rows
         self.attn.reserve_write_rows(max(2 * bs * batch, rows))
+
+    def _draft_head(self, context: DraftContext) -> None:
+        """The output layer a draft step scores with: the target's, or its rows of the `draft_vocab` most frequent
+        tokens of the drafter's ranking (a copy: a draft then reads a fifth of the weights or less), whose ids
+        `draft_ids` maps the scores' columns back to."""
+        lm_head = context.lm_head
+        ids = draft_vocabulary(self.token_ranking, context.draft_vocab, lm_head.weight.shape[0])
+        self.head, self.draft_ids = lm_head, None
+        if ids is None:
+            return
+        self.draft_ids = torch.from_numpy(ids).to(self.device)
+        weight = lm_head.weight.detach().index_select(0, self.draft_ids)
+        bias = getattr(lm_head, "bias", None)
+        self.head = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=self.device,
+                              dtype=weight.dtype).requires_grad_(False)
+        self.head.weight.copy_(weight)
+        if bias is not None:
+            self.head.bias.copy_(bias.detach().index_select(0, self.draft_ids))
+
+    def _token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Token ids of columns of the draft head's scores."""
+        return index if self.draft_ids is None else self.draft_ids[index]
 
     def allocate_cache(self, num_pages: int) -> None:
         self.pool = PagePool(num_pages, self.page_size)
@@ -357,7 +383,8 @@ class DFlashDrafter(ModelRunner, Drafter):
         return tuple(t[:batch] for t in self.candidates_out)
 
     def draft_logits(self, requests: list[DraftRequest]) -> torch.Tensor:
-        """The same step, always eager, returning the block's logits [B, bs-1, vocab] (for checks)."""
+        """The same step, always eager, returning the block's logits [B, bs-1, vocab] (for checks; with a draft
+        vocabulary, [B, bs-1, draft_vocab] over the ids `draft_ids`)."""
         self.queued = {}
         return self._step(requests, eager=True)
 
@@ -473,13 +500,13 @@ class DFlashDrafter(ModelRunner, Drafter):
         block_ids = torch.where(jb == 0, inputs["anchors"][:batch, None], self.mask_token_id)
         hidden = self._forward(context, block_ids.flatten(), ctx_pos.flatten(), blk_pos.flatten())
         hidden = hidden.view(batch, b, -1)[:, 1:n + 1].reshape(batch * n, -1)
-        logits = m.block_logits(hidden, self.context.lm_head).view(batch, n, -1)
-        self.drafts_out[:batch, :n] = logits.argmax(dim=-1)
-        if candidates:  # the top k of each position, as log-probabilities
+        logits = m.block_logits(hidden, self.head).view(batch, n, -1)
+        self.drafts_out[:batch, :n] = self._token_ids(logits.argmax(dim=-1))
+        if candidates:  # the top k of each position, as log-probabilities (over the tokens the head scores)
             logprobs, tokens = self.candidates_out
             top, index = logits.topk(logprobs.shape[-1], dim=-1)
             torch.sub(top.float(), log_normalizer(logits), out=logprobs[:batch])
-            tokens[:batch].copy_(index)
+            tokens[:batch].copy_(self._token_ids(index))
         return logits
 
     def _block_attention(self, ctx, ctx_rope, blk_rope, layer_kv):

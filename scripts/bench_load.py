@@ -119,6 +119,9 @@ def parse_args(argv):
                         "the same prompts find what earlier runs left cached)")
     p.add_argument("--draft-window", type=int, default=None,
                    help="the DFlash rows' draft_window (default: the drafter's declared window; 0: whole context)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="the DFlash rows' draft_vocab (default: 32768 where the drafter ranks its tokens; 0: the "
+                        "whole vocabulary)")
     p.add_argument("--overlap-steps", nargs="?", const="both", default="off", choices=("off", "both", "on"),
                    help="plain decoding with overlapped steps (rows 'AR overlapped') and DFlash drafting ahead "
                         "(rows 'DFlash ..., drafted ahead'), the engine's defaults: beside the in-order rows "
@@ -133,8 +136,8 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
-    if args.system_repeat < 0 or (args.draft_window is not None and args.draft_window < 0):
-        p.error("--system-repeat and --draft-window must not be negative")
+    if args.system_repeat < 0 or any(v is not None and v < 0 for v in (args.draft_window, args.draft_vocab)):
+        p.error("--system-repeat, --draft-window and --draft-vocab must not be negative")
     if args.quick:
         args.concurrency, args.requests, args.max_new_tokens, args.device = [1, 4], 6, 8, "cpu"
     return args
@@ -370,7 +373,8 @@ def load_system(args, model: str, system: tuple, device: torch.device, **options
     name, draft, verify, overlap = system
     llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency), kv_cache_dtype=args.kv_cache_dtype,
               overlap_steps=overlap, verify=verify, enable_prefix_caching=not args.no_prefix_caching,
-              **(dict(draft_window=args.draft_window) if draft and args.draft_window is not None else {}), **options)
+              **({name: value for name, value in (("draft_window", args.draft_window), ("draft_vocab", args.draft_vocab))
+                  if draft and value is not None}), **options)
     prompts = (random_prompts(llm.engine.model.config.vocab_size, args.requests) if args.quick
                else chat_prompts(llm, args.requests, args.dataset, args.system_repeat))
     run_load(llm, name, prompts[:min(4, len(prompts))], 1, 4)

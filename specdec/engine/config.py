@@ -117,6 +117,12 @@ class EngineConfig:
     # on an H200, ~6k-token prompts: tau 2.51 against 1.69 without); 0: the whole context. Outputs stay exact
     draft_window: int | None = _setting(None, "DFlash drafting: context positions each draft position attends back "
                                               "(default: the drafter's declared window; 0 = the whole context)")
+    # DFlash drafting: a draft step scores its positions against only the drafter's most frequent tokens (the ranking
+    # beside its weights, drafters/token_ranking.py): the target's output layer is most of what a draft step reads.
+    # None: DEFAULT_DRAFT_VOCAB where the drafter ships a ranking; 0: the whole vocabulary. Outputs stay exact
+    draft_vocab: int | None = _setting(None, "DFlash drafting: tokens a draft scores, the drafter's most frequent "
+                                             "(default: 32768 where it ships a token ranking; 0 = the whole "
+                                             "vocabulary)")
     # full pages of committed tokens (the target's KV and the drafter's context) are kept and shared by later
     # requests that start with the same tokens (attention/prefix_cache.py)
     enable_prefix_caching: bool = _setting(True, "reuse the KV (and drafter context) of cached prompt prefixes "
@@ -142,6 +148,9 @@ class EngineConfig:
         if self.draft_window is not None and self.draft_window < 0:
             problems.append(f"draft_window must be 0 (the whole context) or a positive number of positions, got "
                             f"{self.draft_window}")
+        if self.draft_vocab is not None and self.draft_vocab < 0:
+            problems.append(f"draft_vocab must be 0 (the whole vocabulary) or a positive number of tokens, got "
+                            f"{self.draft_vocab}")
         if self.verify not in VERIFY_POLICIES:
             problems.append(f"verify must be one of {', '.join(VERIFY_POLICIES)}, got {self.verify!r}")
         if full_precision_layer_list(self.kv_cache_full_precision_layers) is None:
