@@ -120,8 +120,7 @@ def parse_args(argv):
     p.add_argument("--draft-window", type=int, default=None,
                    help="the DFlash rows' draft_window (default: the drafter's declared window; 0: whole context)")
     p.add_argument("--draft-vocab", type=int, default=None,
-                   help="the DFlash rows' draft_vocab (default: 32768 where the drafter ranks its tokens; 0: the "
-                        "whole vocabulary)")
+                   help="the DFlash rows' draft_vocab (default: the engine's, 0: the whole vocabulary)")
     p.add_argument("--overlap-steps", nargs="?", const="both", default="off", choices=("off", "both", "on"),
                    help="plain decoding with overlapped steps (rows 'AR overlapped') and DFlash drafting ahead "
                         "(rows 'DFlash ..., drafted ahead'), the engine's defaults: beside the in-order rows "

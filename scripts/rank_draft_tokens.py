@@ -1,5 +1,5 @@
 """Rank a drafter's tokens by frequency and write the ranking beside its weights (drafters/token_ranking.py), so that
-its draft steps score only the most frequent ones (`--draft-vocab`, default 32768 where a ranking exists).
+its draft steps may score only the most frequent ones (`--draft-vocab N`).
 
     python scripts/rank_draft_tokens.py DRAFTER_DIR --data data/mix-qc15 [data/more ...]    # its training answers
     python scripts/rank_draft_tokens.py DRAFTER_DIR --texts math code                      # texts like the target's

@@ -117,12 +117,12 @@ class EngineConfig:
     # on an H200, ~6k-token prompts: tau 2.51 against 1.69 without); 0: the whole context. Outputs stay exact
     draft_window: int | None = _setting(None, "DFlash drafting: context positions each draft position attends back "
                                               "(default: the drafter's declared window; 0 = the whole context)")
-    # DFlash drafting: a draft step scores its positions against only the drafter's most frequent tokens (the ranking
-    # beside its weights, drafters/token_ranking.py): the target's output layer is most of what a draft step reads.
-    # None: DEFAULT_DRAFT_VOCAB where the drafter ships a ranking; 0: the whole vocabulary. Outputs stay exact
-    draft_vocab: int | None = _setting(None, "DFlash drafting: tokens a draft scores, the drafter's most frequent "
-                                             "(default: 32768 where it ships a token ranking; 0 = the whole "
-                                             "vocabulary)")
+    # DFlash drafting: a draft step may score its positions against only the drafter's most frequent tokens (the
+    # ranking beside its weights, drafters/token_ranking.py): the target's output layer is most of what a draft step
+    # reads. Off by default: with the shipped drafter's ranking (MATH training solutions and library source) 32,768
+    # tokens took 2-3% of tau at batch 1 and gave it back in step time (BENCHMARKS.md). Outputs stay exact
+    draft_vocab: int = _setting(0, "DFlash drafting: score only the drafter's N most frequent tokens (its "
+                                   "token_ranking.npy; 0 = the whole vocabulary)")
     # full pages of committed tokens (the target's KV and the drafter's context) are kept and shared by later
     # requests that start with the same tokens (attention/prefix_cache.py)
     enable_prefix_caching: bool = _setting(True, "reuse the KV (and drafter context) of cached prompt prefixes "
@@ -148,7 +148,7 @@ class EngineConfig:
         if self.draft_window is not None and self.draft_window < 0:
             problems.append(f"draft_window must be 0 (the whole context) or a positive number of positions, got "
                             f"{self.draft_window}")
-        if self.draft_vocab is not None and self.draft_vocab < 0:
+        if self.draft_vocab < 0:
             problems.append(f"draft_vocab must be 0 (the whole vocabulary) or a positive number of tokens, got "
                             f"{self.draft_vocab}")
         if self.verify not in VERIFY_POLICIES:

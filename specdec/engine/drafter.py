@@ -31,11 +31,6 @@ class DraftRequest(Protocol):
     pending_token: int  # the last committed token, not yet run through the target
 
 
-# the tokens a draft step scores unless told otherwise (`draft_vocab`), where the drafter ranks its tokens: the shipped
-# drafter's 32,768 most frequent hold 99.8% of the tokens of MATH training solutions
-DEFAULT_DRAFT_VOCAB = 32768
-
-
 @dataclass(frozen=True)
 class DraftContext:
     device: torch.device

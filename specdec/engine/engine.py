@@ -38,7 +38,7 @@ from attention.prefix_cache import PrefixCache
 from attention.transfer import upload
 from specdec.engine.config import EngineConfig, full_precision_layer_list
 from specdec.engine.decoding import DecodePhase, PlainDecoding
-from specdec.engine.drafter import DEFAULT_DRAFT_VOCAB, DraftContext
+from specdec.engine.drafter import DraftContext
 from specdec.engine.flight import Flight
 from specdec.engine.grammar import Grammars
 from specdec.engine.logprobs import LogprobRows, TokenLogprob, unpack, wants_logprobs
@@ -120,7 +120,7 @@ class Engine:
                                         TREE_GRAPH_MAX_BATCH if config.verify == "auto" else 0,
                                         tuple(q - 1 for q in chain_lengths),
                                         drafter.draft_window if config.draft_window is None else config.draft_window,
-                                        DEFAULT_DRAFT_VOCAB if config.draft_vocab is None else config.draft_vocab))
+                                        config.draft_vocab))
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                            and self.runner.attn.supports_graphs)
         # the graphs' memory pool is counted before the KV pool takes what is left

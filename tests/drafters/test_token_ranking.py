@@ -88,8 +88,8 @@ def test_drafts_come_from_the_target_rows_of_the_most_frequent_tokens(target_dir
 
 
 def test_the_draft_vocabulary_by_size(target_dir, tmp_path):
-    """A size past the ranking but short of the vocabulary drafts over the whole ranking; the default (32768) and
-    sizes of the vocabulary or more, 0, or a drafter without a ranking draft over the whole vocabulary."""
+    """A size past the ranking but short of the vocabulary drafts over the whole ranking; the default (0), sizes of the
+    vocabulary or more, and a drafter without a ranking draft over the whole vocabulary."""
     def draft_ids(ranked=True, **config):
         ids = spec_engine(target_dir, ranked_drafter(target_dir, tmp_path, ranked), **config).drafter.draft_ids
         return None if ids is None else ids.tolist()
