@@ -131,6 +131,8 @@ stage export
 export_one() {  # NAME STORAGE ARGS: the shipped storage, bf16 (peers) and q8_0 (to carry); score the first two
   for s in "$2" bf16 q8_0; do
     python3 scripts/export_drafter.py "$run/train-$1" "$run/drafter-$1-$s" --storage "$s" || return 1
+    # its tokens ranked by the answers it learned from (for --draft-vocab)
+    python3 scripts/rank_draft_tokens.py "$run/drafter-$1-$s" --target "$target" --data "${shard_dirs[@]}" || return 1
   done
   ln -sfn "drafter-$1-$2" "$run/drafter-$1"
   for s in "$2" bf16; do
