@@ -119,8 +119,8 @@ class DFlashDrafter(ModelRunner, Drafter):
 
     def _draft_head(self, context: DraftContext) -> None:
         """The output layer a draft step scores with: the target's, or its rows of the `draft_vocab` most frequent
-        tokens of the drafter's ranking (a copy: a draft then reads a fifth of the weights or less), whose ids
-        `draft_ids` maps the scores' columns back to."""
+        tokens of the drafter's ranking (a copy: a draft then reads draft_vocab / vocabulary of the layer's weights),
+        whose ids `draft_ids` maps the scores' columns back to."""
         lm_head = context.lm_head
         ids = draft_vocabulary(self.token_ranking, context.draft_vocab, lm_head.weight.shape[0])
         self.head, self.draft_ids = lm_head, None
