@@ -108,8 +108,8 @@ def parse_args(argv):
                    "with the median tokens/s (odd counts: the middle one), every run's tokens/s listed beside it")
     p.add_argument("--device", default="cuda")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="the target's KV cache")
-    p.add_argument("--verify", nargs="+", choices=tuple(DFLASH), default=["chain"],
-                   help="the DFlash rows' verify policies (a row each)")
+    p.add_argument("--verify", nargs="+", choices=tuple(DFLASH), default=["auto"],
+                   help="the DFlash rows' verify policies (a row each; default: auto, the engine's)")
     p.add_argument("--dataset", default="chat", choices=("chat", "mixed", "math500", "code"),
                    help="chat: math500 and coding requests alternating; the others: bench_serve.py's prompts")
     p.add_argument("--system-repeat", type=int, default=0,
@@ -121,10 +121,10 @@ def parse_args(argv):
                    help="the DFlash rows' draft_window (default: the drafter's declared window; 0: whole context)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="the DFlash rows' draft_vocab (default: the engine's, 0: the whole vocabulary)")
-    p.add_argument("--overlap-steps", nargs="?", const="both", default="off", choices=("off", "both", "on"),
+    p.add_argument("--overlap-steps", nargs="?", const="both", default="on", choices=("off", "both", "on"),
                    help="plain decoding with overlapped steps (rows 'AR overlapped') and DFlash drafting ahead "
-                        "(rows 'DFlash ..., drafted ahead'), the engine's defaults: beside the in-order rows "
-                        "(alone or 'both') or instead of them ('on')")
+                        "(rows 'DFlash ..., drafted ahead'), the engine's defaults: alone ('on', the default), beside "
+                        "the in-order rows (alone as a flag, or 'both'), or in-order rows only ('off')")
     p.add_argument("--interleave", action="store_true",
                    help="every engine built first (GPU memory split between them); each level's --repeats rounds run "
                         "the systems in turn, and rows give their tokens/s over the first system's, round by round")

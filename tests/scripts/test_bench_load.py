@@ -5,10 +5,12 @@ import json
 from scripts.bench.chat_prompts import load_prompts
 from scripts.bench_load import chat_prompts, main
 
+IN_ORDER = ["--verify", "chain", "--overlap-steps", "off"]  # rows "AR" and "DFlash": chains, steps in order
+
 
 def test_quick_run_reports_every_system_and_concurrency(tmp_path, capsys):
     out = tmp_path / "load.json"
-    assert main(["--quick", "--out", str(out)]) == 0
+    assert main(["--quick", *IN_ORDER, "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["system"], r["concurrency"]) for r in rows] == [("AR", 1), ("AR", 4), ("DFlash", 1), ("DFlash", 4)]
     for row in rows:
@@ -45,23 +47,31 @@ def test_without_the_prefix_cache_every_run_prefills_its_prompts_whole(tmp_path)
 
 def test_each_verify_policy_has_a_dflash_row(tmp_path):
     out = tmp_path / "load.json"
-    assert main(["--quick", "--verify", "chain", "auto", "--out", str(out)]) == 0
+    assert main(["--quick", "--verify", "chain", "auto", "--overlap-steps", "off", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert list(dict.fromkeys(r["system"] for r in rows)) == ["AR", "DFlash", "DFlash auto"]
 
 
 def test_overlap_steps_adds_the_overlapped_and_drafted_ahead_rows_with_the_same_tokens(tmp_path):
     out = tmp_path / "load.json"
-    assert main(["--quick", "--overlap-steps", "--out", str(out)]) == 0
+    assert main(["--quick", "--verify", "chain", "--overlap-steps", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert list(dict.fromkeys(r["system"] for r in rows)) == ["AR", "AR overlapped", "DFlash", "DFlash, drafted ahead"]
     tokens = {(r["system"], r["concurrency"]): (r["tokens"], r["tau"]) for r in rows}
     for concurrency in (1, 4):  # greedy, the same requests: the same tokens, and drafts ahead accept the same
         assert tokens[("AR", concurrency)][0] == tokens[("AR overlapped", concurrency)][0]
         assert tokens[("DFlash", concurrency)] == tokens[("DFlash, drafted ahead", concurrency)]
-    assert main(["--quick", "--overlap-steps", "on", "--out", str(out)]) == 0  # the engine's defaults alone
+    assert main(["--quick", "--verify", "chain", "--overlap-steps", "on", "--out", str(out)]) == 0  # no in-order rows
     rows = json.loads(out.read_text())["rows"]
     assert list(dict.fromkeys(r["system"] for r in rows)) == ["AR overlapped", "DFlash, drafted ahead"]
+
+
+def test_the_defaults_are_the_engines(tmp_path):
+    """Without flags the rows run what the engine runs by default: overlapped plain decoding and `auto`, drafting ahead."""
+    out = tmp_path / "load.json"
+    assert main(["--quick", "--concurrency", "4", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert list(dict.fromkeys(r["system"] for r in rows)) == ["AR overlapped", "DFlash auto, drafted ahead"]
 
 
 def test_a_serving_dataset_gives_bench_serves_prompts_in_its_order():
@@ -85,7 +95,7 @@ def test_a_step_is_profiled_by_its_kind():
 
 def test_profile_level_splits_steps_by_kind(tmp_path, capsys):
     out = tmp_path / "load.json"
-    assert main(["--quick", "--profile", "4", "--out", str(out)]) == 0
+    assert main(["--quick", *IN_ORDER, "--profile", "4", "--out", str(out)]) == 0
     profiles = json.loads(out.read_text())["profiles"]
     # a drafter's decode-only steps by kind (on CPU nothing is measured, so every one speculates)
     assert [(p["system"], p["kind"]) for p in profiles] == [("AR", "decode only"), ("AR", "with prefill"),
@@ -96,7 +106,7 @@ def test_profile_level_splits_steps_by_kind(tmp_path, capsys):
 
 def test_repeats_report_the_median_run_and_every_runs_tokens_per_s(tmp_path, capsys):
     out = tmp_path / "load.json"
-    assert main(["--quick", "--repeats", "3", "--out", str(out)]) == 0
+    assert main(["--quick", *IN_ORDER, "--repeats", "3", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 4  # one row per system and level, not per run
     for row in rows:
@@ -118,7 +128,7 @@ def test_interleave_runs_the_systems_in_turn_and_pairs_each_round_with_the_first
     out = tmp_path / "load.json"
     bench_load.run_load = recorded
     try:
-        assert main(["--quick", "--interleave", "--repeats", "2", "--out", str(out)]) == 0
+        assert main(["--quick", *IN_ORDER, "--interleave", "--repeats", "2", "--out", str(out)]) == 0
     finally:
         bench_load.run_load = run_load
     # the warm-ups (4 prompts at concurrency 1) come first, one per engine; then each level's rounds alternate
