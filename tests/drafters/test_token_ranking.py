@@ -97,6 +97,8 @@ def test_the_draft_vocabulary_by_size(target_dir, tmp_path):
     assert draft_ids(draft_vocab=60) == np.sort(RANKING).tolist()
     assert draft_ids() is None and draft_ids(draft_vocab=VOCAB) is None and draft_ids(draft_vocab=0) is None
     assert draft_ids(ranked=False, draft_vocab=8) is None
+    with pytest.raises(ValueError, match="draft_vocab 2 leaves 2 tokens to draft from, fewer than the 4 candidates"):
+        draft_ids(verify="tree", draft_vocab=2)  # trees take each position's top 4
 
 
 @pytest.mark.parametrize("verify", ["chain", "auto", "tree"])
