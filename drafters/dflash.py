@@ -127,8 +127,8 @@ class DFlashDrafter(ModelRunner, Drafter):
         if ids is None:
             return
         if len(ids) < max(context.candidates, 1):  # token trees take each position's top `candidates` drafts
-            raise ValueError(f"draft_vocab {context.draft_vocab} leaves {len(ids)} tokens to draft from, fewer than the "
-                             f"{context.candidates} candidates per position token trees take: use draft_vocab >= "
+            raise ValueError(f"draft_vocab {context.draft_vocab} leaves {len(ids)} tokens to draft from, fewer than "
+                             f"the {context.candidates} candidates per position token trees take: use draft_vocab >= "
                              f"{context.candidates}, or 0 for the whole vocabulary")
         self.draft_ids = torch.from_numpy(ids).to(self.device)
         weight = lm_head.weight.detach().index_select(0, self.draft_ids)

@@ -1,7 +1,7 @@
 """A drafter's tokens ranked by how often the answers it learned from use them, most frequent first.
 
 A draft step scores each draft position against the output layer's whole vocabulary: for the shipped drafter (two
-layers, the target's 151,936-token output layer) that layer is ~90% of the weights a draft step reads. Drafts only
+layers, the target's 151,936-token output layer) that layer is ~87% of the weights a draft step reads. Drafts only
 decide how much a step accepts, never what it commits, so a drafter may score just its most frequent tokens: a draft
 the target would have made outside them is missed (that position is rejected), and everything committed is the
 target's own choice as before. Frequency-ranked drafting (FR-Spec) and EAGLE-3's draft vocabulary do the same;

@@ -77,7 +77,8 @@ def test_drafts_come_from_the_target_rows_of_the_most_frequent_tokens(target_dir
     whole-vocabulary logits at those columns, and each draft is the best of them."""
     ids = np.sort(RANKING[:size])
     whole = spec_engine(target_dir, ranked_drafter(target_dir, tmp_path, ranked=False), overlap_steps=False)
-    ranked = spec_engine(target_dir, ranked_drafter(target_dir, tmp_path, ranked=True), overlap_steps=False, draft_vocab=size)
+    ranked = spec_engine(target_dir, ranked_drafter(target_dir, tmp_path, ranked=True), overlap_steps=False,
+                         draft_vocab=size)
     assert ranked.drafter.draft_ids.tolist() == ids.tolist()
     for prompt in MANY_PROMPTS[:3]:
         full_logits, _ = first_draft(whole, prompt)

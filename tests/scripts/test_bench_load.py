@@ -67,7 +67,7 @@ def test_overlap_steps_adds_the_overlapped_and_drafted_ahead_rows_with_the_same_
 
 
 def test_the_defaults_are_the_engines(tmp_path):
-    """Without flags the rows run what the engine runs by default: overlapped plain decoding and `auto`, drafting ahead."""
+    """Without flags the rows run the engine's defaults: overlapped plain decoding, and `auto` drafting ahead."""
     out = tmp_path / "load.json"
     assert main(["--quick", "--concurrency", "4", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
