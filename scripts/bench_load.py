@@ -372,8 +372,9 @@ def load_system(args, model: str, system: tuple, device: torch.device, **options
     name, draft, verify, overlap = system
     llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency), kv_cache_dtype=args.kv_cache_dtype,
               overlap_steps=overlap, verify=verify, enable_prefix_caching=not args.no_prefix_caching,
-              **({name: value for name, value in (("draft_window", args.draft_window),
-                                                  ("draft_vocab", args.draft_vocab)) if draft and value is not None}),
+              **({setting: value for setting, value in (("draft_window", args.draft_window),
+                                                        ("draft_vocab", args.draft_vocab))
+                  if draft and value is not None}),
               **options)
     prompts = (random_prompts(llm.engine.model.config.vocab_size, args.requests) if args.quick
                else chat_prompts(llm, args.requests, args.dataset, args.system_repeat))

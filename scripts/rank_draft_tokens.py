@@ -23,10 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # noqa: E402
+from transformers import AutoConfig, AutoTokenizer  # noqa: E402
 
 from drafters import resolve_drafter_path  # noqa: E402
 from drafters.token_ranking import rank_tokens, write_token_ranking  # noqa: E402
+from specdec.models.loader import eos_token_ids  # noqa: E402
 from specdec.weights.demo_models import DEFAULT_TARGET, resolve_model  # noqa: E402
 
 DEFAULT_PROBLEMS = ROOT.parent / "shared" / "data" / "math_train.jsonl"
@@ -44,16 +45,6 @@ def parse_args(argv):
     p.add_argument("--code-chars", type=int, default=8_000_000, help="characters of Python source counted")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def end_of_turn_ids(model_dir: Path, tokenizer) -> list[int]:
-    ids = [tokenizer.eos_token_id]
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        ids += eos if isinstance(eos, list) else [eos]
-    except OSError:  # no generation_config.json
-        pass
-    return [i for i in ids if i is not None]
 
 
 def answer_tokens(directories: list[str]):
@@ -96,7 +87,7 @@ def main(argv=None) -> int:
         texts = {"math": lambda: math_texts(args.problems), "code": lambda: code_texts(args.code_chars, args.seed)}
         sequences = (tokenizer(text, add_special_tokens=False)["input_ids"]
                      for kind in args.texts for text in texts[kind]())
-    ranking = rank_tokens(sequences, vocab_size, first=end_of_turn_ids(model_dir, tokenizer))[:KEEP]
+    ranking = rank_tokens(sequences, vocab_size, first=sorted(eos_token_ids(model_dir, tokenizer)))[:KEEP]
     path = write_token_ranking(drafter, ranking)
     print(f"{len(ranking)} token ids ranked -> {path}")
     return 0
