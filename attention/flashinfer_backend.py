@@ -35,17 +35,17 @@ reaching it and the next verify's launch, where at batch 1 the GPU runs only the
 verify's `plan_graph` took 0.31 ms before and 0.21-0.24 ms with the kept plan (two H200s, BENCHMARKS.md).
 A backend whose runner bounds no request's pages (`bound_sequence_pages`), or that has a sliding window, keeps
 fa3 for them. Eager and graphed steps of the same layout use the same kernels.
-The steps of at least ONE_PIECE_MIN_BATCH requests keep each request's KV in one piece (fa2 without split-KV), but
-large prefills and token trees: so many requests fill the GPU's SMs without splitting, and FlashInfer's plan of such a
-decode or verify step then depends on its query counts alone (a graph rung's are the same at every step), so the rung
-keeps its plan and a step sends only its page metadata: FlashInfer's plan is host time on the path of every step (at
-256 requests an overlapped plain step's host work is about as long as its GPU work). A step with prompt chunks among
-them (planned eagerly, between piecewise graphs) is kept in one piece too: split, its partial results were merged by
-a kernel of their own, 0.41 ms a step of a DFlash engine at 64 requests on math500 (0.11 ms for plain decoding).
-A request's KV in one piece is one CTA's walk (a prompt's: its last query tile's), so a request far longer than the
-others would make the whole step wait for it: a step where one is more than ONE_PIECE_MAX_EXCESS tokens longer than
-the batch's mean is planned with split-KV (`even_lengths`), and such a rung declines to replay it (`graph_fits`; the
-target runs it as a mixed step, its attention planned between piecewise graphs).
+The decodes or verifies of at least ONE_PIECE_MIN_BATCH requests keep each request's KV in one piece (fa2 without
+split-KV): so many requests fill the GPU's SMs without splitting, and FlashInfer's plan of such a step then depends
+on its query counts alone (a graph rung's are the same at every step), so the rung keeps its plan and a step sends
+only its page metadata: FlashInfer's plan is host time on the path of every step (at 256 requests an overlapped
+plain step's host work is about as long as its GPU work). A request's KV in one piece is one CTA's walk, so a request
+far longer than the others would make the whole step wait for it: a step where one is more than ONE_PIECE_MAX_EXCESS
+tokens longer than the batch's mean is planned with split-KV (`even_lengths`), and such a rung declines to replay it
+(`graph_fits`; the target runs it as a mixed step, its attention planned between piecewise graphs). Steps with prompt
+chunks keep split-KV: a prompt of 200 tokens arriving among 64 verifies of 4 over contexts of 200-1,500 tokens took
+41.6 us a layer split against 49.2 in one piece, where those verifies alone take 37.5 against 36.2
+(`scripts/bench_attention.py`, an H200).
 fa2 graph slots are planned with `uniform_q_len` (every request has the same query count), so the
 query tile is sized for that count as in an eager plan: without it a CUDA-graph plan sizes the tile
 for the ragged worst case, the verify graph then rounds differently from the decode graph, and
@@ -233,12 +233,11 @@ class FlashInferBackend(AttentionBackend):
 
     def one_piece(self, layout: BatchLayout | None) -> bool:
         """Whether the steps of `layout` keep each request's KV in one piece (no split-KV): every step of a backend
-        of `device_lengths`, and the steps of at least ONE_PIECE_MIN_BATCH requests but large prefills, prompt chunks
-        among decodes or verifies included (a prompt's query tiles add work items of their own)."""
+        of `device_lengths`, and the decodes or verifies of at least ONE_PIECE_MIN_BATCH requests."""
         if self.plans_upper_bounds:
             return True
         return (layout is not None and layout.batch_size >= ONE_PIECE_MIN_BATCH and layout.query_masks is None
-                and not prefill_heavy(layout))
+                and not layout.prompts and not prefill_heavy(layout))
 
     def graph_fits(self, slot: GraphSlot, kv_lens: Callable[[], np.ndarray]) -> bool:
         """A one-piece rung declines lengths that its KV in one piece does not suit (`one_piece_suits`)."""

@@ -6,7 +6,9 @@ One attention layer of the default target's shape (12 query heads, 2 KV heads, h
 over a paged cache, for layouts the engine plans: a lone request's decode and chain verify on short and long
 contexts, a turn whose long prompt the prefix cache holds (a few new tokens over thousands cached), cold
 prefills, and steps where a prompt arrives among decoding or verifying requests. Per layout and kernel: the
-GPU kernel time of one `run` (the profiler's, a mean over repeats) and the host time of its `plan`.
+GPU kernel time of one `run` (the profiler's, a mean over repeats) and the host time of its `plan`; fa2 both with
+split-KV (FlashInfer's choice of chunks) and with each request's KV in one piece (`disable_split_kv`, what the
+engine plans for steps of 64 requests or more).
 """
 
 from __future__ import annotations
@@ -43,10 +45,17 @@ LAYOUTS = {
     "arrival among 64 decodes (700 context)": [(1, 700)] * 64 + [(200, 200)],
     "arrival among 256 verifies of 2 (700 context)": [(2, 700)] * 256 + [(300, 300)],
     "64 verifies of 4 (700 context)": [(4, 700)] * 64,
+    # contexts spread as math500's at 64 in flight are
+    "arrival among 64 verifies of 4 (200-1,500 context)": [(4, 200 + 20 * i) for i in range(64)] + [(200, 200)],
+    "arrival among 64 decodes (200-1,500 context)": [(1, 200 + 20 * i) for i in range(64)] + [(200, 200)],
+    "64 verifies of 4 (200-1,500 context)": [(4, 200 + 20 * i) for i in range(64)],
+    "64 decodes (200-1,500 context)": [(1, 200 + 20 * i) for i in range(64)],
+    "128 verifies of 4 (200-1,500 context)": [(4, 200 + 10 * i) for i in range(128)],
+    "256 decodes (200-1,500 context)": [(1, 200 + 5 * i) for i in range(256)],
 }
 
 
-def run_layout(flashinfer, requests, backend: str, repeats: int, device) -> dict:
+def run_layout(flashinfer, requests, backend: str, repeats: int, device, one_piece: bool = False) -> dict:
     q_lens = [q for q, _ in requests]
     kv_lens = [kv for _, kv in requests]
     pages = [(kv + PAGE - 1) // PAGE for kv in kv_lens]
@@ -63,7 +72,7 @@ def run_layout(flashinfer, requests, backend: str, repeats: int, device) -> dict
     for _ in range(5):
         start = time.perf_counter()
         wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page, HEADS, KV_HEADS, HEAD_DIM, PAGE, causal=True,
-                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, disable_split_kv=one_piece)
         plans.append(time.perf_counter() - start)
     for _ in range(3):
         wrapper.run(q, cache)
@@ -86,13 +95,15 @@ def main(argv=None) -> int:
 
     device = torch.device("cuda")
     rows = []
-    print("| layout | fa2 us (plan us) | fa3 us (plan us) | fa2 / fa3 |\n|---|---|---|---|")
+    print("| layout | fa2 us (plan us) | fa2 in one piece us (plan us) | fa3 us (plan us) | fa2 / fa3 |\n"
+          "|---|---|---|---|---|")
     for name, requests in LAYOUTS.items():
         fa2 = run_layout(flashinfer, requests, "fa2", args.repeats, device)
+        whole = run_layout(flashinfer, requests, "fa2", args.repeats, device, one_piece=True)
         fa3 = run_layout(flashinfer, requests, "fa3", args.repeats, device)
-        rows.append({"layout": name, "requests": requests, "fa2": fa2, "fa3": fa3})
-        print(f"| {name} | {fa2['gpu_us']:.1f} ({fa2['plan_us']:.0f}) | {fa3['gpu_us']:.1f} ({fa3['plan_us']:.0f}) | "
-              f"{fa2['gpu_us'] / fa3['gpu_us']:.2f} |", flush=True)
+        rows.append({"layout": name, "requests": requests, "fa2": fa2, "fa2_one_piece": whole, "fa3": fa3})
+        print(f"| {name} | {fa2['gpu_us']:.1f} ({fa2['plan_us']:.0f}) | {whole['gpu_us']:.1f} ({whole['plan_us']:.0f}) | "
+              f"{fa3['gpu_us']:.1f} ({fa3['plan_us']:.0f}) | {fa2['gpu_us'] / fa3['gpu_us']:.2f} |", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "flashinfer": flashinfer.__version__,
                                               "torch": torch.__version__, "rows": rows}, indent=1))
