@@ -14,6 +14,7 @@ Life of an entry:
 - when no table holds an entry's pages any more, the pools leave them with the cache (`released`): they
   count as free, and `evict` returns the least recently released ones to the free lists when a pool runs
   short. A sequence that adopts an entry again takes it off that list (`reused`).
+- `drop_unheld`: every entry nobody holds goes back at once (a reset: later prompts prefill whole).
 Pure bookkeeping over integers: no tensors, nothing is copied.
 """
 
@@ -138,3 +139,7 @@ class PrefixCache:
                 pool.put_free(page)
             evicted += 1
         return evicted
+
+    def drop_unheld(self) -> int:
+        """Return every entry nobody holds to the pools (entries a table holds stay cached); returns how many."""
+        return self.evict(len(self._evictable))

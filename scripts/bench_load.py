@@ -15,9 +15,11 @@ learned, tokens committed, the switch costs learned), so a level whose tokens/s 
 the steps that took the time. The output ends with the decode-only steps summed by batch range and kind of step
 (`scripts/bench/step_trace.py`): what each kind delivered per request per ms at each batch.
 Single runs of a level vary by 10-16% on a GPU (host-bound steps): --repeats N runs each level N times on
-the same engine and reports the run with the median tokens/s. Runs of the same prompts find what earlier runs left in
-the prefix cache (each row's `prompt tokens cached`), so their steps with prefill vary too; --no-prefix-caching
-prefills every run whole. A shared machine also has slow periods of seconds
+the same engine and reports the run with the median tokens/s. Every run starts from an empty prefix cache
+(`LLM.reset_prefix_cache`), so its prompts prefill as on a fresh engine, but for what they share among themselves
+(each row's `prompt tokens cached`); --keep-prefix-cache lets a run find what earlier runs of the same prompts left
+there (their steps with prefill then cost less, and by how much varies), --no-prefix-caching prefills every prompt
+whole. A shared machine also has slow periods of seconds
 that slow every system alike (plain decoding's steps too), so systems run one after the other do not compare:
 --interleave builds every system's engine first (the GPU memory split between them) and runs each level's rounds
 system after system (A B A B ...); each row then also gives its tokens/s over the first system's in each round, whose
@@ -115,8 +117,10 @@ def parse_args(argv):
     p.add_argument("--system-repeat", type=int, default=0,
                    help="each prompt under this many copies of the multiturn set's system prompt (~500 tokens each)")
     p.add_argument("--no-prefix-caching", action="store_true",
-                   help="the engines without a prefix cache: every run prefills its prompts whole (with it, runs of "
-                        "the same prompts find what earlier runs left cached)")
+                   help="the engines without a prefix cache: every run prefills its prompts whole")
+    p.add_argument("--keep-prefix-cache", action="store_true",
+                   help="runs find what earlier runs of the same prompts left in the prefix cache (default: each run "
+                        "starts from an empty cache, as on a fresh engine)")
     p.add_argument("--draft-window", type=int, default=None,
                    help="the DFlash rows' draft_window (default: the drafter's declared window; 0: whole context)")
     p.add_argument("--draft-vocab", type=int, default=None,
@@ -193,7 +197,11 @@ def timed_steps(engine, waits: HostWaits) -> list[tuple]:
     return records
 
 
-def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, max_new_tokens: int) -> LoadRow:
+def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, max_new_tokens: int,
+             cold: bool = False) -> LoadRow:
+    """One run of `prompts` at `concurrency`; `cold`: from an empty prefix cache."""
+    if cold:
+        llm.reset_prefix_cache()
     engine = llm.engine
     engine.scheduler.max_num_seqs = concurrency
     waits = HostWaits()
@@ -393,6 +401,8 @@ def engine_record(args, name: str, llm: LLM) -> dict:
 
 def profile_system(args, llm: LLM, name: str, prompts: list[list[int]], device: torch.device) -> list[StepProfile]:
     count = min(len(prompts), 2 * args.profile)  # the profiler's own cost grows with the run
+    if not args.keep_prefix_cache:
+        llm.reset_prefix_cache()
     return profile_load(llm, name, prompts[:count], args.profile, args.max_new_tokens, device.type == "cuda")
 
 
@@ -404,8 +414,8 @@ def run_in_turn(args, model: str, systems: list[tuple], device: torch.device):
         llm, prompts = load_system(args, model, system, device)
         for concurrency in args.concurrency:
             chosen = level_prompts(args, prompts, concurrency)
-            rows.append(median_run([run_load(llm, name, chosen, concurrency, args.max_new_tokens)
-                                    for _ in range(args.repeats)]))
+            rows.append(median_run([run_load(llm, name, chosen, concurrency, args.max_new_tokens,
+                                             cold=not args.keep_prefix_cache) for _ in range(args.repeats)]))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
         engines.append(engine_record(args, name, llm))
         if args.profile:
@@ -429,7 +439,7 @@ def run_interleaved(args, model: str, systems: list[tuple], device: torch.device
         for _ in range(args.repeats):
             for (name, *_), (llm, prompts), system_runs in zip(systems, loaded, runs):
                 system_runs.append(run_load(llm, name, level_prompts(args, prompts, concurrency), concurrency,
-                                            args.max_new_tokens))
+                                            args.max_new_tokens, cold=not args.keep_prefix_cache))
         for system_runs in runs:
             paired = [run.tokens_per_s / first.tokens_per_s for run, first in zip(system_runs, runs[0])]
             rows.append(median_run(system_runs))

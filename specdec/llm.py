@@ -124,6 +124,16 @@ class LLM:
             finally:
                 self._generating = None
 
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache of everything no request holds (between `generate` calls: all of it), so that the
+        next prompts prefill whole, as on a fresh engine (e.g. to time cold prompts again). Returns how many pages of
+        the target's KV it dropped; 0 with `enable_prefix_caching=False`."""
+        if self._generating == threading.get_ident():
+            raise RuntimeError("LLM.reset_prefix_cache was called from inside a generate callback; call it after "
+                               "generate returns")
+        with self._lock:
+            return self.engine.reset_prefix_cache()
+
     def _generate(self, prompts, params, chat, on_text, on_finish) -> list[GenerationResult]:
         params = params or SamplingParams()
         chat = params.chat if chat is None else chat

@@ -397,6 +397,12 @@ class Engine:
             self.abort_all([*requests, *(r for r in in_flight if id(r) not in called)])
             raise
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached page no request holds (the target's KV and the drafter's context), so that later prompts
+        prefill whole until the cache fills again, as on a fresh engine; pages a running request holds stay cached.
+        Returns how many pages of the target's KV were dropped (0 without a prefix cache). Call between steps."""
+        return self.prefix_cache.drop_unheld() if self.prefix_cache is not None else 0
+
     def abort(self, request_id: int, reason: str = "abort") -> Request | None:
         """Finish a waiting or running request as aborted (or with `reason`: "stop" when its caller found
         a stop string) and give back its pages at once; None if no such request is unfinished. Call

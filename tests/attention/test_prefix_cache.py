@@ -56,6 +56,25 @@ def test_unheld_cached_pages_are_evicted_least_recently_released_first_when_the_
         taker.grow(2)
 
 
+def test_dropping_the_unheld_entries_frees_them_and_keeps_the_held_ones():
+    pool = PagePool(8, 2)
+    cache = PrefixCache([pool])
+    held, kept_chain = PageTable(pool), []
+    held.grow(4)
+    cache_full_pages(cache, held, [1, 2, 3, 4], kept_chain)
+    gone, gone_chain = PageTable(pool), []
+    gone.grow(4)
+    cache_full_pages(cache, gone, [5, 6, 7, 8], gone_chain)
+    gone.free()
+    assert cache.num_cached == 4 and cache.num_evictable == 2
+    assert cache.drop_unheld() == 2
+    assert cache.match([5, 6, 7, 8]) == [] and cache.num_evictable == 0
+    assert [e.pages[0] for e in cache.match([1, 2, 3, 4])] == held.pages  # a table holds them: still cached
+    assert pool.num_free == 6 and cache.drop_unheld() == 0
+    held.free()  # released afterwards: cached and unheld until dropped in turn
+    assert cache.drop_unheld() == 2 and cache.num_cached == 0 and pool.num_free == 8 and pool.num_referenced == 0
+
+
 def test_adopting_an_unheld_entry_takes_it_out_of_the_free_count():
     pool = PagePool(3, 2)
     cache = PrefixCache([pool])

@@ -148,6 +148,19 @@ def test_generate_from_inside_a_callback_is_refused(llm_dir):
     assert_clean(llm.engine)
 
 
+def test_a_prefix_cache_reset_between_calls_empties_it_and_one_from_a_callback_is_refused(llm_dir):
+    llm, params = make_llm(llm_dir), SamplingParams(max_new_tokens=3)
+    prompt = list(range(5, 17))  # 3 full pages of 4
+    first = llm.generate([prompt], params)[0]
+    assert llm.engine.prefix_cache.num_cached > 0
+    with pytest.raises(RuntimeError, match="inside a generate callback"):
+        llm.generate([prompt], params, on_finish=lambda i, result: llm.reset_prefix_cache())
+    assert_clean(llm.engine)
+    assert llm.reset_prefix_cache() > 0 and llm.engine.prefix_cache.num_cached == 0
+    again = llm.generate([prompt], params)[0]
+    assert again.token_ids == first.token_ids and again.stats.cached_tokens == 0
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=1e-39), "temperature must be 0"), (dict(temperature="0.5"), "temperature"),
     (dict(stop=5), "stop must be a string"), (dict(seed=2**70), "seed must be an integer"),

@@ -169,6 +169,30 @@ def test_random_workloads_end_with_every_page_free_or_cached(target_dir, tmp_pat
         assert request.output_ids == reference.generate_ids([request.prompt_ids], request.params)[0].output_ids
 
 
+@pytest.mark.parametrize("drafter_block", [None, 4])
+def test_a_reset_drops_what_no_request_holds_and_the_next_prompts_prefill_whole(target_dir, tmp_path, drafter_block):
+    """`reset_prefix_cache` between calls empties the cache (both pools with a drafter): the same prompt then finds
+    nothing cached and answers as before. Pages a running request holds stay cached and are found again."""
+    engine = make_engine(target_dir, tmp_path, drafter_block)
+    prompt = SYSTEM + [60, 9]
+    first = engine.generate_ids([prompt], GREEDY)[0]
+    assert engine.generate_ids([prompt], GREEDY)[0].stats.cached_tokens == 20  # the 5 full pages of the prompt
+    assert engine.reset_prefix_cache() > 0 and engine.prefix_cache.num_cached == 0
+    again = engine.generate_ids([prompt], GREEDY)[0]
+    assert again.stats.cached_tokens == 0 and again.output_ids == first.output_ids
+    assert_no_leak(engine)
+    running = engine.add_request(prompt, GREEDY)
+    engine.step()  # its prefill: its prompt's full pages are cached, and it holds them
+    engine.reset_prefix_cache()
+    assert engine.prefix_cache.num_cached >= 5
+    later = engine.add_request(prompt, GREEDY)
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert later.stats.cached_tokens == 20 and running.output_ids == later.output_ids == first.output_ids
+    assert_no_leak(engine)
+    assert make_engine(target_dir, tmp_path, drafter_block, enable_prefix_caching=False).reset_prefix_cache() == 0
+
+
 def test_the_flags_turn_caching_off():
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)

@@ -17,8 +17,8 @@ def test_quick_run_reports_every_system_and_concurrency(tmp_path, capsys):
         assert 0 < row["tokens"] <= row["requests"] * 8
         assert row["prefill_steps"] >= 1 and row["decode_steps"] >= 1
         assert 0 < row["prefill_share"] < 1 and row["decode_batch"] <= row["concurrency"]
-        # the same prompts ran before on this engine (the warm-up, the level before): the prefix cache holds some
-        assert 0 < row["cached_share"] <= 1
+        # each run starts from an empty prefix cache, and the random prompts share nothing
+        assert row["cached_share"] == 0
         assert (row["tau"] is None) == (row["system"] == "AR")
         # on CPU nothing is measured, so the policy verifies the whole chain (the tiny drafter's block)
         assert row["verified"] == (None if row["system"] == "AR" else 4.0)
@@ -43,6 +43,13 @@ def test_without_the_prefix_cache_every_run_prefills_its_prompts_whole(tmp_path)
     assert main(["--quick", "--no-prefix-caching", "--concurrency", "4", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert rows and all(row["cached_share"] == 0 for row in rows)
+
+
+def test_kept_across_runs_the_prefix_cache_holds_what_earlier_runs_of_the_same_prompts_left(tmp_path):
+    out = tmp_path / "load.json"
+    assert main(["--quick", "--keep-prefix-cache", "--concurrency", "4", "--repeats", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(0 < row["cached_share"] <= 1 for row in rows)
 
 
 def test_each_verify_policy_has_a_dflash_row(tmp_path):
@@ -121,9 +128,9 @@ def test_interleave_runs_the_systems_in_turn_and_pairs_each_round_with_the_first
     order = []
     run_load = bench_load.run_load
 
-    def recorded(llm, system, prompts, concurrency, max_new_tokens):
-        order.append((system, concurrency))
-        return run_load(llm, system, prompts, concurrency, max_new_tokens)
+    def recorded(llm, system, prompts, concurrency, max_new_tokens, cold=False):
+        order.append((system, concurrency, cold))
+        return run_load(llm, system, prompts, concurrency, max_new_tokens, cold)
 
     out = tmp_path / "load.json"
     bench_load.run_load = recorded
@@ -131,9 +138,10 @@ def test_interleave_runs_the_systems_in_turn_and_pairs_each_round_with_the_first
         assert main(["--quick", *IN_ORDER, "--interleave", "--repeats", "2", "--out", str(out)]) == 0
     finally:
         bench_load.run_load = run_load
-    # the warm-ups (4 prompts at concurrency 1) come first, one per engine; then each level's rounds alternate
-    assert order[:2] == [("AR", 1), ("DFlash", 1)]
-    assert order[2:] == [("AR", 1), ("DFlash", 1)] * 2 + [("AR", 4), ("DFlash", 4)] * 2
+    # the warm-ups (4 prompts at concurrency 1) come first, one per engine; then each level's rounds alternate, each
+    # from an empty prefix cache
+    assert order[:2] == [("AR", 1, False), ("DFlash", 1, False)]
+    assert order[2:] == [("AR", 1, True), ("DFlash", 1, True)] * 2 + [("AR", 4, True), ("DFlash", 4, True)] * 2
     rows = json.loads(out.read_text())["rows"]
     assert [(r["system"], r["concurrency"]) for r in rows] == [("AR", 1), ("DFlash", 1), ("AR", 4), ("DFlash", 4)]
     for row in rows:
