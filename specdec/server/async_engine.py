@@ -17,6 +17,7 @@ disconnected, a cancelled task) aborts its request: its pages are back in the po
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -25,10 +26,13 @@ from typing import AsyncIterator
 
 from specdec.engine.request_limits import RequestLimits
 from specdec.engine.sampling_params import SamplingParams
-from specdec.server.engine_loop import STOP, Abort, EngineLoop, Outputs, RequestOutput, Submit, serve
+from specdec.server.engine_loop import (STOP, Abort, EngineLoop, Outputs, RequestOutput, ResetPrefixCache, Submit,
+                                        serve)
 from specdec.server.request_text import RequestText, engine_params
 
 log = logging.getLogger(__name__)
+
+RESET_TIMEOUT_S = 60.0  # a prefix cache reset waits for the step in progress, however long
 
 
 class AsyncEngine:
@@ -50,6 +54,10 @@ class AsyncEngine:
         raise NotImplementedError
 
     async def metrics_text(self) -> bytes:
+        raise NotImplementedError
+
+    async def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache of what no request holds (between the engine's steps); how many pages it dropped."""
         raise NotImplementedError
 
     async def shutdown(self) -> None:
@@ -169,6 +177,11 @@ class ThreadedEngine(AsyncEngine):
 
     async def metrics_text(self) -> bytes:
         return self.loop.render_metrics()
+
+    async def reset_prefix_cache(self) -> int:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(ResetPrefixCache(done.set_result))  # applied by the engine thread between steps
+        return await asyncio.wait_for(asyncio.wrap_future(done), RESET_TIMEOUT_S)
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort what is left, stop the engine thread and wait for it."""

@@ -60,6 +60,12 @@ class Abort:
     reason: str = "abort"  # or "stop": the caller matched a stop string (metrics count it as a stop)
 
 
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """Empty the prefix cache of what no request holds, between steps; `done` gets how many pages it dropped."""
+    done: Callable[[int], None]
+
+
 @dataclass(eq=False)
 class _Live:
     sid: int
@@ -87,9 +93,12 @@ class EngineLoop:
     def busy(self) -> bool:
         return self.engine.has_unfinished_requests
 
-    def apply(self, command: Submit | Abort) -> Outputs:
+    def apply(self, command: Submit | Abort | ResetPrefixCache) -> Outputs:
         if isinstance(command, Submit):
             return self._submit(command)
+        if isinstance(command, ResetPrefixCache):
+            command.done(self.engine.reset_prefix_cache())
+            return []
         self._abort(command.sid, command.reason)
         return []
 

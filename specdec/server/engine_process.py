@@ -6,10 +6,10 @@ the engine process loads the model and runs `EngineLoop` alone, shipping token i
 process keeps the tokenizer (for prompts, and for the outputs' text and stop strings) and the request
 limits (to refuse bad input before it travels).
 
-    parent -> child   Submit / Abort commands, ("metrics",), ("stop",)
+    parent -> child   Submit / Abort commands, ("metrics",), ("reset_prefix_cache",), ("stop",)
     child -> parent   ("ready", limits, model_dir) once; ("outputs", [(sid, RequestOutput)]) per step (and
-                      for a request's first tokens as they are committed); ("metrics", text); ("failed",
-                      message) if the model cannot be loaded
+                      for a request's first tokens as they are committed); ("metrics", text);
+                      ("reset_prefix_cache", pages dropped); ("failed", message) if the model cannot be loaded
 
 over one `multiprocessing` pipe. The child ignores SIGINT and SIGTERM (a Ctrl-C in the terminal, or a
 SIGTERM to the whole process group, reaches it too; the server decides when the engine stops, after its
@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from specdec.server.async_engine import AsyncEngine
+from specdec.server.async_engine import RESET_TIMEOUT_S, AsyncEngine
 from specdec.server.engine_loop import STOP, Abort, EngineLoop, Submit, serve
 from specdec.server.startup_heap import freeze_startup_heap
 
@@ -45,6 +45,7 @@ class ProcessEngine(AsyncEngine):
         self._process, self._conn = process, conn
         self._send_lock = threading.Lock()
         self._metrics: asyncio.Future | None = None
+        self._resets: list[asyncio.Future] = []  # resets asked, answered in order
         self._stopping = False
         self._reader = threading.Thread(target=self._read, name="specdec-engine-reader", daemon=True)
         self._reader.start()
@@ -99,6 +100,15 @@ class ProcessEngine(AsyncEngine):
         except asyncio.TimeoutError:
             return b""
 
+    async def reset_prefix_cache(self) -> int:
+        if not self.healthy:
+            raise RuntimeError("the engine process is not running")
+        self.bind_event_loop()
+        answer = asyncio.get_running_loop().create_future()
+        self._resets.append(answer)
+        self._send(("reset_prefix_cache",))
+        return await asyncio.wait_for(answer, RESET_TIMEOUT_S)
+
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort what is left, stop the engine process and wait for it."""
         self._stopping = True
@@ -119,6 +129,8 @@ class ProcessEngine(AsyncEngine):
                     self.deliver_threadsafe(message[1])
                 elif message[0] == "metrics" and self._metrics is not None and self._loop is not None:
                     self._loop.call_soon_threadsafe(_resolve, self._metrics, message[1])
+                elif message[0] == "reset_prefix_cache" and self._resets and self._loop is not None:
+                    self._loop.call_soon_threadsafe(_resolve, self._resets.pop(0), message[1])
         except (EOFError, OSError):
             pass
         if not self._stopping:
@@ -161,6 +173,8 @@ def run_engine_process(conn, build: Callable, log_level: str) -> None:
                     commands.append(command)
                 elif command[0] == "metrics":
                     conn.send(("metrics", loop.render_metrics()))
+                elif command[0] == "reset_prefix_cache":  # between steps, as the loop applies commands
+                    conn.send(("reset_prefix_cache", loop.engine.reset_prefix_cache()))
                 elif command[0] == STOP:
                     return commands + [STOP]
         return commands

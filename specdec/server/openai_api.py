@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   (stream true/false)
     GET  /v1/models, /health, /metrics
+    POST /reset_prefix_cache (what no running request holds leaves the prefix cache)
 
 Every request is checked before it reaches the engine (model name, sampling values, prompt and
 max_tokens against the context and the KV pool), and bad input is answered with an OpenAI-style error
@@ -96,6 +97,11 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
     @app.get("/metrics")
     async def prometheus():
         return Response(await engine.metrics_text() + generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Empty the prefix cache of what no running request holds (benchmarks timing cold prompts again)."""
+        return {"dropped_pages": await engine.reset_prefix_cache()}
 
     @app.get("/v1/models")
     async def models():

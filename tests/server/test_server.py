@@ -335,6 +335,26 @@ def test_a_second_turn_reports_its_cached_prompt_tokens(server, client, referenc
     assert_pools_full(server)
 
 
+def cached_tokens_of(client, messages) -> int:
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    return answer.usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("host", ["server", "served"])
+def test_a_prefix_cache_reset_makes_the_next_turn_prefill_whole(host, request):
+    """POST /reset_prefix_cache (the engine on a thread, and in its own process): what no request holds leaves
+    the cache, so the same conversation finds nothing cached until it has run again."""
+    running = request.getfixturevalue(host)
+    client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    messages = [{"role": "system", "content": f"You answer briefly ({host}). " * 6}, {"role": "user", "content": "Hi"}]
+    cached_tokens_of(client, messages)
+    assert cached_tokens_of(client, messages) > 0
+    reset = httpx.post(f"{running.base_url}/reset_prefix_cache", timeout=60)
+    assert reset.status_code == 200 and reset.json()["dropped_pages"] > 0
+    assert cached_tokens_of(client, messages) == 0
+    assert cached_tokens_of(client, messages) > 0
+
+
 def test_models_health_and_metrics(server, client):
     [model] = client.models.list().data
     assert model.id == MODEL and model.owned_by == "specdec"
@@ -565,6 +585,7 @@ def test_load_with_cancellations_invalid_requests_and_preemption(served, referen
     specs = load_specs(rng)
     expected = [library_text(reference, s["prompt"], s["chat"], max_new_tokens=s["max_tokens"],
                              temperature=s["temperature"], seed=s["seed"])[0] for s in specs]
+    before = finished_by_reason(httpx.get(f"{served.base_url}/metrics").text)  # earlier tests' requests
     plan, outcome = asyncio.run(run_load(served.base_url, specs, expected, rng))
     kinds = [p[0] for p in plan]
     assert outcome["mismatch"] == []
@@ -581,7 +602,7 @@ def test_load_with_cancellations_invalid_requests_and_preemption(served, referen
     assert used == [0, 0]
     assert metric(metrics, "specdec_requests_running") == metric(metrics, "specdec_requests_waiting") == 0
     assert metric(metrics, "specdec_preemptions_total") > 0  # the pool was too small for the load
-    finished = finished_by_reason(metrics)
+    finished = {reason: count - before.get(reason, 0) for reason, count in finished_by_reason(metrics).items()}
     assert sum(finished.values()) == kinds.count("valid") + kinds.count("cancel")  # every request ended once
     # a hang-up aborts its request unless the request's own end (24 tokens at most) reaches the engine first
     assert kinds.count("cancel") // 2 <= finished.get("abort", 0) <= kinds.count("cancel")
