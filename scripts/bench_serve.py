@@ -18,7 +18,10 @@ next one sent as soon as one ends; --request-rate R sends requests at seeded Poi
 (`scripts/bench/arrivals.py`), at most --max-concurrency in flight when given. Each level sends
 --num-prompts requests (default: max(32, 4 x C) at a concurrency; max(32, 10 x R, 4 x cap) at a
 rate). Before the first level each server gets --warmup-requests short requests (--warmup-tokens
-tokens each), not measured.
+tokens each), not measured. Before each level the server is asked to empty its prefix cache (POST
+/reset_prefix_cache, ours and vLLM's in its dev mode, else /flush_cache, SGLang's), so that every level
+times its prompts as a fresh server would, not what an earlier level of the same prompts left cached; each
+level records the endpoint that did it, or none (--keep-prefix-cache: not asked).
 
 Prompts (`scripts/bench/chat_prompts.py`): math500 (eval/data, with the eval's instruction), code
 (everyday coding requests, scripts/bench/code_requests.jsonl), mixed (both, equally) or multiturn
@@ -161,6 +164,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="prompt order, arrival times, and per-request sampling seeds")
     p.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-tokens (vLLM's extension)")
     p.add_argument("--warmup-requests", type=int, default=4, help="unmeasured requests before a server's first level")
+    p.add_argument("--keep-prefix-cache", action="store_true",
+                   help="levels find what earlier levels of the same prompts left in the server's prefix cache "
+                        "(default: the server is asked to empty it before each level)")
     p.add_argument("--warmup-tokens", type=int, default=16)
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="one request's whole answer")
     p.add_argument("--time-limit-s", type=float, default=3600.0, help="the whole run (server starts included)")
@@ -239,6 +245,22 @@ async def warm_up(client, model: str, prompts: list[ChatPrompt], args, deadline:
             "seconds": time.perf_counter() - started}
 
 
+# a server's "empty your prefix cache" endpoints: ours (and vLLM's, in its dev mode), SGLang's
+CACHE_RESETS = ("/reset_prefix_cache", "/flush_cache")
+
+
+async def empty_prefix_cache(http: httpx.AsyncClient, base_url: str) -> str | None:
+    """The endpoint that emptied the server's prefix cache, or None where none answered with success."""
+    for path in CACHE_RESETS:
+        try:
+            answer = await http.post(base_url + path, timeout=60)
+        except httpx.HTTPError:
+            return None
+        if answer.is_success:
+            return path
+    return None
+
+
 async def measure_level(client, http: httpx.AsyncClient, base_url: str, model: str, prompts: list[ChatPrompt],
                         level: LoadLevel, args, deadline: Deadline) -> dict:
     def send(index: int, prompt: ChatPrompt):
@@ -276,7 +298,9 @@ async def bench_server(entry: dict, base_url: str, prompts: list[ChatPrompt], le
                 entry["skipped_levels"][level.label] = "--time-limit-s reached"
                 continue
             log(f"[{entry['label']}] {level.label}: {level.num_prompts} requests")
+            reset = None if args.keep_prefix_cache else await empty_prefix_cache(http, base_url)
             measured = await measure_level(client, http, base_url, model, prompts, level, args, deadline)
+            measured["prefix_cache_reset"] = reset
             entry["levels"].append(measured)
             s = measured["summary"]
             log(f"[{entry['label']}] {level.label}: {s['completed']} done, {s['failed']} failed, "

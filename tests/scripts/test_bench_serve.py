@@ -68,6 +68,13 @@ def stand_in_app() -> FastAPI:
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.state.resets = 0
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        app.state.resets += 1
+        return {"dropped_pages": 0}
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await request.json()
@@ -365,6 +372,7 @@ def test_concurrency_levels_end_to_end(stand_in, tmp_path, capsys):
         assert s["server_ttft_ms"] == pytest.approx(SERVER_TTFT_S * 1e3)
         assert s["output_throughput"] == pytest.approx(s["output_tokens"] / s["duration_s"])
         assert len(level["requests"]) == 6 and all(r["ok"] for r in level["requests"])
+        assert level["prefix_cache_reset"] == "/reset_prefix_cache"  # asked before the level
     c1, c4 = (level["summary"]["duration_s"] for level in server["levels"])
     assert c4 < c1  # four in flight at once finish sooner than one at a time
     markdown = out.with_suffix(".md").read_text()
@@ -420,11 +428,13 @@ def test_system_repeat_needs_the_multiturn_set(capsys):
 def test_request_rate_level_with_a_cap(stand_in, tmp_path):
     out = tmp_path / "rate.json"
     status = run_bench("--base-url", stand_in, "--dataset", "mixed", "--request-rate", "40", "--max-concurrency", "2",
-                       "--num-prompts", "5", "--warmup-requests", "0", "--time-limit-s", "60", "--output", str(out))
+                       "--num-prompts", "5", "--warmup-requests", "0", "--time-limit-s", "60", "--keep-prefix-cache",
+                       "--output", str(out))
     assert status == 0
     (level,) = json.loads(out.read_text())["servers"][0]["levels"]
     assert level["level"] == {"label": "40 req/s C<=2", "num_prompts": 5, "concurrency": 2, "request_rate": 40.0}
     assert level["summary"]["completed"] == 5
+    assert level["prefix_cache_reset"] is None  # not asked
 
 
 def test_time_limit_cancels_what_is_left(stand_in, tmp_path, monkeypatch):
@@ -509,3 +519,26 @@ if __name__ == "__main__":  # the stand-in as a process of its own, for the --se
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     uvicorn.run(stand_in_app(), host="127.0.0.1", port=parser.parse_args().port, log_level="warning")
+
+
+@pytest.mark.parametrize("answers, expected", [({"/reset_prefix_cache": 200}, "/reset_prefix_cache"),
+                                               ({"/flush_cache": 200}, "/flush_cache"), ({}, None)])
+def test_a_level_asks_each_known_endpoint_to_empty_the_prefix_cache_until_one_does(answers, expected):
+    import asyncio
+
+    import httpx
+
+    from scripts.bench_serve import empty_prefix_cache
+
+    asked = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        return httpx.Response(answers.get(request.url.path, 404))
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            return await empty_prefix_cache(http, "http://127.0.0.1:1")
+
+    assert asyncio.run(ask()) == expected
+    assert asked == ["/reset_prefix_cache", "/flush_cache"][:1 if expected == "/reset_prefix_cache" else 2]
