@@ -32,7 +32,7 @@ from specdec.server.request_text import RequestText, engine_params
 
 log = logging.getLogger(__name__)
 
-RESET_TIMEOUT_S = 60.0  # a prefix cache reset waits for the step in progress, however long
+RESET_TIMEOUT_S = 60.0  # a prefix cache reset waits for the step in progress (a long prefill: seconds)
 
 
 class AsyncEngine:
@@ -179,6 +179,8 @@ class ThreadedEngine(AsyncEngine):
         return self.loop.render_metrics()
 
     async def reset_prefix_cache(self) -> int:
+        if not self.healthy:
+            raise RuntimeError("the engine is not running")
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._send(ResetPrefixCache(done.set_result))  # applied by the engine thread between steps
         return await asyncio.wait_for(asyncio.wrap_future(done), RESET_TIMEOUT_S)

@@ -102,7 +102,7 @@ class ProcessEngine(AsyncEngine):
 
     async def reset_prefix_cache(self) -> int:
         if not self.healthy:
-            raise RuntimeError("the engine process is not running")
+            raise RuntimeError("the engine is not running")
         self.bind_event_loop()
         answer = asyncio.get_running_loop().create_future()
         self._resets.append(answer)

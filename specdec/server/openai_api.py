@@ -101,7 +101,11 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         """Empty the prefix cache of what no running request holds (benchmarks timing cold prompts again)."""
-        return {"dropped_pages": await engine.reset_prefix_cache()}
+        try:
+            return {"dropped_pages": await engine.reset_prefix_cache()}
+        except (RuntimeError, asyncio.TimeoutError) as err:
+            message = str(err) or "the engine did not answer"
+            return JSONResponse(error_body(message, "internal_server_error"), status_code=503)
 
     @app.get("/v1/models")
     async def models():

@@ -355,6 +355,14 @@ def test_a_prefix_cache_reset_makes_the_next_turn_prefill_whole(host, request):
     assert cached_tokens_of(client, messages) > 0
 
 
+def test_a_prefix_cache_reset_on_a_stopped_engine_is_a_503(model_dirs):
+    engine = ThreadedEngine(LLM(*model_dirs, device="cpu", **SMALL_POOL))
+    with ThreadServer(build_app(engine, MODEL)) as running:
+        asyncio.run(engine.shutdown())
+        answer = httpx.post(f"{running.base_url}/reset_prefix_cache", timeout=30)
+    assert answer.status_code == 503 and "not running" in answer.json()["error"]["message"]
+
+
 def test_models_health_and_metrics(server, client):
     [model] = client.models.list().data
     assert model.id == MODEL and model.owned_by == "specdec"
