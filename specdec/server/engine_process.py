@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from specdec.server.async_engine import RESET_TIMEOUT_S, AsyncEngine
-from specdec.server.engine_loop import STOP, Abort, EngineLoop, Submit, serve
+from specdec.server.engine_loop import STOP, Abort, EngineLoop, ResetPrefixCache, Submit, serve
 from specdec.server.startup_heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ def run_engine_process(conn, build: Callable, log_level: str) -> None:
     conn.send(("ready", loaded.engine.limits, str(loaded.model_dir)))
 
     def receive(wait_s: float) -> list:
-        """Submissions and aborts that came in (waiting up to wait_s for the first); answers metrics here."""
+        """Submissions, aborts and resets that came in (waiting up to wait_s for the first); answers metrics here."""
         commands = []
         if conn.poll(wait_s):
             while conn.poll():
@@ -173,8 +173,8 @@ def run_engine_process(conn, build: Callable, log_level: str) -> None:
                     commands.append(command)
                 elif command[0] == "metrics":
                     conn.send(("metrics", loop.render_metrics()))
-                elif command[0] == "reset_prefix_cache":  # between steps, as the loop applies commands
-                    conn.send(("reset_prefix_cache", loop.engine.reset_prefix_cache()))
+                elif command[0] == "reset_prefix_cache":  # applied by the loop in order with the others
+                    commands.append(ResetPrefixCache(lambda pages: conn.send(("reset_prefix_cache", pages))))
                 elif command[0] == STOP:
                     return commands + [STOP]
         return commands

@@ -68,11 +68,8 @@ def stand_in_app() -> FastAPI:
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.state.resets = 0
-
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
-        app.state.resets += 1
         return {"dropped_pages": 0}
 
     @app.post("/v1/chat/completions")
