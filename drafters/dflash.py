@@ -62,6 +62,7 @@ HELD_ROWS = 2048
 
 class DFlashDrafter(ModelRunner, Drafter):
     proposes_candidates = True
+    proposes_confidence = True
 
     def __init__(self, model: DFlashDraftModel, token_ranking: np.ndarray | None = None):
         self.model = model
@@ -100,6 +101,10 @@ class DFlashDrafter(ModelRunner, Drafter):
         k = context.candidates  # token trees: each position's top k (log-probabilities, tokens)
         self.candidates_out = (torch.zeros(batch, bs - 1, k, dtype=torch.float32, device=self.device),
                                torch.zeros(batch, bs - 1, k, dtype=torch.long, device=self.device)) if k else None
+        # budget steps: each draft's own log-probability, which shares out their verify rows (row_budget.py)
+        self.confidence_out = (torch.zeros(batch, bs - 1, dtype=torch.float32, device=self.device)
+                               if context.confidence else None)
+        self.confidence: torch.Tensor | None = None  # the last `propose`'s, in its requests' order
         self.arange = torch.arange(max(batch, bs), device=self.device)
         self._draft_head(context)
         # a prompt chunk's context rows: at most the target's features buffer; plain steps' held rows: HELD_ROWS
@@ -361,20 +366,28 @@ class DFlashDrafter(ModelRunner, Drafter):
             queued = {}
         rows = [queued.get(r.request_id) for r in requests]
         batch = len(requests)
+        outputs = [self.drafts_out] + ([self.confidence_out] if self.confidence_out is not None else [])
         if rows == list(range(batch)):  # the batch drafted ahead, in order
-            return self.drafts_out[:batch]
+            return self._proposed([out[:batch] for out in outputs])
         ahead = [i for i, row in enumerate(rows) if row is not None]
         if not ahead:
             self._step(requests, eager=False, length=length)
-            return self.drafts_out[:batch]
+            return self._proposed([out[:batch] for out in outputs])
         fresh = [i for i, row in enumerate(rows) if row is None]
         index = upload(np.array(ahead + [rows[i] for i in ahead] + fresh, dtype=np.int64), self.device)
-        drafts = torch.empty(batch, self.block_size - 1, dtype=torch.long, device=self.device)
-        drafts[index[:len(ahead)]] = self.drafts_out[index[len(ahead):2 * len(ahead)]]  # before a draft rewrites them
+        arranged = [torch.empty(batch, *out.shape[1:], dtype=out.dtype, device=self.device) for out in outputs]
+        for into, out in zip(arranged, outputs):  # before a draft rewrites them
+            into[index[:len(ahead)]] = out[index[len(ahead):2 * len(ahead)]]
         if fresh:
             self._step([requests[i] for i in fresh], eager=False, length=length)
-            drafts[index[2 * len(ahead):]] = self.drafts_out[:len(fresh)]
-        return drafts
+            for into, out in zip(arranged, outputs):
+                into[index[2 * len(ahead):]] = out[:len(fresh)]
+        return self._proposed(arranged)
+
+    def _proposed(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        """A `propose`'s drafts, its confidences kept beside them (`confidence`)."""
+        self.confidence = outputs[1] if len(outputs) > 1 else None
+        return outputs[0]
 
     def propose_candidates(self, requests: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.candidates_out is None:
@@ -505,7 +518,11 @@ class DFlashDrafter(ModelRunner, Drafter):
         hidden = self._forward(context, block_ids.flatten(), ctx_pos.flatten(), blk_pos.flatten())
         hidden = hidden.view(batch, b, -1)[:, 1:n + 1].reshape(batch * n, -1)
         logits = m.block_logits(hidden, self.head).view(batch, n, -1)
-        self.drafts_out[:batch, :n] = self._token_ids(logits.argmax(dim=-1))
+        index = logits.argmax(dim=-1)
+        self.drafts_out[:batch, :n] = self._token_ids(index)
+        if self.confidence_out is not None:  # each draft's log-probability beside it (over the tokens the head scores)
+            top = logits.gather(-1, index[..., None]).float()
+            torch.sub(top, log_normalizer(logits), out=self.confidence_out[:batch, :n, None])
         if candidates:  # the top k of each position, as log-probabilities (over the tokens the head scores)
             logprobs, tokens = self.candidates_out
             top, index = logits.topk(logprobs.shape[-1], dim=-1)

@@ -156,7 +156,7 @@ def first_draft_logits(engine, prompt, params, plain_at=()):
     state = {"step": 0, "plain": not plain_at, "seen": None, "in_step": False, "pending": 0}
     decoding, drafter = engine.decoding, engine.drafter
 
-    def choose(batch, nodes=0, trees=True, plain=True):
+    def choose(batch, nodes=0, trees=True, plain=True, budgets=True):
         # inside a speculative step the policy is asked about the next one (whether to queue its draft)
         step = state["step"] + state["in_step"]
         return PLAIN if plain and step in plain_at else 4

@@ -14,9 +14,15 @@ from __future__ import annotations
 import torch
 
 
-def accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """draft_tokens [B, bs-1], target_tokens [B, bs] -> (accepted [B], bonus [B])."""
-    matches = (draft_tokens == target_tokens[:, :-1]).to(torch.int32)
+def accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,
+           lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft_tokens [B, bs-1], target_tokens [B, bs] -> (accepted [B], bonus [B]). `lengths` [B]: request i's target
+    ran rows 0 .. lengths[i] - 1 alone (a budget step), so it accepts at most lengths[i] - 1 drafts (its bonus is
+    the target's token at a row that ran)."""
+    matches = draft_tokens == target_tokens[:, :-1]
+    if lengths is not None:
+        matches &= torch.arange(matches.shape[1], device=matches.device) < lengths[:, None] - 1
+    matches = matches.to(torch.int32)
     accepted = matches.cumprod(dim=1).sum(dim=1)
     bonus = target_tokens.gather(1, accepted[:, None].long()).squeeze(1)
     return accepted, bonus

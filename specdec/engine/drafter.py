@@ -58,6 +58,8 @@ class DraftContext:
     # how many of its most frequent tokens a draft step scores (0: the whole vocabulary; a drafter without a token
     # ranking always scores it whole: drafters/token_ranking.py)
     draft_vocab: int = 0
+    # each draft's log-probability beside it (`Drafter.confidence`): budget steps share their verify rows by it
+    confidence: bool = False
 
 
 class Drafter(ABC):
@@ -65,6 +67,10 @@ class Drafter(ABC):
     target_layer_ids: tuple[int, ...]  # target layers whose outputs the drafter consumes
     draft_window: int = 0  # how far back its attention was trained to reach (0: any): the default `draft_window`
     proposes_candidates: bool = False  # whether `propose_candidates` gives each position's top drafts (trees)
+    proposes_confidence: bool = False  # whether it gives `confidence` when attached for it (budget steps)
+    # the last `propose`'s drafts' own log-probabilities [B, n] (float32, on the device), when attached with
+    # `DraftContext.confidence` (None otherwise, and for drafters without them)
+    confidence: torch.Tensor | None = None
 
     @abstractmethod
     def attach(self, context: DraftContext) -> None:

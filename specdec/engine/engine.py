@@ -49,13 +49,13 @@ from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.speculator import SpeculativeDecoding
 from specdec.engine.tree_speculator import CANDIDATES_PER_POSITION, TreeDecoding
-from specdec.engine.verify_policy import PLAIN, TREE, StepCosts, VerifyPolicy, verify_lengths
+from specdec.engine.verify_policy import PLAIN, TREE, StepCosts, VerifyPolicy, verify_budgets, verify_lengths
 from specdec.models.kv_precision import calibrated_fp8_errors, full_precision_layers
 from specdec.models.loader import LoadedTarget
 from specdec.models.logprobs import packed_logprobs
 from specdec.runtime.cuda_graphs import collector_paused, ladder_sizes
 from specdec.runtime.model_runner import GraphMemory
-from specdec.runtime.target_runner import TREE_GRAPH_MAX_BATCH, TREE_STEP, PrefillChunks, TargetRunner
+from specdec.runtime.target_runner import BUDGET_STEP, TREE_GRAPH_MAX_BATCH, TREE_STEP, PrefillChunks, TargetRunner
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,9 @@ class Engine:
         chain_lengths = verify_lengths(block, config.verify, plain_steps) if drafter is not None else (1,)
         trees = drafter is not None and config.verify in ("tree", "auto") and drafter.proposes_candidates
         tree_nodes = config.tree_nodes if trees else 0
+        # auto's budget steps: chains' rows shared out by the drafts' confidence
+        budgets = verify_budgets(chain_lengths, config.verify == "auto" and drafter is not None
+                                 and drafter.proposes_confidence)
         lookahead = max(block, tree_nodes + 1)  # slots a step may write past the committed length
         self.model.rotary.max_positions = self.max_context + lookahead  # RoPE table size on the fused path
         # the runners' static buffers exist before the KV pool is sized from what memory is left
@@ -110,7 +113,7 @@ class Engine:
                                    page_size=config.page_size, max_batch=config.max_num_seqs,
                                    block_lens=chain_lengths or (block,), max_prefill_tokens=config.max_prefill_tokens,
                                    feature_layers=drafter.target_layer_ids if drafter is not None else (),
-                                   tree_nodes=tree_nodes)
+                                   tree_nodes=tree_nodes, budgets=budgets)
         if drafter is not None:
             drafter.attach(DraftContext(self.device, self.dtype, self.drafter_kv_dtype, config.page_size, self.backend_name,
                                         config.max_num_seqs, self.max_context, self.model.model.embed_tokens,
@@ -120,7 +123,7 @@ class Engine:
                                         TREE_GRAPH_MAX_BATCH if config.verify == "auto" else 0,
                                         tuple(q - 1 for q in chain_lengths),
                                         drafter.draft_window if config.draft_window is None else config.draft_window,
-                                        config.draft_vocab))
+                                        config.draft_vocab, bool(budgets)))
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                            and self.runner.attn.supports_graphs)
         # the graphs' memory pool is counted before the KV pool takes what is left
@@ -133,7 +136,7 @@ class Engine:
         if drafter is not None:
             drafter.allocate_cache(self.num_pages)
             self.decoding: DecodePhase = SpeculativeDecoding(
-                self.runner, drafter, VerifyPolicy(block, chain_lengths, tree=trees),
+                self.runner, drafter, VerifyPolicy(block, chain_lengths, tree=trees, budgets=budgets),
                 TreeDecoding(self.runner, drafter, draft_ahead=config.overlap_steps) if trees else None,
                 draft_ahead=config.overlap_steps)
         else:
@@ -184,6 +187,9 @@ class Engine:
                 draft[TREE] = self.drafter.step_seconds(candidates=True)
                 verify[TREE] = {rung: seconds + tree.overhead_seconds(rung)
                                 for rung, seconds in self.runner.replay_seconds(TREE_STEP).items()}
+            for budget in policy.budgets:  # a budget step: the draft of its block's drafts; its forward
+                draft[budget] = draft[budget.q]
+                verify[budget] = self.runner.replay_seconds((BUDGET_STEP, *budget))
             policy.costs = StepCosts(draft, verify)
         log.info("captured CUDA graphs for batch sizes %s in %.1f s (%.0f MiB; %.0f MiB reserved)",
                  ladder_sizes(self.config.max_num_seqs), seconds, self.graph_memory_bytes / 2**20,
@@ -626,8 +632,10 @@ class Engine:
         if prefill is not None:  # arrivals first, as in a step that prefills alone
             self._prefilled(chunks, prefill, starting, on_commit)
         speculating = self.drafter is not None
-        verify_length = self.decoding.verify_length if speculating else None  # read once per step
-        for request, committed, logprob in zip(running, tokens, logprobs):
+        # tokens each request verified (read once per step): a budget step's own, else the step's
+        verify_lengths = ((self.decoding.request_lengths or [self.decoding.verify_length] * len(running))
+                          if speculating else [None] * len(running))
+        for request, committed, logprob, verify_length in zip(running, tokens, logprobs, verify_lengths):
             taken = self.commit(request, committed, on_commit, logprob)
             # acceptance length: what the step committed (0: the request failed alone while committing)
             if speculating and taken:

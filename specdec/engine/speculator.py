@@ -32,7 +32,7 @@ from specdec.engine.logprobs import LogprobRows, TokenLogprob, wants_logprobs
 from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
 from specdec.engine.tree_speculator import TreeDecoding
-from specdec.engine.verify_policy import PLAIN, TREE, VerifyPolicy
+from specdec.engine.verify_policy import PLAIN, TREE, Budget, VerifyPolicy
 from specdec.runtime.target_runner import Carried, PrefillChunks, TargetRunner
 
 
@@ -49,8 +49,9 @@ class SpeculativeDecoding:
             raise ValueError("a verify policy with trees needs the tree step")
         self.tree = tree
         self.plain = PlainDecoding(runner)  # the steps the policy runs without a draft (PLAIN)
-        self.verify_length = drafter.block_size  # tokens per request the last step verified
-        self.option = drafter.block_size  # what the last speculative step verified: a chain length, or TREE
+        self.verify_length = drafter.block_size  # tokens per request the last step verified (a budget step: per)
+        self.request_lengths: list[int] | None = None  # a budget step's, request by request (None: verify_length)
+        self.option = drafter.block_size  # what the last speculative step verified: a chain length, TREE or a Budget
         self.logprobs: list[list[TokenLogprob] | None] | None = None  # the last step's, per request (None: none asked)
 
     def _prefilled(self, prefill: PrefillChunks | None) -> torch.Tensor | None:
@@ -74,9 +75,12 @@ class SpeculativeDecoding:
         nodes = self.tree.nodes_for(batch) if self.tree is not None else 0
         # logprobs, penalties and grammars work on the rows of a chain's verify: a step with a request that asks for
         # one verifies a chain (of the length the policy picks). Asked only where the policy may pick a tree
-        chains_only = self.policy.tree and (wants_logprobs(running) or any(r.params.adjusts_logits for r in running))
-        q = self.policy.choose(batch, nodes, trees=not chains_only, plain=False)
-        self.option = q
+        chains_only = ((self.policy.tree or self.policy.budgets)
+                       and (wants_logprobs(running) or any(r.params.adjusts_logits for r in running)))
+        # a budget step carries no prompt chunks (its forward runs the block rows alone)
+        q = self.policy.choose(batch, nodes, trees=not chains_only, plain=False,
+                               budgets=not chains_only and prefill is None)
+        self.option, self.request_lengths = q, None
         if q == TREE:
             tokens = self.tree.step(running, prefill)
             self.verify_length = self.tree.verify_length
@@ -84,25 +88,34 @@ class SpeculativeDecoding:
             # what the whole chain would have had accepted: its running acceptance stays current while trees run
             self.policy.observe(self.tree.chain_accepted, self.policy.block_size)
             return tokens
+        budget = q if isinstance(q, Budget) else None
+        q = budget.q if budget is not None else q
         queued = self.drafter.queued_length  # a draft queued ahead, chosen for the batch of its time
-        if queued is not None:
-            q = min(q, queued + 1)
-        self.option = self.verify_length = q  # the chain that runs: its wall time is weighed against its cost
+        if queued is not None and queued + 1 < q:  # the chain of what it holds
+            budget, q = None, queued + 1
+        # what runs: its wall time is weighed against its cost
+        self.option, self.verify_length = budget or q, budget.per if budget is not None else q
         tables = [r.target_pages for r in running]
         starts = [t.length for t in tables]
         drafts = self.drafter.propose(running, q - 1)[:, :q - 1]  # [B, q-1] on the device
         # grammars walk the drafts on the host: their copy is queued before the verify, which runs while the
         # masks are computed
         drafts_host = HostCopy(drafts) if any(r.matcher is not None for r in running) else None
-        out = self.runner.run_block(tables, [r.pending_token for r in running], drafts, q, prefill)
+        anchors = [r.pending_token for r in running]
+        if budget is None:
+            out = self.runner.run_block(tables, anchors, drafts, q, prefill)
+        else:  # a request accepts drafts only as far as its rows ran
+            out, lengths = self.runner.run_budget(tables, anchors, drafts, self.drafter.confidence, q, budget.per,
+                                                  logits=not all(r.params.greedy for r in running))
         first_tokens = self._prefilled(prefill)
-        targets = sample_block(out, running, q, drafts, drafts_host)
-        accepted, bonus = accept(drafts, targets.view(batch, q))
-        rows = LogprobRows.start(out.logits, targets, running, q)  # committed token j is the target's at row j
+        targets = sample_block(out, running, q, drafts, drafts_host).view(batch, q)
+        accepted, bonus = accept(drafts, targets, lengths if budget is not None else None)
+        rows = LogprobRows.start(out.logits, targets.view(-1), running, q)  # committed token j: the target's at row j
         # the accepted drafts equal the target's tokens at their rows, and the bonus is its token after them: a
-        # request commits the first a + 1 of its target tokens, so those and a are all the host reads
-        transfer = StepTransfer(torch.cat([targets.view(batch, q), accepted[:, None].long()], dim=1), prefill,
-                                first_tokens)
+        # request commits the first a + 1 of its target tokens, so those and a are all the host reads (and a budget
+        # step's lengths)
+        read = [targets, accepted[:, None].long()] + ([lengths[:, None]] if budget is not None else [])
+        transfer = StepTransfer(torch.cat(read, dim=1), prefill, first_tokens)
         starting = prefill.starting if first_tokens is not None else []
         drafting = running + starting
         ahead = self._queue_next_draft(running, starting, bonus, accepted, first_tokens, q)
@@ -118,7 +131,11 @@ class SpeculativeDecoding:
             table.truncate(start + count, room=room)
         if rows is not None:
             self.logprobs = rows.read(tokens)
-        self.policy.observe(np.subtract(counts, 1), q)
+        if budget is not None:
+            self.request_lengths = [int(row[q + 1]) for row in host]
+            self.policy.observe_budget(np.subtract(counts, 1).tolist(), budget)
+        else:
+            self.policy.observe(np.subtract(counts, 1), q)
         if ahead:
             self.drafter.settle(drafting, counts + [0] * len(starting))
         else:  # request i's verify features start at row i * q
@@ -133,7 +150,8 @@ class SpeculativeDecoding:
         Not with trees only (a tree step drafts its own candidates). True when queued."""
         if not (self.draft_ahead and self.policy.lengths):
             return False
-        length = self.policy.choose(len(running) + len(starting), trees=False) - 1  # the next step's, as now seen
+        option = self.policy.choose(len(running) + len(starting), trees=False)  # the next step's, as now seen
+        length = (option.q if isinstance(option, Budget) else option) - 1
         if length == 0:  # a plain step: nothing to draft
             return False
         anchors, counts = bonus, accepted + 1

@@ -77,6 +77,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -93,6 +94,19 @@ def tree_prior_gain(nodes: int) -> float:
 
 
 TREE = 0  # the choice "verify a token tree" (chain choices are their token counts)
+
+
+class Budget(NamedTuple):
+    """The choice "a budget step": blocks of q tokens of which the step verifies on average `per` a request, each
+    request's share by its drafts' confidence (specdec/runtime/row_budget.py)."""
+
+    q: int
+    per: int
+
+
+# a budget step's expected tokens before any budget step of its kind: a chain of `per`'s times this, at most the chain
+# of q's (giving the rows to the drafts most likely kept: the shipped drafter's math500 and coding runs, below)
+BUDGET_PRIOR_GAIN = 1.1
 # how finely the start-up costs tell chain lengths apart: at batch 1 they put a step verifying 16 tokens 4% above
 # one verifying 8, where the steps' kernels differed by 2% and their wall time not at all (above). A shorter chain
 # replaces a longer one only when its rate is higher by more than this (under load the options' costs differ by far
@@ -141,6 +155,24 @@ def verify_lengths(block_size: int, policy: str, plain_steps: bool = False) -> t
     return tuple(sorted({block_size} | shorter | ({PLAIN} if plain_steps else set())))
 
 
+def verify_budgets(lengths: tuple[int, ...], confidence: bool) -> tuple[Budget, ...]:
+    """The budget steps `auto` may run (with a drafter that gives its drafts' confidence): on average an eighth, three
+    sixteenths, five sixteenths and half of the block a request (2, 3, 5 and 8 of 16), each from the shortest chain
+    length at least two longer (a request sure of its drafts may verify more than the average). With the shipped drafter
+    on math500 (chains of 16 on a CPU, 1,262 request steps; what budgets of the same rows would have accepted), tokens
+    per request step: budgets 1.98 / 2.85 / 3.85 / 4.11 against chains of the same rows 1.84 / 2.52 / 3.46 / 4.02
+    (budgets of 4 and 6 rows: 3.47 and 4.02, the latter what a chain of 8 accepts). Each is a CUDA-graph ladder."""
+    if not confidence or not lengths:
+        return ()
+    block = max(lengths)
+    budgets = []
+    for per in sorted({block // 8, 3 * block // 16, 5 * block // 16, block // 2} - {0, 1}):
+        q = min((q for q in lengths if q >= per + 2), default=None)
+        if q is not None:
+            budgets.append(Budget(q, per))
+    return tuple(budgets)
+
+
 def holding_rung(rungs, batch: int) -> int | None:
     """The smallest of the measured batch sizes `rungs` that holds `batch` (the rung its step runs as); None above."""
     return next((r for r in sorted(rungs) if r >= batch), None)
@@ -178,7 +210,7 @@ class StepCosts:
 
 class VerifyPolicy:
     def __init__(self, block_size: int, lengths: tuple[int, ...], costs: StepCosts | None = None,
-                 tree: bool = False):
+                 tree: bool = False, budgets: tuple[Budget, ...] = ()):
         if (lengths and block_size not in lengths) or any(not 1 <= q <= block_size for q in lengths):
             raise ValueError(f"chain lengths {lengths} must lie in 1..{block_size} and include {block_size}")
         if not lengths and not tree:
@@ -186,11 +218,16 @@ class VerifyPolicy:
         self.block_size = block_size
         self.lengths = tuple(sorted(lengths))
         self.tree = tree
+        self.budgets = tuple(budgets)
+        if any(b.q not in self.lengths or not 2 <= b.per < b.q for b in self.budgets):
+            raise ValueError(f"budget steps {self.budgets} need blocks among the chain lengths {self.lengths} and "
+                             "2 <= per < q")
         self.costs = costs
         n = block_size - 1  # draft positions
         self.accepted = np.full(n, PRIOR_ACCEPTED)  # position i accepted, given 0..i-1 were
         self.seen = np.full(n, PRIOR_SEEN)  # position i verified with 0..i-1 accepted
         self.tree_tokens: dict[int, tuple[float, float]] = {}  # nodes -> (decayed committed tokens, steps)
+        self.budget_tokens: dict[Budget, tuple[float, float]] = {}  # the same for budget steps of each kind
         # expected_tokens() until the next observation: the policy is asked several times a step
         self._expected: np.ndarray | None = None
         # (batch rung, plain step?) -> seconds a step of that kind takes beyond its measured cost
@@ -211,31 +248,40 @@ class VerifyPolicy:
         self._entered: tuple[int, bool, float] | None = None
 
     @property
-    def options(self) -> tuple[int, ...]:
-        return self.lengths + ((TREE,) if self.tree else ())
+    def options(self) -> tuple[int | Budget, ...]:
+        return self.lengths + ((TREE,) if self.tree else ()) + self.budgets
 
-    def choose(self, batch: int, tree_nodes: int = 0, trees: bool = True, plain: bool = True) -> int:
-        """The chain length (tokens per request, anchor included), or TREE, for a step of `batch` requests;
+    def choose(self, batch: int, tree_nodes: int = 0, trees: bool = True, plain: bool = True,
+               budgets: bool = True) -> int | Budget:
+        """The chain length (tokens per request, anchor included), TREE or a Budget, for a step of `batch` requests;
         a tree step would verify `tree_nodes` draft nodes per request (`trees` False: chains only; `plain` False:
-        not PLAIN, for a step that must speculate)."""
+        not PLAIN, for a step that must speculate; `budgets` False: no budget step)."""
         if batch == 1 and self.block_size in self.lengths:  # a lone request: the whole chain (see the module's doc)
             return self.block_size
-        options = [o for o in self.options if (trees or o != TREE) and (plain or o != PLAIN)]
+        options = [o for o in self.options if (trees or o != TREE) and (plain or o != PLAIN)
+                   and (budgets or not isinstance(o, Budget))]
         seconds = self.costs.at(batch) if self.costs is not None and len(options) > 1 else None
         if seconds is None:
             return self.block_size if self.lengths or not trees else TREE
         expected = self.expected_tokens()
 
-        def rate(option: int, extra: float = 0.0) -> float:
-            tokens = self.expected_tree_tokens(tree_nodes) if option == TREE else expected[option - 1]
+        def rate(option: int | Budget, extra: float = 0.0) -> float:
+            if isinstance(option, Budget):
+                tokens = self.expected_budget_tokens(option)
+            else:
+                tokens = self.expected_tree_tokens(tree_nodes) if option == TREE else expected[option - 1]
             return tokens / (seconds[option] + extra)
 
+        def chain(option: int | Budget) -> bool:
+            return not isinstance(option, Budget) and option not in (TREE, PLAIN)
+
         # the speculative options compared by their measured costs; the best of them against a plain step, each
-        # with the overhead learned for its kind at this rung
+        # with the overhead learned for its kind at this rung (ties: the one verifying more tokens)
         speculative = [o for o in options if o in seconds and o != PLAIN]
-        best = max(speculative, key=lambda option: (rate(option), option)) if speculative else PLAIN
-        if best != TREE and best != PLAIN:  # the longest chain whose rate is within the margin of the best one's
-            best = max(o for o in speculative if o >= best and rate(o) * (1 + CHAIN_MARGIN) >= rate(best))
+        best = max(speculative, key=lambda option: (rate(option), option.per if isinstance(option, Budget) else option)
+                   ) if speculative else PLAIN
+        if chain(best):  # the longest chain whose rate is within the margin of the best one's
+            best = max(o for o in speculative if chain(o) and o >= best and rate(o) * (1 + CHAIN_MARGIN) >= rate(best))
         if PLAIN in options and PLAIN in seconds:
             if self.plain_running is not None and self.kind_steps < KIND_DWELL:  # a kind just switched to stays
                 return PLAIN if self.plain_running else best
@@ -367,6 +413,19 @@ class VerifyPolicy:
         if steps < 1:
             return self.expected_tokens()[-1] * tree_prior_gain(nodes)
         return tokens / steps
+
+    def expected_budget_tokens(self, budget: Budget) -> float:
+        """Expected committed tokens per request of a budget step of this kind."""
+        tokens, steps = self.budget_tokens.get(budget, (0.0, 0.0))
+        if steps < 1:
+            expected = self.expected_tokens()
+            return min(expected[budget.per - 1] * BUDGET_PRIOR_GAIN, expected[budget.q - 1])
+        return tokens / steps
+
+    def observe_budget(self, accepted: list[int], budget: Budget) -> None:
+        """A budget step of this kind; request r had accepted[r] drafts."""
+        tokens, steps = self.budget_tokens.get(budget, (0.0, 0.0))
+        self.budget_tokens[budget] = (tokens * DECAY + sum(a + 1 for a in accepted) / len(accepted), steps * DECAY + 1)
 
     def observe_tree(self, accepted: list[int], nodes: int) -> None:
         """A tree step of `nodes` draft nodes per request; request r had accepted[r] drafts."""

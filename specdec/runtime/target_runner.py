@@ -31,6 +31,7 @@ from specdec.models.decoder import Attention, CausalLM, ForwardOutput
 from specdec.runtime.cuda_graphs import StaticInputs
 from specdec.runtime.model_runner import FixedStep, ModelRunner, TokenStep
 from specdec.runtime.piecewise_graphs import Cut
+from specdec.runtime.row_budget import budget_lengths, budget_reach, compact_rows
 
 
 @dataclass
@@ -107,8 +108,10 @@ class PrefillChunks:
 class TargetRunner(ModelRunner):
     def __init__(self, model: CausalLM, *, backend_name: str, kv_dtype: torch.dtype | tuple[torch.dtype, ...],
                  page_size: int, max_batch: int, block_lens: tuple[int, ...], max_prefill_tokens: int,
-                 feature_layers: tuple[int, ...] = (), tree_nodes: int = 0):
-        """tree_nodes: a token tree's draft nodes per request at small batches (0: no trees)."""
+                 feature_layers: tuple[int, ...] = (), tree_nodes: int = 0, budgets: tuple[tuple[int, int], ...] = ()):
+        """tree_nodes: a token tree's draft nodes per request at small batches (0: no trees). budgets: the budget
+        steps, as (q, per): blocks of q (one of `block_lens`) verifying on average per tokens a request
+        (`run_budget`)."""
         dtype = model.model.embed_tokens.weight.dtype
         super().__init__(model, backend_name=backend_name, kv_dtype=kv_dtype, q_dtype=dtype, page_size=page_size,
                          max_batch=max_batch, device=next(model.parameters()).device)
@@ -136,6 +139,16 @@ class TargetRunner(ModelRunner):
         if tree_nodes:  # token-tree verify steps, captured up to TREE_GRAPH_MAX_BATCH requests
             tree_rows = max(size * self.tree_q(size) for size in range(1, min(max_batch, TREE_GRAPH_MAX_BATCH) + 1))
             self.tree_inputs = StaticInputs({"ids": tree_rows, "starts": max_batch, "depths": tree_rows}, self.device)
+        self.budgets = budgets
+        if any(q not in block_lens or not 1 <= per <= q for q, per in budgets):
+            raise ValueError(f"budget steps {budgets} need blocks among {block_lens} and 1 <= per <= q")
+        if budgets:  # a budget step's reach (input), lengths (output) and its verified rows' logits and features
+            budget_rows = max_batch * max(per for _, per in budgets)
+            self.budget_reach = torch.zeros(max_batch, q_max - 1, dtype=torch.float32, device=self.device)
+            self.budget_lengths = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+            self.budget_logits = torch.zeros(budget_rows, c.vocab_size, dtype=dtype, device=self.device)
+            self.budget_features = (torch.zeros(budget_rows, feature_dim, dtype=dtype, device=self.device)
+                                    if feature_layers else None)
         # the K/V slot (page, offset) of every row of the last token-tree step (request by request; rows past the
         # step's on the scratch page), written on the device by the step: the accepted path's K/V moves read it
         self.tree_slots = torch.zeros(2, rows if tree_nodes else 0, dtype=torch.long, device=self.device)
@@ -151,6 +164,9 @@ class TargetRunner(ModelRunner):
         steps = [FixedStep(q, f"target q={q}",
                            lambda batch, scratch, q=q: BatchLayout.dummy(batch, q, q, self.page_size, scratch, True),
                            q, lambda batch, q=q: self._block_body(q, batch)) for q in self.inputs]
+        steps += [FixedStep((BUDGET_STEP, q, per), f"target budget q={q} per={per}",
+                            lambda batch, scratch, q=q: BatchLayout.dummy(batch, q, q, self.page_size, scratch, True),
+                            q, lambda batch, q=q, per=per: self._budget_body(q, per, batch)) for q, per in self.budgets]
         if self.tree_nodes and self.attn.supports_graphs:
             steps.append(FixedStep(TREE_STEP, "target tree", self._tree_dummy, self.tree_q(1), self._tree_body,
                                    max_rung=TREE_GRAPH_MAX_BATCH))
@@ -218,11 +234,82 @@ class TargetRunner(ModelRunner):
                       after_upload=device_tokens_into_ids if rest is not None or carried is not None else None)
         return self._block_output(batch * q)
 
-    def _rung_declines(self, q: int, starts: np.ndarray) -> bool:
-        """Whether the graph rung that would replay a block step of requests at lengths `starts` declines their KV
-        lengths after it (one request's KV far longer than the others' where the rung keeps each in one piece)."""
-        rung = self.rung_for(q, len(starts))
-        return rung is not None and not self.attn.graph_fits(self.ladders[q].slot(rung), lambda: starts + q)
+    def _rung_declines(self, q: int, starts: np.ndarray, key=None) -> bool:
+        """Whether the graph rung that would replay a block step (of `key`, default q) of requests at lengths `starts`
+        declines their KV lengths after it (one request's KV far longer than the others' where the rung keeps each in
+        one piece)."""
+        key = q if key is None else key
+        rung = self.rung_for(key, len(starts))
+        return rung is not None and not self.attn.graph_fits(self.ladders[key].slot(rung), lambda: starts + q)
+
+    def run_budget(self, tables: list[PageTable], first_tokens: list[int], rest: torch.Tensor,
+                   confidence: torch.Tensor, q: int, per: int, logits: bool = False) -> tuple[BlockOutput, torch.Tensor]:
+        """A block step of q tokens per request ([first_tokens[i], *rest[i]], rest [B, q - 1] on the device) that
+        runs the target over only B * per of them: each request's anchor and the drafts most likely to be kept by
+        their drafted log-probabilities `confidence` [B, >= q - 1] (specdec/runtime/row_budget.py). Returns the
+        block's outputs laid out as a chain of q's (row i * q + j: request i's token j; `greedy` -1 at the rows not
+        run, `logits` stale there and filled at the others only when asked) and each request's verified tokens
+        [B] (on the device). Its K/V slots are those of a chain of q; the rows not run are never written. A rung
+        that declines the batch's KV lengths runs the whole chain (every length q)."""
+        batch = len(tables)
+        key = (BUDGET_STEP, q, per)
+        starts = table_lengths(tables)
+        if self._rung_declines(q, starts, key):
+            out = self._run_mixed(tables, first_tokens, rest, q, None)
+            return out, self.budget_lengths[:batch].fill_(q)
+        layout = self._grow(tables, [q] * batch, starts)
+        inputs = self.inputs[q]
+        ids = np.zeros((batch, q), dtype=np.int64)
+        ids[:, 0] = first_tokens
+        inputs.fill("ids", ids)
+        inputs.fill("starts", starts)
+        rung = self.rung_for(key, batch) or batch
+
+        def device_inputs() -> None:
+            write_device_tokens(inputs["ids"].view(-1, q)[:batch], rest, None)
+            budget_reach(confidence[:, :q - 1], rung, per, out=self.budget_reach[:rung, :q - 1])
+
+        self.dispatch(key, batch, layout, inputs, lambda b: self._budget_body(q, per, b), after_upload=device_inputs)
+        if logits:  # the verified rows' logits into the chain's layout (sampling reads them there)
+            rows = rung * per
+            request, column = compact_rows(self.budget_lengths[:rung], rows)
+            self.logits_out[:rung * q].index_copy_(0, request * q + column, self.budget_logits[:rows])
+        return self._block_output(batch * q), self.budget_lengths[:batch]
+
+    def _budget_body(self, q: int, per: int, batch: int) -> None:
+        """The budget step of `batch` requests (a graph rung): the rows' shares from `budget_reach`, the forward over
+        them alone (attention scattering their queries into the chain's layout it was planned for and gathering its
+        output back), their argmax and features scattered into the chain's layout."""
+        inputs, rows, chain_rows = self.inputs[q], batch * per, batch * q
+        lengths = budget_lengths(self.budget_reach[:batch, :q - 1], rows)
+        self.budget_lengths[:batch].copy_(lengths)
+        request, column = compact_rows(lengths, rows)
+        run = request * q + column  # each verified row's place in the chain's layout
+        positions = inputs["starts"][:batch][request] + column
+        self.attn.set_write_slots(*slots_on_device(self.attn.kv_indices, self.attn.kv_indptr, request, positions,
+                                                   self.page_size))
+        query, attention = self.mixed.query[:chain_rows], self.mixed.attention[:chain_rows]
+
+        def layer_attention(i: int, rope) -> Attention:
+            layer_kv = self.kv.layers[i]
+
+            def attend(projections, h: torch.Tensor) -> torch.Tensor:
+                q_rows, k, v = projections.project(h, rope)
+                self.attn.write_kv(layer_kv, k, v)
+                query.index_copy_(0, run, q_rows)
+                self.attn.attend(query, layer_kv, out=attention)
+                return attention.index_select(0, run)
+
+            return attend
+
+        features = self.budget_features[:rows] if self.budget_features is not None else None
+        hidden, _ = self.model.hidden_states(inputs["ids"][:chain_rows][run], positions, layer_attention,
+                                             feature_layers=self.feature_layers, features_out=features)
+        self.model.logits(hidden, self.budget_logits[:rows])
+        self.greedy_out[:chain_rows].fill_(-1)
+        self.greedy_out[:chain_rows].index_copy_(0, run, self.budget_logits[:rows].argmax(dim=-1))
+        if features is not None:
+            self.features_out[:chain_rows].index_copy_(0, run, features)
 
     def run_prefill(self, prefill: PrefillChunks) -> None:
         """Prompt chunks alone (a step with nothing to decode); sets `prefill.out`."""
@@ -382,6 +469,7 @@ class TargetRunner(ModelRunner):
 
 
 TREE_STEP = "tree"  # the token-tree verify step's graph ladder
+BUDGET_STEP = "budget"  # the budget steps' graph ladders, keyed (BUDGET_STEP, q, per)
 PADDED_FIRST_ROWS = 64  # the most first-token rows of a mixed step padded to a power of two
 TREE_GRAPH_MAX_BATCH = 16  # trees pay at small batches; larger tree steps run the mixed step's graphs
 

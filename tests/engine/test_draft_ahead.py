@@ -113,7 +113,7 @@ def test_a_step_that_runs_a_token_tree_drafts_again(target_dir, tmp_path):
     plain = spec_engine(target_dir, None, eos=(2, 9)).generate_ids(MANY_PROMPTS, SamplingParams(max_new_tokens=20))
     engine = engine_for(target_dir, tmp_path, True, verify="auto", max_num_seqs=8)
     rng = random.Random(0)
-    engine.decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True: rng.choice(
+    engine.decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True, budgets=True: rng.choice(
         [TREE, 4] if trees else [4])
     counts = count_ahead(engine)
     requests = engine.generate_ids(MANY_PROMPTS, SamplingParams(max_new_tokens=20))

@@ -40,7 +40,7 @@ def random_choices(engine, seed: int, options: tuple[int, ...]) -> Counter:
     decoding = engine.decoding
     counts = Counter()
 
-    def choose(batch, nodes=0, trees=True, plain=True):
+    def choose(batch, nodes=0, trees=True, plain=True, budgets=True):
         return rng.choice([o for o in options if (trees or o != TREE) and (plain or o != PLAIN)])
 
     launch, step = decoding.launch, decoding.step

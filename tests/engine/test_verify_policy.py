@@ -135,8 +135,8 @@ def lengths_by_batch(engine, short_from: int, trees_below: int = 0):
         TREE: {r: 1e-3 if r < trees_below else 1e3 for r in rungs}})
     chosen, choose = [], policy.choose
 
-    def recording(batch, nodes=0, trees=True, plain=True):
-        chosen.append(choose(batch, nodes, trees, plain))
+    def recording(batch, nodes=0, trees=True, plain=True, budgets=True):
+        chosen.append(choose(batch, nodes, trees, plain, budgets))
         return chosen[-1]
 
     policy.choose = recording

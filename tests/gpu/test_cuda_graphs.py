@@ -287,7 +287,7 @@ def test_a_plain_step_writing_held_context_rows_and_a_prompts_context_never_wait
 
     monkeypatch.setattr(dflash, "HELD_ROWS", 8)  # with 4 requests: the held rows fill up every other plain step
     engine = make_engine(model_dirs, True, "auto", False, overlap_steps=True, verify="auto", max_num_seqs=5)
-    engine.decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True: PLAIN if plain else 2
+    engine.decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True, budgets=True: PLAIN if plain else 2
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     running = [engine.add_request(p, params) for p in prompts(4)]
     for _ in range(3):  # the prompts, then plain steps

@@ -138,7 +138,7 @@ def test_plain_steps_between_chains_are_exact_at_batch_one(drafter_dir):
     decoding = spec_llm.engine.decoding
     assert PLAIN in decoding.policy.lengths and decoding.runner.replays(PLAIN, 1)
     calls = iter(range(10**9))
-    decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True: (
+    decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True, budgets=True: (
         PLAIN if plain and next(calls) % 3 else 16)
     launch, launched = decoding.launch, []
     decoding.launch = lambda *args, **kwargs: (launched.append(1), launch(*args, **kwargs))[1]
@@ -224,3 +224,33 @@ def test_structured_speculative_output_equals_structured_plain_output():
     assert len(finished) >= len(ar) // 2, [r.text for r in ar]
     for result in finished:
         assert set(json.loads(result.text)) == {"answer", "confidence"}, result.text
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_budget_steps_equal_autoregressive(drafter_dir, kv):
+    """auto's budget steps (forced at every batch above one, each of its kinds in turn; graphs of the batch's rung,
+    whose padding requests take rows the real ones would not have had) against plain decoding, bf16 and FP8."""
+    from specdec.engine.verify_policy import Budget
+    from specdec.runtime.target_runner import BUDGET_STEP
+
+    common = dict(device="cuda", kv_cache_dtype=kv, num_kv_pages=2048, attention_backend="flashinfer")
+    ar_llm, spec_llm = LLM(MODEL, **common), LLM(MODEL, drafter=drafter_dir, verify="auto", **common)
+    decoding = spec_llm.engine.decoding
+    budgets = decoding.policy.budgets
+    assert budgets == (Budget(4, 2), Budget(8, 3), Budget(8, 5), Budget(16, 8))
+    assert all(decoding.runner.replays((BUDGET_STEP, *b), 3) and b in decoding.policy.costs.verify for b in budgets)
+    turns = iter(range(10**9))
+    decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True, budgets=True: (
+        decoding.policy.budgets[next(turns) % 4] if budgets and batch > 1 else 16)
+    shares, step = [], decoding.step
+
+    def recording(running, prefill=None):
+        tokens = step(running, prefill)
+        shares.append(decoding.request_lengths)
+        return tokens
+
+    decoding.step = recording
+    compare(ar_llm, spec_llm, f"budget-random-{kv}")
+    ran = [s for s in shares if s is not None]
+    assert len(ran) > 10 and all(len(set(s)) >= 1 and sum(s) % len(s) == 0 for s in ran)
+    assert spec_llm.engine.pool.num_free == spec_llm.engine.pool.num_pages

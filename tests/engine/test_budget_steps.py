@@ -1,0 +1,68 @@
+"""Budget steps (auto): each request verifies its share of the step's rows, by its drafts' confidence. Outputs stay
+those of plain decoding, with drafts queued ahead or not, among chain steps, and sampling stays lossless."""
+
+import random
+
+import pytest
+
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.verify_policy import Budget
+from tests.engine.test_lossless_sampling import SAMPLES, outcomes, p_value, sampling, small_vocab_target  # noqa: F401
+from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, module_target, spec_engine, tiny_engine
+
+target_dir = module_target("budget-steps", seed=7)
+BUDGET = Budget(8, 4)
+
+
+def budget_engine(path, tmp_path, options, seed=0, **config):
+    """An auto engine over a random block-8 DFlash drafter whose policy picks among `options` at random (budget steps
+    at every batch but 1, where auto verifies the whole chain)."""
+    engine = spec_engine(path, dflash_drafter(path, tmp_path, 8, seed=3), eos=(2, 9), verify="auto", **config)
+    assert engine.decoding.policy.budgets == (Budget(4, 2), BUDGET)
+    rng = random.Random(seed)
+    engine.decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True, budgets=True: (
+        8 if batch == 1 else rng.choice([o for o in options if budgets or not isinstance(o, Budget)] or [8]))
+    return engine
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("options", [[BUDGET], [BUDGET, 8, 2]])
+def test_budget_steps_equal_autoregressive_decoding(target_dir, tmp_path, ahead, options):
+    params = SamplingParams(max_new_tokens=27)
+    want = [r.output_ids for r in tiny_engine(target_dir, eos=(2, 9)).generate_ids(MANY_PROMPTS, params)]
+    engine = budget_engine(target_dir, tmp_path, options, overlap_steps=ahead, max_num_seqs=5)
+    got = engine.generate_ids(MANY_PROMPTS, params)
+    assert [r.output_ids for r in got] == want
+    assert_no_leak(engine)
+
+
+def test_each_request_verifies_its_share_of_the_rows(target_dir, tmp_path):
+    """A budget step's requests verify different counts (their stats say which), B * per in all."""
+    engine = budget_engine(target_dir, tmp_path, [BUDGET], max_num_seqs=8)
+    shares = []
+    step = engine.decoding.step
+
+    def recording(running, prefill=None):
+        tokens = step(running, prefill)
+        if engine.decoding.request_lengths is not None:
+            shares.append(engine.decoding.request_lengths)
+        return tokens
+
+    engine.decoding.step = recording
+    requests = engine.generate_ids(MANY_PROMPTS, SamplingParams(max_new_tokens=20))
+    assert shares and all(sum(s) == BUDGET.per * len(s) and 1 <= min(s) and max(s) <= BUDGET.q for s in shares)
+    assert any(len(set(s)) > 1 for s in shares)
+    steps = [q for r in requests for q in r.stats.verify_lengths]
+    assert len(set(steps)) > 1 and all(1 <= q <= BUDGET.q for q in steps)
+
+
+def test_budget_sampling_matches_autoregressive(small_vocab_target, tmp_path):  # noqa: F811
+    """A request's rows past its share are never accepted: sampled outputs keep plain decoding's distribution."""
+    engine = spec_engine(small_vocab_target, dflash_drafter(small_vocab_target, tmp_path, 8), verify="auto",
+                         max_num_seqs=SAMPLES)
+    engine.decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True, budgets=True: (
+        BUDGET if budgets and batch > 1 else 8)
+    budget = outcomes(engine, sampling(1.0, 5 * 10 ** 6))
+    auto = outcomes(tiny_engine(small_vocab_target, eos=(), max_num_seqs=SAMPLES), sampling(1.0, 6 * 10 ** 6))
+    assert p_value(budget, auto) > 1e-3
+    assert engine.pool.num_free == engine.pool.num_pages
