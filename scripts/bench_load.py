@@ -59,7 +59,8 @@ from specdec import LLM, SamplingParams  # noqa: E402
 
 
 OVERLAPPED = "AR overlapped"  # plain decoding with overlapped steps (--overlap-steps)
-DFLASH = {"chain": "DFlash", "auto": "DFlash auto", "tree": "DFlash tree"}  # by verify policy (--verify)
+# by verify policy (--verify); "budget": auto with its budget steps (`budget_steps`)
+DFLASH = {"chain": "DFlash", "auto": "DFlash auto", "tree": "DFlash tree", "budget": "DFlash auto+budgets"}
 AHEAD = ", drafted ahead"  # a DFlash row's suffix with --overlap-steps: each step's next draft queued early
 
 
@@ -111,7 +112,8 @@ def parse_args(argv):
     p.add_argument("--device", default="cuda")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="the target's KV cache")
     p.add_argument("--verify", nargs="+", choices=tuple(DFLASH), default=["auto"],
-                   help="the DFlash rows' verify policies (a row each; default: auto, the engine's)")
+                   help="the DFlash rows' verify policies (a row each; default: auto, the engine's; budget: auto "
+                        "with budget steps)")
     p.add_argument("--dataset", default="chat", choices=("chat", "mixed", "math500", "code"),
                    help="chat: math500 and coding requests alternating; the others: bench_serve.py's prompts")
     p.add_argument("--system-repeat", type=int, default=0,
@@ -379,7 +381,8 @@ def load_system(args, model: str, system: tuple, device: torch.device, **options
     """A system's engine, warmed up (graphs, kernels, allocator), and its prompts."""
     name, draft, verify, overlap = system
     llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency), kv_cache_dtype=args.kv_cache_dtype,
-              overlap_steps=overlap, verify=verify, enable_prefix_caching=not args.no_prefix_caching,
+              overlap_steps=overlap, enable_prefix_caching=not args.no_prefix_caching,
+              **({"verify": "auto", "budget_steps": True} if verify == "budget" else {"verify": verify}),
               **({setting: value for setting, value in (("draft_window", args.draft_window),
                                                         ("draft_vocab", args.draft_vocab))
                   if draft and value is not None}),

@@ -110,6 +110,10 @@ class EngineConfig:
     # a token tree's draft nodes per request at small batches; fewer as the batch grows, since a step
     # verifies at most max(max_num_seqs x block_size, tree_nodes + 1) tokens
     tree_nodes: int = _setting(63, "token trees (verify tree / auto): draft nodes per request at small batches")
+    # auto's budget steps (specdec/runtime/row_budget.py): blocks whose forward runs each request's share of the
+    # step's rows, chosen from its drafts' confidence. Off by default until measured on a GPU; exact either way
+    budget_steps: bool = _setting(False, "verify auto: also weigh budget steps, whose rows go to each request's "
+                                         "drafts most likely to be kept (by the drafter's confidence)")
     # DFlash drafting: how far back each draft position attends in the drafter's context. A drafter trained on
     # short sequences accepts less on long prompts, where its attention spans distances it never saw; a window keeps
     # it within them (SGLang's speculative-dflash-draft-window-size). None: the window the drafter declares (its

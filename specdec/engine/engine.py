@@ -104,7 +104,7 @@ class Engine:
         trees = drafter is not None and config.verify in ("tree", "auto") and drafter.proposes_candidates
         tree_nodes = config.tree_nodes if trees else 0
         # auto's budget steps: chains' rows shared out by the drafts' confidence
-        budgets = verify_budgets(chain_lengths, config.verify == "auto" and drafter is not None
+        budgets = verify_budgets(chain_lengths, config.budget_steps and config.verify == "auto" and drafter is not None
                                  and drafter.proposes_confidence)
         lookahead = max(block, tree_nodes + 1)  # slots a step may write past the committed length
         self.model.rotary.max_positions = self.max_context + lookahead  # RoPE table size on the fused path

@@ -17,12 +17,22 @@ BUDGET = Budget(8, 4)
 def budget_engine(path, tmp_path, options, seed=0, **config):
     """An auto engine over a random block-8 DFlash drafter whose policy picks among `options` at random (budget steps
     at every batch but 1, where auto verifies the whole chain)."""
-    engine = spec_engine(path, dflash_drafter(path, tmp_path, 8, seed=3), eos=(2, 9), verify="auto", **config)
+    engine = spec_engine(path, dflash_drafter(path, tmp_path, 8, seed=3), eos=(2, 9), verify="auto", budget_steps=True,
+                         **config)
     assert engine.decoding.policy.budgets == (Budget(4, 2), BUDGET)
     rng = random.Random(seed)
     engine.decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True, budgets=True: (
         8 if batch == 1 else rng.choice([o for o in options if budgets or not isinstance(o, Budget)] or [8]))
     return engine
+
+
+def test_budget_steps_are_asked_for(target_dir, tmp_path):
+    """Off by default; on, only under auto (chain and tree steps never share rows out)."""
+    drafter = dflash_drafter(target_dir, tmp_path, 8, seed=3)
+    assert spec_engine(target_dir, drafter, verify="auto").decoding.policy.budgets == ()
+    assert spec_engine(target_dir, drafter, verify="chain", budget_steps=True).decoding.policy.budgets == ()
+    assert spec_engine(target_dir, drafter, verify="auto", budget_steps=True).decoding.policy.budgets == (
+        Budget(4, 2), BUDGET)
 
 
 @pytest.mark.parametrize("ahead", [False, True])
@@ -59,7 +69,7 @@ def test_each_request_verifies_its_share_of_the_rows(target_dir, tmp_path):
 def test_budget_sampling_matches_autoregressive(small_vocab_target, tmp_path):  # noqa: F811
     """A request's rows past its share are never accepted: sampled outputs keep plain decoding's distribution."""
     engine = spec_engine(small_vocab_target, dflash_drafter(small_vocab_target, tmp_path, 8), verify="auto",
-                         max_num_seqs=SAMPLES)
+                         budget_steps=True, max_num_seqs=SAMPLES)
     engine.decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True, budgets=True: (
         BUDGET if budgets and batch > 1 else 8)
     budget = outcomes(engine, sampling(1.0, 5 * 10 ** 6))

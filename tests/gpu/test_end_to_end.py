@@ -234,7 +234,8 @@ def test_budget_steps_equal_autoregressive(drafter_dir, kv):
     from specdec.runtime.target_runner import BUDGET_STEP
 
     common = dict(device="cuda", kv_cache_dtype=kv, num_kv_pages=2048, attention_backend="flashinfer")
-    ar_llm, spec_llm = LLM(MODEL, **common), LLM(MODEL, drafter=drafter_dir, verify="auto", **common)
+    ar_llm = LLM(MODEL, **common)
+    spec_llm = LLM(MODEL, drafter=drafter_dir, verify="auto", budget_steps=True, **common)
     decoding = spec_llm.engine.decoding
     budgets = decoding.policy.budgets
     assert budgets == (Budget(4, 2), Budget(8, 3), Budget(8, 5), Budget(16, 8))

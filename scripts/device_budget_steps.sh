@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Budget steps on one GPU machine, as a background job that outlives single device calls: their GPU tests (SmolLM2),
+# then the load benchmark with auto and auto with budget steps against plain decoding, all three engines in one
+# process, rounds interleaved (math500 and the coding requests at 64 in flight, and at 128 and 256), then the whole
+# GPU test suite.
+#   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_budget_steps.sh > /tmp/budget/run.log 2>&1 &
+#   watch:  tail /tmp/budget/run.log; results in /tmp/budget
+# The GGUFs (the demo target, and SmolLM2 for the GPU tests) come as one tar in pieces in /tmp/xfer
+# (ggufs.tar.part.*), or already in $SPECDEC_CACHE/gguf. Env: STAGES (default "tests math500 code all-tests"),
+# REPEATS (rounds per level, default 3).
+set -uo pipefail
+out=${BUDGET_OUT:-/tmp/budget}
+default_stages="tests math500 code all-tests"
+source scripts/device_job.sh
+drafter=$(pwd)/drafters/checkpoints/qwen2.5-coder-1.5b-dflash-b16
+repeats=${REPEATS:-3}
+if wanted tests; then
+  stage "GPU tests of budget steps"
+  SPECDEC_GPU_MODEL=smollm2-135m-instruct python3 -m pytest -q tests/gpu/test_end_to_end.py -k "budget" -rA \
+    > "$out/gpu-budget.log" 2>&1
+  tail -3 "$out/gpu-budget.log"
+fi
+load() {  # load DATASET CONCURRENCY...: AR, DFlash auto and DFlash auto+budgets, rounds interleaved
+  local dataset=$1
+  shift
+  stage "load: $dataset at $*"
+  python3 scripts/bench_load.py --model "$target" --drafter "$drafter" --verify auto budget --interleave \
+    --dataset "$dataset" --requests 256 --concurrency "$@" --repeats "$repeats" --out "$out/load-$dataset.json" \
+    > "$out/load-$dataset.log" 2>&1
+  grep -A12 "round by round" "$out/load-$dataset.log" | tail -10
+}
+wanted math500 && load math500 64 128
+wanted code && load code 64 256
+wanted all-tests && gpu_suite
+stage done
