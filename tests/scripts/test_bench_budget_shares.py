@@ -1,0 +1,25 @@
+"""scripts/bench_budget_shares.py: a CPU smoke run, and its offline table on request steps whose outcome is known."""
+
+import numpy as np
+
+from scripts.bench_budget_shares import main, shares_table
+
+
+def test_quick_run_records_every_request_step(tmp_path, capsys):
+    out = tmp_path / "shares.npz"
+    assert main(["--quick", "--out", str(out)]) == 0
+    data = np.load(out)
+    assert data["confidence"].shape[0] == data["accepted"].shape[0] > 0
+    assert (data["confidence"] <= 0).all() and (data["accepted"] >= 0).all()
+    assert "| rows a request | chain | budget |" in capsys.readouterr().out
+
+
+def test_budgets_give_the_rows_to_the_drafts_that_are_kept():
+    """Half the requests are sure of their drafts and keep all seven, half unsure and keep none: a budget of two rows
+    a request gives the sure ones the unsure ones' rows (3 tokens and 1), where a chain of two gives every request
+    one draft (2 and 1)."""
+    confidence = np.concatenate([np.full((8, 7), -0.01), np.full((8, 7), -5.0)]).astype(np.float32)
+    accepted = np.array([7] * 8 + [0] * 8)
+    rows = {line.split("|")[1].strip(): line for line in shares_table(confidence, accepted, 16).splitlines()
+            if line.startswith("| 2 ")}
+    assert rows["2"] == "| 2 | 1.500 | 2.000 |"
