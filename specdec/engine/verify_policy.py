@@ -1,10 +1,13 @@
 """What a speculative step verifies: the whole chain, a shorter one, or a token tree, whichever pays.
 
     policy = VerifyPolicy(block_size, lengths=(16, 8, 4, 2), tree=True, costs=StepCosts(...))   # costs: None = chain
-    q = policy.choose(batch, tree_nodes)   # q tokens per request (the anchor and the first q - 1 drafts), or TREE;
-                                           # q = PLAIN (1): a plain decoding step, no draft
+    q = policy.choose(batch, tree_nodes)   # q tokens per request (the anchor and the first q - 1 drafts), TREE or
+                                           # a Budget; q = PLAIN (1): a plain decoding step, no draft
     policy.observe(accepted, q)            # how many drafts each request had accepted (a chain step)
     policy.observe_tree(accepted, nodes)   # the same for a tree step of `nodes` draft nodes per request
+    policy.observe_budget(accepted, budget)  # the same for a budget step (Budget(q, per): blocks of q of which the
+                                           # forward runs per rows a request on average, shared by the drafts'
+                                           # confidence: specdec/runtime/row_budget.py)
     policy.ran(plain, batch)               # the kind of step the engine runs now (counted for KIND_DWELL)
     policy.observe_seconds(q, batch, s)    # a decode-only step's wall time: what a steady step (`steady`) takes
                                            # beyond its measured cost, or what a switch's steps take beyond steady ones

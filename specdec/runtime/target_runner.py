@@ -220,12 +220,7 @@ class TargetRunner(ModelRunner):
         starts = table_lengths(tables)  # read once (a pass over the batch): the rung's check, the layout, the inputs
         if self._rung_declines(q, starts):
             return self._run_mixed(tables, first_tokens, rest, q, prefill, carried)
-        layout = self._grow(tables, [q] * batch, starts)
-        inputs = self.inputs[q]
-        ids = np.zeros((batch, q), dtype=np.int64)
-        ids[:, 0] = first_tokens
-        inputs.fill("ids", ids)
-        inputs.fill("starts", starts)
+        layout, inputs = self._stage_block(tables, first_tokens, q, starts)
 
         def device_tokens_into_ids() -> None:
             write_device_tokens(inputs["ids"].view(-1, q)[:batch], rest, carried)
@@ -233,6 +228,19 @@ class TargetRunner(ModelRunner):
         self.dispatch(q, batch, layout, inputs, lambda b: self._block_body(q, b),
                       after_upload=device_tokens_into_ids if rest is not None or carried is not None else None)
         return self._block_output(batch * q)
+
+    def _stage_block(self, tables: list[PageTable], first_tokens: list[int], q: int,
+                     starts: np.ndarray) -> tuple[BatchLayout, StaticInputs]:
+        """A block step's host side: each table grown by q (their lengths before: `starts`), and the step's inputs
+        filled with the first tokens and the starts (the rest of each block comes on the device). Returns the block's
+        layout and its inputs."""
+        layout = self._grow(tables, [q] * len(tables), starts)
+        inputs = self.inputs[q]
+        ids = np.zeros((len(tables), q), dtype=np.int64)
+        ids[:, 0] = first_tokens
+        inputs.fill("ids", ids)
+        inputs.fill("starts", starts)
+        return layout, inputs
 
     def _rung_declines(self, q: int, starts: np.ndarray, key=None) -> bool:
         """Whether the graph rung that would replay a block step (of `key`, default q) of requests at lengths `starts`
@@ -243,7 +251,8 @@ class TargetRunner(ModelRunner):
         return rung is not None and not self.attn.graph_fits(self.ladders[key].slot(rung), lambda: starts + q)
 
     def run_budget(self, tables: list[PageTable], first_tokens: list[int], rest: torch.Tensor,
-                   confidence: torch.Tensor, q: int, per: int, logits: bool = False) -> tuple[BlockOutput, torch.Tensor]:
+                   confidence: torch.Tensor, q: int, per: int,
+                   logits: bool = False) -> tuple[BlockOutput, torch.Tensor]:
         """A block step of q tokens per request ([first_tokens[i], *rest[i]], rest [B, q - 1] on the device) that
         runs the target over only B * per of them: each request's anchor and the drafts most likely to be kept by
         their drafted log-probabilities `confidence` [B, >= q - 1] (specdec/runtime/row_budget.py). Returns the
@@ -257,12 +266,7 @@ class TargetRunner(ModelRunner):
         if self._rung_declines(q, starts, key):
             out = self._run_mixed(tables, first_tokens, rest, q, None)
             return out, self.budget_lengths[:batch].fill_(q)
-        layout = self._grow(tables, [q] * batch, starts)
-        inputs = self.inputs[q]
-        ids = np.zeros((batch, q), dtype=np.int64)
-        ids[:, 0] = first_tokens
-        inputs.fill("ids", ids)
-        inputs.fill("starts", starts)
+        layout, inputs = self._stage_block(tables, first_tokens, q, starts)
         rung = self.rung_for(key, batch) or batch
 
         def device_inputs() -> None:
