@@ -162,9 +162,11 @@ def verify_budgets(lengths: tuple[int, ...], confidence: bool) -> tuple[Budget, 
     """The budget steps `auto` may run (with a drafter that gives its drafts' confidence): on average an eighth, three
     sixteenths, five sixteenths and half of the block a request (2, 3, 5 and 8 of 16), each from the shortest chain
     length at least two longer (a request sure of its drafts may verify more than the average). With the shipped drafter
-    on math500 (chains of 16 on a CPU, 1,262 request steps; what budgets of the same rows would have accepted), tokens
-    per request step: budgets 1.98 / 2.85 / 3.85 / 4.11 against chains of the same rows 1.84 / 2.52 / 3.46 / 4.02
-    (budgets of 4 and 6 rows: 3.47 and 4.02, the latter what a chain of 8 accepts). Each is a CUDA-graph ladder."""
+    on math500 (chains of 16 on a CPU, 1,262 request steps dealt into batches of 64; what budgets of the same rows would
+    have accepted), tokens per request step: budgets 1.99 / 2.88 / 3.88 / 4.11 against chains of the same rows 1.84 /
+    2.52 / 3.46 / 4.02 (budgets of 4 and 6 rows: 3.53 and 4.03, the latter what a chain of 8 accepts); blocks of 8
+    lose little against 16 at these budgets and draft 7 scored drafts instead of 15 (BENCHMARKS.md). Each budget is a
+    CUDA-graph ladder."""
     if not confidence or not lengths:
         return ()
     block = max(lengths)
