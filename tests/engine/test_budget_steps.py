@@ -7,8 +7,8 @@ import pytest
 
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import Budget
-from tests.engine.test_lossless_sampling import SAMPLES, outcomes, p_value, sampling, small_vocab_target  # noqa: F401
 from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, module_target, spec_engine, tiny_engine
+from tests.sampling_helpers import SAMPLES, outcomes, p_value, sampling, small_vocab_target  # noqa: F401
 
 target_dir = module_target("budget-steps", seed=7)
 BUDGET = Budget(8, 4)
