@@ -4,7 +4,8 @@
 # with auto and auto with budget steps against plain decoding, all three engines in one
 # process, rounds interleaved (math500 and the coding requests at 64 in flight, and at 128 and 256), then the whole
 # GPU test suite.
-#   start:  source .gpu/setup.sh && setsid nohup bash scripts/device_budget_steps.sh > /tmp/budget/run.log 2>&1 &
+#   start:  mkdir -p /tmp/budget && source .gpu/setup.sh && setsid nohup bash scripts/device_budget_steps.sh \
+#             > /tmp/budget/run.log 2>&1 &
 #   watch:  tail /tmp/budget/run.log; results in /tmp/budget
 # The GGUFs (the demo target, and SmolLM2 for the GPU tests) come as one tar in pieces in /tmp/xfer
 # (ggufs.tar.part.*), or already in $SPECDEC_CACHE/gguf. Env: STAGES (default "tests shares math500 code all-tests"),
