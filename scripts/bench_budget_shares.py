@@ -60,7 +60,8 @@ def record(llm: LLM, prompts: list[list[int]], max_new_tokens: int) -> tuple[np.
     def recording(running, prefill=None):
         tokens = step(running, prefill)
         if drafter.confidence is not None:
-            confidence.append(drafter.confidence[:len(running), :block - 1].float().cpu().numpy())
+            # a copy: the drafter's buffer is rewritten by the next step (on the CPU .cpu() and .numpy() share it)
+            confidence.append(drafter.confidence[:len(running), :block - 1].float().cpu().numpy().copy())
             accepted.append(np.array([len(t) - 1 for t in tokens]))
         return tokens
 

@@ -11,6 +11,8 @@ def test_quick_run_records_every_request_step(tmp_path, capsys):
     data = np.load(out)
     assert data["confidence"].shape[0] == data["accepted"].shape[0] > 0
     assert (data["confidence"] <= 0).all() and (data["accepted"] >= 0).all()
+    # each request step's own confidences (not every row the drafter's last buffer)
+    assert len(np.unique(data["confidence"], axis=0)) > data["confidence"].shape[0] // 2
     assert "| rows a request | chain | budget |" in capsys.readouterr().out
 
 
