@@ -231,8 +231,8 @@ class VerifyPolicy:
         n = block_size - 1  # draft positions
         self.accepted = np.full(n, PRIOR_ACCEPTED)  # position i accepted, given 0..i-1 were
         self.seen = np.full(n, PRIOR_SEEN)  # position i verified with 0..i-1 accepted
-        self.tree_tokens: dict[int, tuple[float, float]] = {}  # nodes -> (decayed committed tokens, steps)
-        self.budget_tokens: dict[Budget, tuple[float, float]] = {}  # the same for budget steps of each kind
+        # a tree step's node count (TREE, nodes), or a Budget -> (decayed committed tokens, steps) of steps of that kind
+        self.kind_tokens: dict[tuple[int, int] | Budget, tuple[float, float]] = {}
         # expected_tokens() until the next observation: the policy is asked several times a step
         self._expected: np.ndarray | None = None
         # (batch rung, plain step?) -> seconds a step of that kind takes beyond its measured cost
@@ -414,28 +414,33 @@ class VerifyPolicy:
 
     def expected_tree_tokens(self, nodes: int) -> float:
         """Expected committed tokens per request of a tree step with `nodes` draft nodes."""
-        tokens, steps = self.tree_tokens.get(nodes, (0.0, 0.0))
-        if steps < 1:
-            return self.expected_tokens()[-1] * tree_prior_gain(nodes)
-        return tokens / steps
+        mean = self._mean_tokens((TREE, nodes))
+        return self.expected_tokens()[-1] * tree_prior_gain(nodes) if mean is None else mean
 
     def expected_budget_tokens(self, budget: Budget) -> float:
         """Expected committed tokens per request of a budget step of this kind."""
-        tokens, steps = self.budget_tokens.get(budget, (0.0, 0.0))
-        if steps < 1:
+        mean = self._mean_tokens(budget)
+        if mean is None:
             expected = self.expected_tokens()
             return min(expected[budget.per - 1] * BUDGET_PRIOR_GAIN, expected[budget.q - 1])
-        return tokens / steps
+        return mean
 
     def observe_budget(self, accepted: list[int], budget: Budget) -> None:
         """A budget step of this kind; request r had accepted[r] drafts."""
-        tokens, steps = self.budget_tokens.get(budget, (0.0, 0.0))
-        self.budget_tokens[budget] = (tokens * DECAY + sum(a + 1 for a in accepted) / len(accepted), steps * DECAY + 1)
+        self._add_tokens(budget, accepted)
 
     def observe_tree(self, accepted: list[int], nodes: int) -> None:
         """A tree step of `nodes` draft nodes per request; request r had accepted[r] drafts."""
-        tokens, steps = self.tree_tokens.get(nodes, (0.0, 0.0))
-        self.tree_tokens[nodes] = (tokens * DECAY + sum(a + 1 for a in accepted) / len(accepted), steps * DECAY + 1)
+        self._add_tokens((TREE, nodes), accepted)
+
+    def _mean_tokens(self, kind) -> float | None:
+        """The running mean of committed tokens per request of steps of `kind` (None before one)."""
+        tokens, steps = self.kind_tokens.get(kind, (0.0, 0.0))
+        return tokens / steps if steps >= 1 else None
+
+    def _add_tokens(self, kind, accepted: list[int]) -> None:
+        tokens, steps = self.kind_tokens.get(kind, (0.0, 0.0))
+        self.kind_tokens[kind] = (tokens * DECAY + sum(a + 1 for a in accepted) / len(accepted), steps * DECAY + 1)
 
     def expected_tokens(self) -> np.ndarray:
         """[block_size]: expected committed tokens per request when verifying q tokens, at index q - 1."""

@@ -1,6 +1,6 @@
 """Verify rows shared out among a step's requests by the drafter's confidence: a budget step.
 
-    reach = budget_reach(confidence, batch, rung, per)   # [rung, n]: log P(drafts 1..j all right), as drafted
+    reach = budget_reach(confidence, rung, per)          # [rung, n]: log P(drafts 1..j all right), as drafted
     lengths = budget_lengths(reach, rung * per)          # [rung]: rows each request verifies, anchor included
     request, column = compact_rows(lengths, rung * per)  # each verified row's request and place in its block
 

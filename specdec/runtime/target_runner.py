@@ -146,6 +146,8 @@ class TargetRunner(ModelRunner):
             budget_rows = max_batch * max(per for _, per in budgets)
             self.budget_reach = torch.zeros(max_batch, q_max - 1, dtype=torch.float32, device=self.device)
             self.budget_lengths = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+            # each verified row's place in the chain's layout (output): where sampling's logits go
+            self.budget_places = torch.zeros(budget_rows, dtype=torch.long, device=self.device)
             self.budget_logits = torch.zeros(budget_rows, c.vocab_size, dtype=dtype, device=self.device)
             self.budget_features = (torch.zeros(budget_rows, feature_dim, dtype=dtype, device=self.device)
                                     if feature_layers else None)
@@ -276,8 +278,7 @@ class TargetRunner(ModelRunner):
         self.dispatch(key, batch, layout, inputs, lambda b: self._budget_body(q, per, b), after_upload=device_inputs)
         if logits:  # the verified rows' logits into the chain's layout (sampling reads them there)
             rows = rung * per
-            request, column = compact_rows(self.budget_lengths[:rung], rows)
-            self.logits_out[:rung * q].index_copy_(0, request * q + column, self.budget_logits[:rows])
+            self.logits_out[:rung * q].index_copy_(0, self.budget_places[:rows], self.budget_logits[:rows])
         return self._block_output(batch * q), self.budget_lengths[:batch]
 
     def _budget_body(self, q: int, per: int, batch: int) -> None:
@@ -289,6 +290,7 @@ class TargetRunner(ModelRunner):
         self.budget_lengths[:batch].copy_(lengths)
         request, column = compact_rows(lengths, rows)
         run = request * q + column  # each verified row's place in the chain's layout
+        self.budget_places[:rows].copy_(run)
         positions = inputs["starts"][:batch][request] + column
         self.attn.set_write_slots(*slots_on_device(self.attn.kv_indices, self.attn.kv_indptr, request, positions,
                                                    self.page_size))

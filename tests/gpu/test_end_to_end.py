@@ -247,11 +247,11 @@ def test_budget_steps_equal_autoregressive(drafter_dir, kv):
 
     def recording(running, prefill=None):
         tokens = step(running, prefill)
-        shares.append(decoding.request_lengths)
+        shares.append((decoding.option, decoding.request_lengths))
         return tokens
 
     decoding.step = recording
     compare(ar_llm, spec_llm, f"budget-random-{kv}")
-    ran = [s for s in shares if s is not None]
-    assert len(ran) > 10 and all(len(set(s)) >= 1 and sum(s) % len(s) == 0 for s in ran)
+    ran = [(budget, s) for budget, s in shares if s is not None]
+    assert len(ran) > 10 and all(sum(s) == budget.per * len(s) and max(s) <= budget.q for budget, s in ran)
     assert spec_llm.engine.pool.num_free == spec_llm.engine.pool.num_pages
