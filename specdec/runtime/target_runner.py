@@ -142,13 +142,13 @@ class TargetRunner(ModelRunner):
         self.budgets = budgets
         if any(q not in block_lens or not 1 <= per <= q for q, per in budgets):
             raise ValueError(f"budget steps {budgets} need blocks among {block_lens} and 1 <= per <= q")
-        if budgets:  # a budget step's reach (input), lengths (output) and its verified rows' logits and features
+        if budgets:  # a budget step's reach (input), lengths (output) and its verified rows' features; their logits
+            # stay in the first rows of `logits_out` (a chain's layout is asked for by sampling only, `run_budget`)
             budget_rows = max_batch * max(per for _, per in budgets)
             self.budget_reach = torch.zeros(max_batch, q_max - 1, dtype=torch.float32, device=self.device)
             self.budget_lengths = torch.zeros(max_batch, dtype=torch.long, device=self.device)
             # each verified row's place in the chain's layout (output): where sampling's logits go
             self.budget_places = torch.zeros(budget_rows, dtype=torch.long, device=self.device)
-            self.budget_logits = torch.zeros(budget_rows, c.vocab_size, dtype=dtype, device=self.device)
             self.budget_features = (torch.zeros(budget_rows, feature_dim, dtype=dtype, device=self.device)
                                     if feature_layers else None)
         # the K/V slot (page, offset) of every row of the last token-tree step (request by request; rows past the
@@ -276,9 +276,11 @@ class TargetRunner(ModelRunner):
             budget_reach(confidence[:, :q - 1], rung, per, out=self.budget_reach[:rung, :q - 1])
 
         self.dispatch(key, batch, layout, inputs, lambda b: self._budget_body(q, per, b), after_upload=device_inputs)
-        if logits:  # the verified rows' logits into the chain's layout (sampling reads them there)
+        if logits:  # the verified rows' logits into the chain's layout (sampling reads them there): a copy of them
+            # first, since their places overlap their rows (the copy lasts the step; a static one would hold
+            # max_batch * per * vocab for steps that seldom sample)
             rows = rung * per
-            self.logits_out[:rung * q].index_copy_(0, self.budget_places[:rows], self.budget_logits[:rows])
+            self.logits_out[:rung * q].index_copy_(0, self.budget_places[:rows], self.logits_out[:rows].clone())
         return self._block_output(batch * q), self.budget_lengths[:batch]
 
     def _budget_body(self, q: int, per: int, batch: int) -> None:
@@ -311,9 +313,9 @@ class TargetRunner(ModelRunner):
         features = self.budget_features[:rows] if self.budget_features is not None else None
         hidden, _ = self.model.hidden_states(inputs["ids"][:chain_rows][run], positions, layer_attention,
                                              feature_layers=self.feature_layers, features_out=features)
-        self.model.logits(hidden, self.budget_logits[:rows])
+        self.model.logits(hidden, self.logits_out[:rows])
         self.greedy_out[:chain_rows].fill_(-1)
-        self.greedy_out[:chain_rows].index_copy_(0, run, self.budget_logits[:rows].argmax(dim=-1))
+        self.greedy_out[:chain_rows].index_copy_(0, run, self.logits_out[:rows].argmax(dim=-1))
         if features is not None:
             self.features_out[:chain_rows].index_copy_(0, run, features)
 
