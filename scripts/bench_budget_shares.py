@@ -74,21 +74,29 @@ def record(llm: LLM, prompts: list[list[int]], max_new_tokens: int) -> tuple[np.
 
 
 def shares_table(confidence: np.ndarray, accepted: np.ndarray, batch: int, seed: int = 0) -> str:
-    """Tokens per request step of chains of q and of budgets of q rows a request on average, the request steps dealt
-    into groups of `batch`."""
+    """Tokens per request step of chains of q and of budgets of q rows a request on average, in whole blocks and in
+    blocks of half of them (a request verifying at most that many tokens), the request steps dealt into groups of
+    `batch`."""
     n = confidence.shape[1]
+    half = (n + 1) // 2
     groups = np.array_split(np.random.default_rng(seed).permutation(len(accepted)),
                             max(1, len(accepted) // batch))
-    lines = [f"{len(accepted)} request steps in groups of ~{batch}; the whole chain ({n + 1}): "
-             f"{1 + accepted.mean():.3f} tokens", "", "| rows a request | chain | budget |", "|---|---|---|"]
-    for per in range(2, min(n + 1, 9)):
-        chain = 1 + np.minimum(accepted, per - 1).mean()
+
+    def budget(per: int, block: int) -> float:
         tokens = 0
         for g in groups:
-            c = torch.from_numpy(confidence[g])
+            c = torch.from_numpy(confidence[g, :block - 1])
             lengths = budget_lengths(budget_reach(c, len(g), per), len(g) * per).numpy()
             tokens += (1 + np.minimum(accepted[g], lengths - 1)).sum()
-        lines.append(f"| {per} | {chain:.3f} | {tokens / len(accepted):.3f} |")
+        return tokens / len(accepted)
+
+    lines = [f"{len(accepted)} request steps in groups of ~{batch}; the whole chain ({n + 1}): "
+             f"{1 + accepted.mean():.3f} tokens", "",
+             f"| rows a request | chain | budget, blocks of {n + 1} | budget, blocks of {half} |", "|---|---|---|---|"]
+    for per in range(2, min(n + 1, 9)):
+        chain = 1 + np.minimum(accepted, per - 1).mean()
+        in_half = f"{budget(per, half):.3f}" if per < half else "-"
+        lines.append(f"| {per} | {chain:.3f} | {budget(per, n + 1):.3f} | {in_half} |")
     return "\n".join(lines)
 
 
