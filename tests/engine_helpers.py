@@ -74,21 +74,25 @@ def failing_at(after: int, error: BaseException):
     return failing
 
 
-def run_failing(engine, owner, name: str, after: int, prompts, params) -> None:
+def run_failing(engine, owner, name: str, after: int, prompts, params) -> bool:
     """Run `prompts` with `owner.name` raising KeyboardInterrupt at its `after`-th call: every request of the call
-    ends, the scheduler is idle and no page leaks; `owner.name` is itself again afterwards."""
+    ends, the scheduler is idle and no page leaks; `owner.name` is itself again afterwards. Returns whether the
+    interrupt came (the run called it `after` times)."""
     original = getattr(owner, name)
     setattr(owner, name, failing_at(after, KeyboardInterrupt(name))(original))
+    interrupted = False
     try:
         requests = [engine.make_request(p, params) for p in prompts]
         try:
             engine.run(requests)
         except KeyboardInterrupt:
+            interrupted = True
             assert all(r.finished for r in requests)
     finally:
         setattr(owner, name, original)
     assert engine.scheduler.idle
     assert_no_leak(engine)
+    return interrupted
 
 
 def run_staggered(engine, prompts, params_list) -> list:

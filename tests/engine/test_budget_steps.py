@@ -7,7 +7,8 @@ import pytest
 
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import Budget
-from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, module_target, spec_engine, tiny_engine
+from tests.engine_helpers import (MANY_PROMPTS, assert_no_leak, dflash_drafter, module_target, run_failing,
+                                  run_staggered, spec_engine, tiny_engine)
 from tests.sampling_helpers import SAMPLES, outcomes, p_value, sampling, small_vocab_target  # noqa: F401
 
 target_dir = module_target("budget-steps", seed=7)
@@ -64,6 +65,58 @@ def test_each_request_verifies_its_share_of_the_rows(target_dir, tmp_path):
     assert any(len(set(s)) > 1 for s in shares)
     steps = [q for r in requests for q in r.stats.verify_lengths]
     assert len(set(steps)) > 1 and all(1 <= q <= BUDGET.q for q in steps)
+
+
+def test_budget_steps_under_a_small_pool_with_arrivals_and_an_abort_stay_exact(target_dir, tmp_path):
+    """Requests arrive while others decode (their chunked prompts ride chain steps), a small pool preempts, and one
+    request is aborted after budget steps: the others' outputs are plain decoding's and no page stays held."""
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    prompts = [[(7 * i + j) % 60 + 3 for j in range(10 + 5 * i)] for i in range(5)]
+    want = [r.output_ids for r in tiny_engine(target_dir, eos=(2, 9)).generate_ids(prompts, params)]
+    engine = budget_engine(target_dir, tmp_path, [BUDGET, Budget(4, 2), 8], num_kv_pages=64, max_num_seqs=4,
+                           overlap_steps=False, max_prefill_tokens=9)
+    budget_steps, preempted = [], []
+    step = engine.decoding.step
+
+    def recording(running, prefill=None):
+        tokens = step(running, prefill)
+        budget_steps.append(engine.decoding.request_lengths is not None)
+        return tokens
+
+    engine.decoding.step = recording
+    requests = [engine.add_request(prompts[0], params)]
+    for prompt in prompts[1:]:
+        requests.append(engine.add_request(prompt, params))
+        preempted += engine.step().preempted
+    for _ in range(100):  # until budget steps have run and the pool has preempted: then the first request with output
+        if preempted and sum(budget_steps) >= 2:  # but unfinished is aborted
+            break
+        preempted += engine.step().preempted
+    aborted = next(i for i, r in enumerate(requests) if r.output_ids and not r.finished)
+    committed = list(requests[aborted].output_ids)
+    engine.abort(requests[aborted].request_id)
+    for _ in range(300):
+        if not engine.has_unfinished_requests:
+            break
+        preempted += engine.step().preempted
+    kept = [i for i in range(len(prompts)) if i != aborted]
+    assert [requests[i].output_ids for i in kept] == [want[i] for i in kept]
+    assert requests[aborted].output_ids == committed == want[aborted][:len(committed)]
+    assert preempted and sum(budget_steps) > 3
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("name", ["run_budget", "propose"])
+def test_an_interrupted_budget_step_leaves_the_engine_clean(target_dir, tmp_path, name):
+    """An interrupt in a budget step's verify or in its draft ends the call's requests with what they committed;
+    the engine then generates as before."""
+    params = SamplingParams(max_new_tokens=20)
+    engine = budget_engine(target_dir, tmp_path, [BUDGET], max_num_seqs=4)
+    want = [r.output_ids for r in engine.generate_ids(MANY_PROMPTS[:3], params)]
+    owner = engine.runner if name == "run_budget" else engine.drafter
+    assert run_failing(engine, owner, name, 3, MANY_PROMPTS, params)
+    assert [r.output_ids for r in engine.generate_ids(MANY_PROMPTS[:3], params)] == want
+    assert_no_leak(engine)
 
 
 def test_budget_sampling_matches_autoregressive(small_vocab_target, tmp_path):  # noqa: F811
