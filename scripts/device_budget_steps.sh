@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Budget steps on one GPU machine, as a background job that outlives single device calls: their GPU tests (SmolLM2),
-# what they would accept on math500 and the coding requests (scripts/bench_budget_shares.py), then the load benchmark
-# with auto and auto with budget steps against plain decoding, all three engines in one
-# process, rounds interleaved (math500 and the coding requests at 64 in flight, and at 128 and 256), then the whole
-# GPU test suite.
+# the load benchmark with auto and auto with budget steps against plain decoding, all three engines in one process,
+# rounds interleaved (math500 and the coding requests at 64 in flight, and at 128 and 256; with the stage "mixed", the
+# two sets together at 64), the whole GPU test suite, then what budgets would accept on math500 and the coding
+# requests on the GPU (scripts/bench_budget_shares.py; the development CPU's figures are in BENCHMARKS.md).
 #   start:  mkdir -p /tmp/budget && source .gpu/setup.sh && setsid nohup bash scripts/device_budget_steps.sh \
 #             > /tmp/budget/run.log 2>&1 &
 #   watch:  tail /tmp/budget/run.log; results in /tmp/budget
 # The GGUFs (the demo target, and SmolLM2 for the GPU tests) come as one tar in pieces in /tmp/xfer
-# (ggufs.tar.part.*), or already in $SPECDEC_CACHE/gguf. Env: STAGES (default "tests shares math500 code all-tests"),
+# (ggufs.tar.part.*), or already in $SPECDEC_CACHE/gguf. Env: STAGES (default "tests math500 code all-tests shares"),
 # REPEATS (rounds per level, default 3).
 set -uo pipefail
 out=${BUDGET_OUT:-/tmp/budget}
-default_stages="tests shares math500 code all-tests"
+default_stages="tests math500 code all-tests shares"
 source scripts/device_job.sh
 drafter=$(pwd)/drafters/checkpoints/qwen2.5-coder-1.5b-dflash-b16
 repeats=${REPEATS:-3}
@@ -21,14 +21,6 @@ if wanted tests; then
   SPECDEC_GPU_MODEL=smollm2-135m-instruct python3 -m pytest -q tests/gpu/test_end_to_end.py -k "budget" -rA \
     > "$out/gpu-budget.log" 2>&1
   tail -3 "$out/gpu-budget.log"
-fi
-if wanted shares; then
-  for dataset in math500 code; do
-    stage "what budgets would accept: $dataset"
-    python3 scripts/bench_budget_shares.py --model "$target" --drafter "$drafter" --dataset "$dataset" \
-      --out "$out/shares-$dataset.npz" > "$out/shares-$dataset.log" 2>&1
-    tail -12 "$out/shares-$dataset.log"
-  done
 fi
 load() {  # load DATASET CONCURRENCY...: AR, DFlash auto and DFlash auto+budgets, rounds interleaved
   local dataset=$1
@@ -41,5 +33,14 @@ load() {  # load DATASET CONCURRENCY...: AR, DFlash auto and DFlash auto+budgets
 }
 wanted math500 && load math500 64 128
 wanted code && load code 64 256
+wanted mixed && load mixed 64
 wanted all-tests && gpu_suite
+if wanted shares; then
+  for dataset in math500 code; do
+    stage "what budgets would accept: $dataset"
+    python3 scripts/bench_budget_shares.py --model "$target" --drafter "$drafter" --dataset "$dataset" \
+      --out "$out/shares-$dataset.npz" > "$out/shares-$dataset.log" 2>&1
+    tail -12 "$out/shares-$dataset.log"
+  done
+fi
 stage done
