@@ -259,9 +259,10 @@ class TargetRunner(ModelRunner):
         runs the target over only B * per of them: each request's anchor and the drafts most likely to be kept by
         their drafted log-probabilities `confidence` [B, >= q - 1] (specdec/runtime/row_budget.py). Returns the
         block's outputs laid out as a chain of q's (row i * q + j: request i's token j; `greedy` -1 at the rows not
-        run, `logits` stale there and filled at the others only when asked) and each request's verified tokens
-        [B] (on the device). Its K/V slots are those of a chain of q; the rows not run are never written. A rung
-        that declines the batch's KV lengths runs the whole chain (every length q)."""
+        run; `logits` so laid out only when asked, stale at the rows not run, else the verified rows' in their order
+        first) and each request's verified tokens [B] (on the device). Its K/V slots are those of a chain of q; the
+        rows not run are never written. A rung that declines the batch's KV lengths runs the whole chain (every
+        length q)."""
         batch = len(tables)
         key = (BUDGET_STEP, q, per)
         starts = table_lengths(tables)
