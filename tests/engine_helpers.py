@@ -194,3 +194,31 @@ def first_draft_logits(engine, prompt, params, plain_at=()):
         engine.step()
         state["step"] += 1
     return (*state["seen"], state["pending"])
+
+
+def budget_step_against_chain(engine, prompts: list[list[int]], q: int, per: int, seed: int = 0):
+    """One budget step (q, per) of `prompts` (their K/V written first) against the chain step of q over the same
+    tokens and context, each from the same state: (chain's logits, greedy and features, the budget step's, and each
+    request's verified tokens). The drafts and their confidences are random; the tables are freed after."""
+    from attention.page_pool import PageTable
+
+    runner = engine.runner
+    tables = [PageTable(engine.pool) for _ in prompts]
+    ids = torch.tensor([t for p in prompts for t in p], device=runner.device)
+    runner.forward(tables, ids, [len(p) for p in prompts], logits_rows=None)
+    starts = [t.length for t in tables]
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.model.config.vocab_size
+    anchors = torch.randint(3, vocab, (len(prompts),), generator=g).tolist()
+    drafts = torch.randint(3, vocab, (len(prompts), q - 1), generator=g).to(runner.device)
+    confidence = (-3 * torch.rand(len(prompts), q - 1, generator=g)).to(runner.device)
+    chain = runner.run_block(tables, anchors, drafts, q)
+    chain = [x.clone() if x is not None else None for x in (chain.logits, chain.greedy, chain.features)]
+    for table, start in zip(tables, starts):
+        table.truncate(start)
+    out, lengths = runner.run_budget(tables, anchors, drafts, confidence, q, per, logits=True)
+    budget = [x.clone() if x is not None else None for x in (out.logits, out.greedy, out.features)]
+    lengths = lengths.tolist()
+    for table in tables:
+        table.free()
+    return chain, budget, lengths

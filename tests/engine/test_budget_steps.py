@@ -4,11 +4,12 @@ those of plain decoding, with drafts queued ahead or not, among chain steps, and
 import random
 
 import pytest
+import torch
 
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import Budget
-from tests.engine_helpers import (MANY_PROMPTS, assert_no_leak, dflash_drafter, module_target, run_failing,
-                                  run_staggered, spec_engine, tiny_engine)
+from tests.engine_helpers import (MANY_PROMPTS, assert_no_leak, budget_step_against_chain, dflash_drafter, module_target,
+                                  run_failing, spec_engine, tiny_engine)
 from tests.sampling_helpers import SAMPLES, outcomes, p_value, sampling, small_vocab_target  # noqa: F401
 
 target_dir = module_target("budget-steps", seed=7)
@@ -129,3 +130,20 @@ def test_budget_sampling_matches_autoregressive(small_vocab_target, tmp_path):  
     auto = outcomes(tiny_engine(small_vocab_target, eos=(), max_num_seqs=SAMPLES), sampling(1.0, 6 * 10 ** 6))
     assert p_value(budget, auto) > 1e-3
     assert engine.pool.num_free == engine.pool.num_pages
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5])
+def test_a_budget_steps_rows_are_the_chain_steps_rows(target_dir, tmp_path, batch):
+    """run_budget against run_block over the same tokens and context: each verified row's logits, argmax and features
+    are the chain's, laid out as the chain's (logits asked for, as sampling does); the rows not run have argmax -1."""
+    engine = budget_engine(target_dir, tmp_path, [BUDGET])
+    prompts = MANY_PROMPTS[:batch]
+    (chain_logits, chain_greedy, chain_features), (logits, greedy, features), lengths = budget_step_against_chain(
+        engine, prompts, BUDGET.q, BUDGET.per)
+    assert sum(lengths) == BUDGET.per * batch and all(1 <= n <= BUDGET.q for n in lengths)
+    run = torch.tensor([i * BUDGET.q + j for i, n in enumerate(lengths) for j in range(n)])
+    skipped = torch.tensor([r for r in range(batch * BUDGET.q) if r not in set(run.tolist())], dtype=torch.long)
+    torch.testing.assert_close(logits[run], chain_logits[run], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(features[run], chain_features[run], atol=1e-5, rtol=1e-5)
+    assert torch.equal(greedy[run], chain_greedy[run]) and (greedy[skipped] == -1).all()
+    assert_no_leak(engine)
