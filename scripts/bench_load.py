@@ -56,6 +56,7 @@ from scripts.bench.step_trace import trace_bins, trace_table  # noqa: E402
 from scripts.bench.gpu_profile import range_activity, top_kernels  # noqa: E402
 from scripts.bench.host_waits import HostWaits  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
+from specdec.engine.verify_policy import TREE, Budget  # noqa: E402
 
 
 OVERLAPPED = "AR overlapped"  # plain decoding with overlapped steps (--overlap-steps)
@@ -88,8 +89,9 @@ class LoadRow:
     # plain step; None: plain decoding's engine, or no request decoding), the speculative and plain overheads `auto`
     # had learned for that batch after the step (ms), tokens committed in the step (an overlapped step commits the
     # tokens of the one before it), the costs of switching to speculation and to plain steps `auto` had learned (ms),
-    # the time the host waited for the GPU in the step (ms; ~0: a host-bound step, scripts/bench/host_waits.py)]:
-    # where a level's time went, what it delivered, and what the policy saw
+    # the time the host waited for the GPU in the step (ms; ~0: a host-bound step, scripts/bench/host_waits.py), what a
+    # speculative step verified ("chain 4", "budget 8/5", "tree"; None otherwise)]: where a level's time went, what it
+    # delivered, and what the policy saw
     steps: list[list] | None = None
     started: float | None = None  # unix time the level began (to set it against machine logs, e.g. GPU clocks)
     # of the prompt tokens, the share the prefix cache held at admission (not prefilled): runs of the same prompts on
@@ -170,9 +172,9 @@ def random_prompts(vocab_size: int, count: int) -> list[list[int]]:
 
 def timed_steps(engine, waits: HostWaits) -> list[tuple]:
     """From now on, record (prefilled, decoding batch, seconds, tokens verified per request, learned overheads, tokens
-    committed, learned switch costs, seconds the host waited for the GPU while `waits` counts) of every engine step
-    (each step is also a profiler range named STEP_RANGE); verified, overheads and switch costs None without a
-    drafter."""
+    committed, learned switch costs, seconds the host waited for the GPU while `waits` counts, the speculative step's
+    kind) of every engine step (each step is also a profiler range named STEP_RANGE); verified, overheads and switch
+    costs None without a drafter, the kind None but for speculative steps."""
     records, schedule, step = [], engine.scheduler.schedule, engine.step
     plans = []
     decoding = engine.decoding if engine.drafter is not None else None
@@ -187,12 +189,13 @@ def timed_steps(engine, waits: HostWaits) -> list[tuple]:
             out = step(*args, **kwargs)
         seconds = time.perf_counter() - start
         plan = plans.pop()
-        verified = overheads = switches = None
+        verified = overheads = switches = kind = None
         if decoding is not None and plan.decode:
             verified, overheads = decoding.verify_length, decoding.policy.overheads_at(len(plan.decode))
             switches = decoding.policy.switch_cost(False), decoding.policy.switch_cost(True)
+            kind = step_kind(decoding.option) if verified != 1 else None
         records.append((bool(plan.prefill), len(plan.decode), seconds, verified, overheads,
-                        sum(len(tokens) for _, tokens in out.committed), switches, waits.seconds - waited))
+                        sum(len(tokens) for _, tokens in out.committed), switches, waits.seconds - waited, kind))
         return out
 
     engine.scheduler.schedule, engine.step = recording_schedule, timed_step
@@ -232,11 +235,18 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
                    cached_share=sum(r.stats.cached_tokens or 0 for r in requests) / max(sum(map(len, prompts)), 1))
 
 
+def step_kind(option) -> str:
+    """What a speculative step verified (`SpeculativeDecoding.option`): "chain Q", "budget Q/PER" or "tree"."""
+    if isinstance(option, Budget):
+        return f"budget {option.q}/{option.per}"
+    return "tree" if option == TREE else f"chain {option}"
+
+
 def step_trace(record: tuple) -> list:
-    prefilled, batch, seconds, verified, overheads, committed, switches, waited = record
+    prefilled, batch, seconds, verified, overheads, committed, switches, waited, kind = record
     in_ms = lambda pair: [round(1e3 * s, 3) for s in pair] if pair is not None else [None, None]  # noqa: E731
     return [int(prefilled), batch, round(1e3 * seconds, 3), verified, *in_ms(overheads), committed, *in_ms(switches),
-            round(1e3 * waited, 3)]
+            round(1e3 * waited, 3), kind]
 
 
 def counted_plain_steps(engine) -> list | None:

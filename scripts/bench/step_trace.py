@@ -4,6 +4,9 @@ and what each kind of step delivered per request at that batch, the comparison `
     rows = trace_bins(row.steps)     # one TraceBin per (batch range, kind) that ran
     print(trace_table([(row.system, row.concurrency, trace_bins(row.steps)) for row in rows]))
 
+Budget steps (auto's rows shared by the drafts' confidence) are a kind of their own where the trace names each step's
+kind, so that a run with them sets their rate against its chains' at the same batch.
+
 Tokens per request: a speculative step's own committed tokens (the first one after plain steps also lands the plain
 step in flight, so it counts a token per request more), one per request for a plain step (an overlapped step
 commits its predecessor's tokens; each commits one per request).
@@ -21,7 +24,7 @@ BATCH_BINS = ((200, None), (100, 199), (32, 99), (1, 31))
 @dataclass
 class TraceBin:
     batches: str  # e.g. "100-199", ">= 200"
-    kind: str  # "plain" or "speculative"
+    kind: str  # "plain", "speculative" or "budget" (`step_kind`)
     steps: int
     wall_ms: float  # summed
     median_ms: float
@@ -31,14 +34,21 @@ class TraceBin:
     waited_ms: float | None = None  # median time the host waited for the GPU in a step (~0: host-bound steps)
 
 
+def step_kind(step: list) -> str:
+    """"plain" (one token verified per request, or a run without a drafter), "budget" (a budget step: traces that
+    name each step's kind) or "speculative" (a chain or a token tree)."""
+    if step[3] in (None, 1):
+        return "plain"
+    return "budget" if len(step) > 10 and (step[10] or "").startswith("budget") else "speculative"
+
+
 def trace_bins(steps: list[list]) -> list[TraceBin]:
-    """Decode-only steps (no prompt chunk) summed by batch range and kind (plain: one token verified per request, or
-    a run without a drafter)."""
+    """Decode-only steps (no prompt chunk) summed by batch range and kind (`step_kind`)."""
     bins = []
     for low, high in BATCH_BINS:
-        for kind in ("plain", "speculative"):
+        for kind in ("plain", "speculative", "budget"):
             picked = [s for s in steps if not s[0] and s[1] >= low and (high is None or s[1] <= high)
-                      and (s[3] in (None, 1)) == (kind == "plain")]
+                      and step_kind(s) == kind]
             if not picked:
                 continue
             requests = sum(s[1] for s in picked)

@@ -28,9 +28,10 @@ def test_quick_run_reports_every_system_and_concurrency(tmp_path, capsys):
         assert sum(s[0] for s in steps) == row["prefill_steps"] and max(s[1] for s in steps) <= row["concurrency"]
         decoding = [s for s in steps if s[1]]
         if row["system"] == "AR":
-            assert all(s[3:6] == [None, None, None] and s[7:9] == [None, None] for s in steps)
+            assert all(s[3:6] == [None, None, None] and s[7:9] == [None, None] and s[10] is None for s in steps)
         else:  # the whole chain every step; nothing measured, so no overhead or switch cost learned
             assert all(s[3] == 4 and s[4:6] == [0.0, 0.0] and s[7:9] == [0.0, 0.0] for s in decoding)
+            assert all(s[10] == ("chain 4" if s[1] else None) for s in steps)  # each step's kind
         assert sum(s[6] for s in steps) == row["tokens"]  # each token committed in exactly one step
         assert all(s[9] == 0.0 for s in steps)  # the host never waits for a GPU on the CPU
     printed = capsys.readouterr().out

@@ -2,7 +2,7 @@
 
 import pytest
 
-from scripts.bench.step_trace import trace_bins, trace_table
+from scripts.bench.step_trace import step_kind, trace_bins, trace_table
 
 
 def test_decode_only_steps_are_summed_by_batch_range_and_kind():
@@ -36,3 +36,13 @@ def test_a_run_without_a_drafter_has_only_plain_steps():
 def test_traces_recorded_before_the_hosts_waits_were_leave_that_column_empty():
     bins = trace_bins([[0, 64, 2.0, None, None, None, 64, None, None]])
     assert bins[0].waited_ms is None and "| 2.00 | - | 64 |" in trace_table([("AR", 64, bins)])
+
+
+def test_budget_steps_are_a_kind_of_their_own_where_the_trace_names_kinds():
+    chain = [0, 64, 4.0, 5, 0.0, 0.0, 200, 0.0, 0.0, 1.0, "chain 5"]
+    budget = [0, 64, 4.2, 5, 0.0, 0.0, 240, 0.0, 0.0, 1.0, "budget 8/5"]
+    plain = [0, 64, 2.0, 1, 0.0, 0.0, 64, 0.0, 0.0, 1.0, None]
+    assert [step_kind(s) for s in (chain, budget, plain, chain[:10])] == ["speculative", "budget", "plain", "speculative"]
+    bins = {b.kind: b for b in trace_bins([chain, budget, plain])}
+    assert bins["budget"].steps == 1 and bins["budget"].tokens_per_request == pytest.approx(240 / 64)
+    assert bins["speculative"].tokens_per_request_ms == pytest.approx(200 / 64 / 4.0)
