@@ -193,7 +193,7 @@ def timed_steps(engine, waits: HostWaits) -> list[tuple]:
         if decoding is not None and plan.decode:
             verified, overheads = decoding.verify_length, decoding.policy.overheads_at(len(plan.decode))
             switches = decoding.policy.switch_cost(False), decoding.policy.switch_cost(True)
-            kind = step_kind(decoding.option) if verified != 1 else None
+            kind = option_label(decoding.option) if verified != 1 else None
         records.append((bool(plan.prefill), len(plan.decode), seconds, verified, overheads,
                         sum(len(tokens) for _, tokens in out.committed), switches, waits.seconds - waited, kind))
         return out
@@ -235,7 +235,7 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
                    cached_share=sum(r.stats.cached_tokens or 0 for r in requests) / max(sum(map(len, prompts)), 1))
 
 
-def step_kind(option) -> str:
+def option_label(option) -> str:
     """What a speculative step verified (`SpeculativeDecoding.option`): "chain Q", "budget Q/PER" or "tree"."""
     if isinstance(option, Budget):
         return f"budget {option.q}/{option.per}"
