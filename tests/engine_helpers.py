@@ -214,6 +214,9 @@ def budget_step_against_chain(engine, prompts: list[list[int]], q: int, per: int
     confidence = (-3 * torch.rand(len(prompts), q - 1, generator=g)).to(runner.device)
     chain = runner.run_block(tables, anchors, drafts, q)
     chain = [x.clone() if x is not None else None for x in (chain.logits, chain.greedy, chain.features)]
+    for buffer in (runner.logits_out, runner.greedy_out, runner.features_out):  # what the budget step writes shows
+        if buffer is not None:
+            buffer.zero_()
     for table, start in zip(tables, starts):
         table.truncate(start)
     out, lengths = runner.run_budget(tables, anchors, drafts, confidence, q, per, logits=True)
