@@ -5,6 +5,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import Budget
@@ -147,3 +149,45 @@ def test_a_budget_steps_rows_are_the_chain_steps_rows(target_dir, tmp_path, batc
     torch.testing.assert_close(features[run], chain_features[run], atol=1e-5, rtol=1e-5)
     assert torch.equal(greedy[run], chain_greedy[run]) and (greedy[skipped] == -1).all()
     assert_no_leak(engine)
+
+
+SHARED = [[(7 * i + 3) % 60 + 5 for i in range(22)], [70, 71, 72, 73, 74, 75, 76]]  # prefixes the cache may hold
+
+
+@st.composite
+def workloads(draw):
+    """Arrivals (a shared prefix + own tokens, arrival step, max new tokens), aborts (request, step), pool size,
+    prefill budget, drafts queued ahead or not, the policy's seed."""
+    arrivals = draw(st.lists(st.tuples(st.sampled_from(range(len(SHARED))), st.lists(st.integers(5, 60), max_size=6),
+                                       st.integers(0, 6), st.integers(1, 16)), min_size=2, max_size=6))
+    aborts = draw(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 12)), max_size=2))
+    return (arrivals, aborts, draw(st.sampled_from([40, 64, 300])), draw(st.sampled_from([6, 64])),
+            draw(st.booleans()), draw(st.integers(0, 99)))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(workload=workloads())
+def test_random_workloads_of_budget_steps_end_exact_with_every_page_free_or_cached(target_dir, tmp_path, workload):
+    """Budget steps among chains in random workloads: arrivals sharing cached prefixes, aborts, small pools that
+    preempt, chunked prompts, drafts queued ahead or not. Every page ends free or cached, and each answer that ran
+    to its length is the one plain decoding gives."""
+    arrivals, aborts, num_pages, prefill_budget, ahead, seed = workload
+    engine = budget_engine(target_dir, tmp_path, [BUDGET, Budget(4, 2), 8, 2], seed=seed, num_kv_pages=num_pages,
+                           max_num_seqs=4, max_prefill_tokens=prefill_budget, overlap_steps=ahead)
+    requests, step = [], 0
+    while step < 400 and (engine.has_unfinished_requests or len(requests) < len(arrivals)):
+        for base, own, at, max_new in arrivals:
+            if at == step:
+                params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+                requests.append(engine.add_request(SHARED[base] + own, params))
+        for index, at in aborts:
+            if at == step and index < len(requests):
+                engine.abort(requests[index].request_id)
+        if engine.has_unfinished_requests:
+            engine.step()
+        step += 1
+    assert not engine.has_unfinished_requests
+    assert_no_leak(engine)
+    reference = tiny_engine(target_dir, eos=(2, 9), enable_prefix_caching=False)
+    for request in (r for r in requests if r.finish_reason == "length"):
+        assert request.output_ids == reference.generate_ids([request.prompt_ids], request.params)[0].output_ids
