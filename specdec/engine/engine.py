@@ -148,8 +148,13 @@ class Engine:
         # overlapped steps: plain decoding only (a speculative step's plans need the previous acceptance)
         self.overlap = config.overlap_steps and drafter is None
         self.flight: Flight | None = None  # the launched step whose tokens are not committed yet
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, lookahead,
-                                   self.prefix_cache)
+        # a step reserves a tree's slots per request only at the running batch sizes that may verify trees: under
+        # auto up to TREE_GRAPH_MAX_BATCH, every one with verify="tree". An empty or lone batch under auto verifies
+        # no tree but holds a tree's slots too: the room must not grow with the batch (`Scheduler.room`)
+        tree_batches = (range(0) if not trees else range(config.max_num_seqs + 1) if config.verify == "tree"
+                        else range(TREE_GRAPH_MAX_BATCH + 1))
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, block,
+                                   self.prefix_cache, (tree_nodes + 1 if trees else 0, tree_batches))
         self.limits = RequestLimits(self.max_context, mc.vocab_size, self.num_pages, config.page_size, lookahead)
         self._next_id = 0
         self._grammars: Grammars | ValueError | None = None  # `grammars`, or why this model has none
@@ -341,6 +346,7 @@ class Engine:
             for request in plan.preempted:
                 self.drafter.release(request)
             self._adopt_cached_context(plan.admitted)
+            self.decoding.room = plan.room  # what a speculative step may write past each request's length
         if plan.empty and self.scheduler.waiting and self.flight is None:
             raise RuntimeError("scheduler stalled with waiting requests and nothing to run")
         out = StepOutput(preempted=plan.preempted)

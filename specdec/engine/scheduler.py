@@ -4,7 +4,8 @@ Pages are taken as requests grow, not reserved up front, so the pool holds as ma
 as fit. Each step is planned oldest request first (first come, first served):
 
     decoding request    needs room for `lookahead` more slots (1 for plain decoding, the block for
-                        speculation); the step writes them and rolls back the rejected ones
+                        speculation; a token tree's where the batch may verify trees, `room`); the step
+                        writes them and rolls back the rejected ones
     prefilling request  gets a chunk of its prefill, at most `max_prefill_tokens` per step over all
                         requests, so a long prompt never stalls the decoding of the others
     waiting request     is admitted while the budget, `max_num_seqs` and the free pages allow; the
@@ -38,6 +39,7 @@ class StepPlan:
     prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens of its prefill this step)
     preempted: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)  # joined the running set in this step
+    room: int = 1  # slots each decoding request may write past its committed length in this step (`Scheduler.room`)
 
     @property
     def empty(self) -> bool:
@@ -46,12 +48,15 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, pool: PagePool, max_num_seqs: int, max_prefill_tokens: int, lookahead: int,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, tree_room: tuple[int, range] = (0, range(0))):
+        """tree_room: a token tree's slots (its nodes and anchor) and the running batch sizes at which a step may
+        verify one (`room`)."""
         self.pool = pool
         self.prefix_cache = prefix_cache  # its first pool is `pool`
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
-        self.lookahead = lookahead  # slots a decode step may write past the committed length
+        self.lookahead = lookahead  # slots a decode step may write past the committed length (a chain's)
+        self.tree_slots, self.tree_batches = tree_room
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -74,9 +79,21 @@ class Scheduler:
         return not self.waiting and not self.running
 
     # ---- planning ------------------------------------------------------------------------------
+    def room(self, batch: int) -> int:
+        """Slots each decoding request may write past its committed length in a step planned with `batch` requests
+        running: a token tree's where a batch of that size may verify trees, else the lookahead. Reserving a tree's
+        64 slots for every request at any batch held ~4 pages a request where a chain needs 1-2; under `auto` trees
+        run only at small batches. The room must never grow with the batch (`tree_batches` from 0 up): what an
+        admission reserves, at the batch before it, has to cover the step after it, or requests admitted beside a
+        lone one are preempted at the next step when the two together need a tree's slots each, and admitted again,
+        over and over. A step that decodes fewer requests than ran at planning may not verify a tree its room does
+        not hold (`SpeculativeDecoding.room`)."""
+        return max(self.lookahead, self.tree_slots) if batch in self.tree_batches else self.lookahead
+
     def schedule(self) -> StepPlan:
         """Plan the next step. Pages are not taken here (the forwards take them), but the plan fits the pool."""
-        plan = StepPlan()
+        plan = StepPlan(room=self.room(len(self.running)))
+        room = plan.room
         planned = 0  # pages the planned work will take from the pool
         free = self.pool.num_free  # read once per step (it changes only when a preemption gives pages back)
         budget = self.max_prefill_tokens
@@ -89,7 +106,7 @@ class Scheduler:
                 i += 1
                 continue
             decoding = request.decoding  # read once: a property over the request's lengths
-            tokens = self.lookahead if decoding else self._chunk(request, budget)
+            tokens = room if decoding else self._chunk(request, budget)
             if tokens == 0:  # a prefill that finds the step's budget spent waits for the next step
                 i += 1
                 continue
@@ -114,10 +131,10 @@ class Scheduler:
                 plan.prefill.append((request, tokens))
                 budget -= tokens
             i += 1
-        self._admit(plan, planned, budget)
+        self._admit(plan, planned, budget, room)
         return plan
 
-    def _admit(self, plan: StepPlan, planned: int, budget: int) -> None:
+    def _admit(self, plan: StepPlan, planned: int, budget: int, room: int) -> None:
         """Waiting requests join while their whole prefill (and one step after it) fits beside the plan."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -127,7 +144,7 @@ class Scheduler:
                 break
             hit = self._cached_prefix(request)
             # new pages, plus the cached ones nobody holds: adopting those takes them out of the free count
-            whole = self.pool.pages_for(request.prefill_len + self.lookahead) - len(hit)
+            whole = self.pool.pages_for(request.prefill_len + room) - len(hit)
             if whole + (self.prefix_cache.evictable_among(hit) if hit else 0) > self.pool.num_free - planned:
                 break
             self.waiting.popleft()

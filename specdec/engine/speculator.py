@@ -52,6 +52,9 @@ class SpeculativeDecoding:
         self.verify_length = drafter.block_size  # tokens per request the last step verified (a budget step: per)
         self.request_lengths: list[int] | None = None  # a budget step's, request by request (None: verify_length)
         self.option = drafter.block_size  # what the last speculative step verified: a chain length, TREE or a Budget
+        # slots the next step's plan holds for each request past its committed length (the engine's, from the
+        # scheduler; None: as many as any step writes): a tree step that would write more verifies a chain instead
+        self.room: int | None = None
         self.logprobs: list[list[TokenLogprob] | None] | None = None  # the last step's, per request (None: none asked)
 
     def _prefilled(self, prefill: PrefillChunks | None) -> torch.Tensor | None:
@@ -77,8 +80,9 @@ class SpeculativeDecoding:
         # one verifies a chain (of the length the policy picks). Asked only where the policy may pick a tree
         chains_only = ((self.policy.tree or self.policy.budgets)
                        and (wants_logprobs(running) or any(r.params.adjusts_logits for r in running)))
+        no_room = self.room is not None and nodes + 1 > self.room  # for a tree: a chain's room was planned
         # a budget step carries no prompt chunks (its forward runs the block rows alone)
-        q = self.policy.choose(batch, nodes, trees=not chains_only, plain=False,
+        q = self.policy.choose(batch, nodes, trees=not chains_only and not no_room, plain=False,
                                budgets=not chains_only and prefill is None)
         self.option, self.request_lengths = q, None
         if q == TREE:

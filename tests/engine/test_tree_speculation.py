@@ -80,3 +80,51 @@ def test_tree_needs_a_drafter_with_candidates(target_dir, tmp_path):
         spec_engine(target_dir, ScriptedDrafter({}, 4, 64), verify="tree", attention_backend="torch")
     engine = spec_engine(target_dir, ScriptedDrafter({}, 4, 64), verify="auto", attention_backend="torch")
     assert engine.decoding.policy.options == (1, 2, 4)  # plain steps and chains, no trees
+
+
+def test_auto_reserves_a_trees_slots_only_where_a_batch_may_verify_one(target_dir, tmp_path):
+    """auto runs trees at up to 16 requests: only steps planned at those batch sizes (an empty batch and a lone
+    request too, so that the room never grows with the batch) hold a tree's slots past each request's length, larger
+    batches a chain's (verify="tree": every batch)."""
+    drafter = dflash_drafter(target_dir, tmp_path, 8)
+    auto = spec_engine(target_dir, drafter, verify="auto", max_num_seqs=20).scheduler
+    assert [auto.room(b) for b in (0, 1, 2, 16, 17, 20)] == [64, 64, 64, 64, 8, 8]
+    tree = spec_engine(target_dir, drafter, verify="tree", max_num_seqs=20, tree_nodes=20).scheduler
+    assert [tree.room(b) for b in (1, 17)] == [21, 21]
+    assert spec_engine(target_dir, drafter, verify="chain").scheduler.room(3) == 8
+
+
+def test_more_than_16_requests_under_auto_hold_a_chains_slots_and_run_together(target_dir, tmp_path):
+    """24 requests in a pool of 340 pages of 4: past 16 running, each holds a chain's 8 slots ahead instead of a
+    tree's 64, so all 24 run at once, without a preemption (holding 64 slots each, at most 18 ran and 5 were
+    preempted); outputs stay plain decoding's."""
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    prompts = [[(7 * i + j) % 60 + 3 for j in range(8)] for i in range(24)]
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 8), verify="auto", num_kv_pages=340,
+                         max_num_seqs=24, overlap_steps=False)
+    requests = [engine.add_request(p, params) for p in prompts]
+    most, preempted = 0, 0
+    for _ in range(400):
+        if not engine.has_unfinished_requests:
+            break
+        preempted += len(engine.step().preempted)
+        most = max(most, len(engine.scheduler.running))
+    assert [r.output_ids for r in requests] == ar_outputs(target_dir, prompts, params)
+    assert most == 24 and preempted == 0
+    assert_no_leak(engine)
+
+
+def test_a_step_whose_plan_held_a_chains_slots_verifies_a_chain(target_dir, tmp_path):
+    """The policy wants a tree at every step, but each step's plan holds a chain's slots only (as when more requests
+    ran at planning than decode): every step verifies a chain, exactly, and no page runs out."""
+    params = SamplingParams(max_new_tokens=20)
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 4), verify="auto", max_num_seqs=3,
+                         num_kv_pages=64, tree_nodes=20)
+    decoding = engine.decoding
+    decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True, budgets=True: (
+        0 if trees and batch > 1 else 4)  # TREE where allowed
+    engine.scheduler.room = lambda batch: 4
+    got = engine.generate_ids(MANY_PROMPTS[:5], params)
+    assert [r.output_ids for r in got] == ar_outputs(target_dir, MANY_PROMPTS[:5], params)
+    assert {q for r in got for q in r.stats.verify_lengths} == {4}
+    assert_no_leak(engine)
