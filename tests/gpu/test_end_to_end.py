@@ -257,30 +257,32 @@ def test_budget_steps_equal_autoregressive(drafter_dir, kv):
     assert spec_llm.engine.pool.num_free == spec_llm.engine.pool.num_pages
 
 
-@pytest.mark.parametrize("batch", [1, 3, 6])
-def test_a_budget_steps_rows_are_the_chain_steps_rows_in_graphs(drafter_dir, batch):
-    """Each budget kind's graph (batches of 3 and 6 replay rungs with padding requests) against the chain step of its
-    q over the same tokens and context: each verified row's logits (laid out as the chain's, as sampling reads them),
-    argmax and features are the chain's up to bf16 rounding; the rows not run have argmax -1."""
+def test_a_budget_steps_rows_are_the_chain_steps_rows_in_graphs(drafter_dir):
+    """Each budget kind's graph at batches of 1, 3 and 6 (3 and 6 replay rungs with padding requests) against the chain
+    step of its q over the same tokens and context: each verified row's logits (laid out as the chain's, as sampling
+    reads them), argmax and features are the chain's up to bf16 rounding; the rows not run have argmax -1. One engine
+    for all (its graphs are captured once)."""
     from specdec.runtime.target_runner import BUDGET_STEP
     from tests.engine_helpers import budget_step_against_chain
 
     llm = LLM(MODEL, drafter=drafter_dir, verify="auto", budget_steps=True, device="cuda", num_kv_pages=2048,
               attention_backend="flashinfer")
     engine = llm.engine
-    prompts = [[(31 * i + 7 * j) % 5000 + 10 for j in range(20 + 13 * i)] for i in range(batch)]
-    for seed, budget in enumerate(engine.decoding.policy.budgets):
-        assert engine.runner.replays((BUDGET_STEP, *budget), batch)
-        (chain_logits, chain_greedy, chain_features), (logits, greedy, features), lengths = \
-            budget_step_against_chain(engine, prompts, budget.q, budget.per, seed)
-        assert sum(lengths) == budget.per * batch and all(1 <= n <= budget.q for n in lengths)
-        run = [i * budget.q + j for i, n in enumerate(lengths) for j in range(n)]
-        skipped = [r for r in range(batch * budget.q) if r not in set(run)]
-        assert (logits[run].float() - chain_logits[run].float()).abs().max() <= 2 * LOGIT_STEP, budget
-        assert ((features[run].float() - chain_features[run].float()).abs().max()
-                <= 0.02 * chain_features[run].float().abs().max()), budget
-        top2 = chain_logits[run].float().topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > NEAR_TIE  # rows whose argmax no rounding can flip
-        assert torch.equal(greedy[run][clear], chain_greedy[run][clear]), budget
-        assert (greedy[skipped] == -1).all(), budget
+    for batch in (1, 3, 6):
+        prompts = [[(31 * i + 7 * j) % 5000 + 10 for j in range(20 + 13 * i)] for i in range(batch)]
+        for seed, budget in enumerate(engine.decoding.policy.budgets):
+            label = (batch, budget)
+            assert engine.runner.replays((BUDGET_STEP, *budget), batch), label
+            (chain_logits, chain_greedy, chain_features), (logits, greedy, features), lengths = \
+                budget_step_against_chain(engine, prompts, budget.q, budget.per, seed)
+            assert sum(lengths) == budget.per * batch and all(1 <= n <= budget.q for n in lengths), label
+            run = [i * budget.q + j for i, n in enumerate(lengths) for j in range(n)]
+            skipped = [r for r in range(batch * budget.q) if r not in set(run)]
+            assert (logits[run].float() - chain_logits[run].float()).abs().max() <= 2 * LOGIT_STEP, label
+            assert ((features[run].float() - chain_features[run].float()).abs().max()
+                    <= 0.02 * chain_features[run].float().abs().max()), label
+            top2 = chain_logits[run].float().topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1]) > NEAR_TIE  # rows whose argmax no rounding can flip
+            assert torch.equal(greedy[run][clear], chain_greedy[run][clear]), label
+            assert (greedy[skipped] == -1).all(), label
     assert engine.pool.num_free == engine.pool.num_pages
