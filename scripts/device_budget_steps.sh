@@ -14,7 +14,6 @@ set -uo pipefail
 out=${BUDGET_OUT:-/tmp/budget}
 default_stages="tests math500 code all-tests shares"
 source scripts/device_job.sh
-drafter=$(pwd)/drafters/checkpoints/qwen2.5-coder-1.5b-dflash-b16
 repeats=${REPEATS:-3}
 if wanted tests; then
   stage "GPU tests of budget steps"

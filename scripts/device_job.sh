@@ -1,10 +1,11 @@
 # Sourced by the device job scripts (device_trees.sh, device_features.sh) after they
 # set `out` and `default_stages`: the cache and report directories, the carried GGUFs unpacked once (one tar
-# in pieces in /tmp/xfer, ggufs.tar.part.*), the device recorded, the demo target converted; `stage`,
-# `wanted` and `gpu_suite`.
+# in pieces in /tmp/xfer, ggufs.tar.part.*), the device recorded, the demo target converted (`target`; the shipped
+# drafter's path: `drafter`); `stage`, `wanted` and `gpu_suite`.
 mkdir -p "$out"
 export SPECDEC_CACHE=${SPECDEC_CACHE:-/tmp/specdec-cache} PYTHONUNBUFFERED=1 SPECDEC_REPORT_DIR=$out
 target=qwen2.5-coder-1.5b-instruct
+drafter=$(pwd)/drafters/checkpoints/qwen2.5-coder-1.5b-dflash-b16  # the shipped drafter
 stage() { echo "=== $(date +%T) $1"; }
 wanted() { [[ " ${STAGES:-$default_stages} " == *" $1 "* ]]; }
 mkdir -p "$SPECDEC_CACHE/gguf"

@@ -14,7 +14,6 @@ set -uo pipefail
 out=${TREES_OUT:-/tmp/trees}
 default_stages="tests math500 load humaneval all-tests"
 source scripts/device_job.sh
-drafter=$(pwd)/drafters/checkpoints/qwen2.5-coder-1.5b-dflash-b16
 limit=${LIMIT:-20}
 if wanted tests; then
   stage "GPU tests of token trees"
