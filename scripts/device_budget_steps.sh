@@ -9,7 +9,7 @@
 #   watch:  tail /tmp/budget/run.log; results in /tmp/budget
 # The GGUFs (the demo target, and SmolLM2 for the GPU tests) come as one tar in pieces in /tmp/xfer
 # (ggufs.tar.part.*), or already in $SPECDEC_CACHE/gguf. Env: STAGES (default "tests math500 code all-tests shares"),
-# REPEATS (rounds per level, default 3).
+# REPEATS (rounds per level, default 3), MATH500_AT and CODE_AT (concurrencies, default "64 128" and "64 256").
 set -uo pipefail
 out=${BUDGET_OUT:-/tmp/budget}
 default_stages="tests math500 code all-tests shares"
@@ -30,8 +30,8 @@ load() {  # load DATASET CONCURRENCY...: AR, DFlash auto and DFlash auto+budgets
     > "$out/load-$dataset.log" 2>&1
   grep -A12 "round by round" "$out/load-$dataset.log" | tail -10
 }
-wanted math500 && load math500 64 128
-wanted code && load code 64 256
+wanted math500 && load math500 ${MATH500_AT:-64 128}
+wanted code && load code ${CODE_AT:-64 256}
 wanted mixed && load mixed 64
 wanted all-tests && gpu_suite
 if wanted shares; then
