@@ -111,7 +111,8 @@ class EngineConfig:
     # verifies at most max(max_num_seqs x block_size, tree_nodes + 1) tokens
     tree_nodes: int = _setting(63, "token trees (verify tree / auto): draft nodes per request at small batches")
     # auto's budget steps (specdec/runtime/row_budget.py): blocks whose forward runs each request's share of the
-    # step's rows, chosen from its drafts' confidence. Off by default until measured on a GPU; exact either way
+    # step's rows, chosen from its drafts' confidence. Off by default: on one H200 a budget step cost about what a
+    # chain of its q does, so auto ran no faster with them (BENCHMARKS.md, 2026-12-05); exact either way
     budget_steps: bool = _setting(False, "verify auto: also weigh budget steps, whose rows go to each request's "
                                          "drafts most likely to be kept (by the drafter's confidence)")
     # DFlash drafting: how far back each draft position attends in the drafter's context. A drafter trained on

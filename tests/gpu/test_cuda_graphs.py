@@ -493,32 +493,41 @@ def force_trees_below(engine: Engine, batch: int) -> None:
 
 def test_tree_steps_graphs_equal_eager(model_dirs):
     """Token trees on FlashInfer (fa2 with the trees' custom mask), their building and acceptance replayed
-    from graphs per rung and the verify from the mixed step's piecewise graphs, give the eager engine's
-    tokens (near-ties aside); verify="auto" measures a tree's cost at every rung after capture, and steps
-    switching between trees and chains stay exact; one host sync per tree step."""
-    eager = make_engine(model_dirs, True, "auto", True, verify="tree", tree_nodes=31)
-    graphs = make_engine(model_dirs, True, "auto", False, verify="auto", tree_nodes=31)
+    from graphs per rung and the verify from the mixed step's piecewise graphs past the tree graphs' largest
+    rung, give the eager engine's tokens (near-ties aside) at every batch with verify="tree"; verify="auto"
+    measures a tree's cost at every rung after capture, verifies trees only where the running batch may hold a
+    tree's KV slots (up to TREE_GRAPH_MAX_BATCH requests), and steps switching between trees and chains stay
+    exact; one host sync per tree step."""
     from specdec.engine.verify_policy import TREE
+    from specdec.runtime.target_runner import TREE_GRAPH_MAX_BATCH
 
-    tree = graphs.decoding.tree
+    eager = make_engine(model_dirs, True, "auto", True, verify="tree", tree_nodes=31)
+    trees = make_engine(model_dirs, True, "auto", False, verify="tree", tree_nodes=31)
+    graphs = make_engine(model_dirs, True, "auto", False, verify="auto", tree_nodes=31)
+    tree = trees.decoding.tree
     assert tree.building.graphs and tree.acceptance.graphs
     measured = graphs.decoding.policy.costs.verify[TREE]
     assert measured and all(s > 0 for s in measured.values())
-    force_trees_below(graphs, 1024)  # trees at every batch
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     report = {"tree_seconds": measured, "batches": {}}
-    for batch, per_step in ((2, 2), (24, 3), (100, 20)):  # (a lone request verifies the whole chain with auto)
+    for batch, per_step in ((2, 2), (24, 3), (100, 20)):
         ids = prompts(batch)
-        want, got = staggered(eager, ids, params, per_step), staggered(graphs, ids, params, per_step)
+        want, got = staggered(eager, ids, params, per_step), staggered(trees, ids, params, per_step)
         diverged = divergences(eager, want, got)
         report["batches"][batch] = {"divergences": diverged,
                                     "verified": sorted({q for r in got for q in r.stats.verify_lengths}),
                                     "tau": sum(sum(r.stats.acceptance_lengths) for r in got)
                                     / sum(len(r.stats.acceptance_lengths) for r in got)}
         assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in diverged), diverged
-        assert max(q for r in got for q in r.stats.verify_lengths) == 32  # 31 nodes at small batches
-        for engine in (eager, graphs):
+        assert max(q for r in got for q in r.stats.verify_lengths) == 32  # 31 nodes at every batch
+        for engine in (eager, trees):
             assert engine.pool.num_free == engine.pool.num_pages
+    # auto wanting trees at every batch: 20 requests arriving at once run more than TREE_GRAPH_MAX_BATCH, whose
+    # KV room is a chain's, so they verify chains
+    force_trees_below(graphs, 1024)
+    got = staggered(graphs, prompts(100), params, 20)
+    assert 20 > TREE_GRAPH_MAX_BATCH and max(q for r in got for q in r.stats.verify_lengths) == BLOCK
+    assert graphs.pool.num_free == graphs.pool.num_pages
     force_trees_below(graphs, 8)  # chains from 8 requests on: steps switch as arrivals fill the batch
     want, got = staggered(eager, prompts(24), params, 3), staggered(graphs, prompts(24), params, 3)
     assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in divergences(eager, want, got))
