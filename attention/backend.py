@@ -60,17 +60,31 @@ class AttentionBackend(ABC):
         """No request's KV will span more than `pages` pages: a backend may size per-request buffers by it (the
         FlashInfer backend's lone-request rows, `FlashInferBackend.lone_rows`). A no-op by default."""
 
-    def graph_fits(self, slot, kv_lens: Callable[[], np.ndarray]) -> bool:
+    def graph_fits(self, slot, kv_lens: Callable[[], np.ndarray], expected_kv_len: int = 0) -> bool:
         """Whether graph rung `slot` runs a step of requests of the KV lengths `kv_lens()` gives (counting the step's
         new tokens) as well as a plan made for that step would: a backend may decline lengths its rung's kernels suit
         badly, and the step then runs another way. The lengths are asked for only where the rung looks at them (host
-        work on every step's path). True by default."""
+        work on every step's path); `expected_kv_len`: a lone request's length at most (`BatchLayout`). True by
+        default."""
         return True
+
+    def spare_pages_wanted(self, page_size: int) -> int:
+        """KV pages of its own (outside the pool) the backend would use for token trees (`use_spare_pages`). None
+        by default."""
+        return 0
+
+    def use_spare_pages(self, pages: list[int]) -> None:
+        """The pages `spare_pages_wanted` asked for, allocated with the cache (`KVCache.spare_page_ids`)."""
 
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
         """The planned step's real KV lengths [batch] on the device (called by the step itself, inside its CUDA
         graph), for a step planned with upper bounds of them: its attention and write slots then read each
         request's first pages up to its real length. A no-op where plans are exact (the default)."""
+
+    def use_device_tree(self) -> None:
+        """The planned token-tree step's node metadata from its masks on the device (called by the step itself,
+        inside its CUDA graph, before its layers), where the backend plans a tree's shape it does not know on the
+        host (the FlashInfer backend's node rows). A no-op by default."""
 
     @abstractmethod
     def write_kv(self, layer: LayerKV, k: torch.Tensor, v: torch.Tensor) -> None:

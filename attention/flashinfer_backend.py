@@ -51,7 +51,14 @@ query tile is sized for that count as in an eager plan: without it a CUDA-graph 
 for the ragged worst case, the verify graph then rounds differently from the decode graph, and
 greedy speculation with FP8 KV matched greedy decoding on only 11 of 24 SmolLM2 prompts (eager: 24).
 
-A token-tree step (`BatchLayout.query_masks`) is attended in two parts merged by their log-sum-exps
+A lone request's token tree of up to LONE_ROWS_MAX rows, where the cache holds node pages (`use_spare_pages`), runs
+as node rows (`attention/node_rows.py`): one query row per node over the context's full pages and then its own pages,
+which every layer fills with the context's tail and the node's path before it attends, in the query rows' KV chunks:
+each node gets the bits of a decode at its position. The tree's shape is on the device only, so a graph rung plans
+every node at the deepest node's length and the step writes each node's real page metadata from the masks
+(`use_device_tree`); a tree whose nodes would not all have the deepest node's KV chunk count is declined by the rung
+(`graph_fits`) and runs eagerly, where the plan reads the depths back.
+Any other token-tree step (`BatchLayout.query_masks`) is attended in two parts merged by their log-sum-exps
 (`flashinfer.merge_state_in_place`), as cascade attention does: the context, every query over its request's
 KV before the step (the paged fa2 wrappers, no mask, split over the KV like any fa2 step), and the tree, every
 query over the step's own rows as stored, under its mask (a ragged fa2 wrapper with a custom mask of n x n
@@ -80,6 +87,7 @@ import torch
 from attention.backend import AttentionBackend
 from attention.batch_layout import BatchLayout, real_page_metadata, slots_on_device
 from attention.kv_cache import FP8_DTYPE, LayerKV
+from attention.node_rows import NodeRowCopies, chunks_agree, node_pages_per_row, node_rows_layout
 from attention.transfer import CopyFence, StagedIndices, pinned, upload
 
 WORKSPACE_BYTES = 256 << 20
@@ -116,21 +124,25 @@ class GraphSlot:
     planned once per tree size (later steps write only their masks)."""
 
     def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int, fa2: bool,
-                 tree_size: int = 0, rows: int = 0, one_piece: bool = False):
+                 tree_size: int = 0, rows: int = 0, one_piece: bool = False, node_rows: bool = False):
         dev = backend.device
         self.batch_size = batch_size
         self.one_piece = one_piece  # each request's KV in one piece: the plan depends on the query counts alone
         self.tree_size = tree_size  # a token-tree rung's tokens per request (0: not a tree rung)
         self.tree = tree_size > 0
         self.rows = rows  # a lone request's rung planned as its query rows: queries per step (0: not such a rung)
+        self.node_rows = node_rows  # those rows are a token tree's nodes (`attention/node_rows.py`)
         # what the paged wrappers read: the step's own metadata, or a tree's context part's, or the query rows'
         # (one request per query, one without; each at most the longest request's pages, the last two chunks, which
         # round up to a page more at most); sent in one copy per plan, the page indices last
         planned_batch = rows + 1 if rows else batch_size
         planned_pages = (rows + 2) * (backend.rows_pages + 1) if rows else max_pages
+        # (a node-rows rung also sends the tokens before the step, what its nodes' real lengths start from)
         self.index = StagedIndices({"qo_indptr": planned_batch + 1, "kv_indptr": planned_batch + 1,
-                                    "last_page_len": planned_batch, "kv_indices": planned_pages}, dev,
-                                   ones=("last_page_len",))
+                                    "last_page_len": planned_batch, **({"context": 1} if node_rows else {}),
+                                    "kv_indices": planned_pages}, dev, ones=("last_page_len",))
+        # a node-rows rung's tree: which nodes each node sees, copied from the step's masks at every plan
+        self.node_masks = torch.zeros(rows, rows, dtype=torch.bool, device=dev) if node_rows else None
         self.qo_indptr = self.index["qo_indptr"]
         self.planned = (self.index["kv_indptr"], self.index["kv_indices"], self.index["last_page_len"])
         # the step's own page metadata (what its write slots and K/V moves read): the planned one, or apart from it
@@ -207,6 +219,15 @@ class FlashInferBackend(AttentionBackend):
         # written row a request of its own, and their indptr), pages, offsets, offsets + 1 (their last-page lengths)
         self.append_slots: torch.Tensor | None = None
         self.append_staged = False  # whether they hold the slots of the last `set_write_slots`
+        # a lone request's token trees of up to LONE_ROWS_MAX rows run as node rows (`attention/node_rows.py`) once the
+        # cache holds their node pages (`use_spare_pages`): [LONE_ROWS_MAX, pages per node], on the device and the host
+        self.node_pages: torch.Tensor | None = None
+        self.node_pages_host: np.ndarray | None = None
+        self.page_size = 0  # the cache's, given with the node pages asked for
+        # the planned node-rows step's copies into its node pages, run by every layer before it attends (None: not
+        # such a step); a graph step makes them on the device (`use_device_tree`)
+        self.node_copies: NodeRowCopies | None = None
+        self.scratch_page = 0  # a graph plan's: where a node-rows step's unused copies are parked
 
     def fa2(self, layout: BatchLayout | None) -> bool:
         """Whether steps of `layout` run the fa2 kernels whatever the cache dtype: every step of a backend of
@@ -223,13 +244,33 @@ class FlashInferBackend(AttentionBackend):
         """The longest request's pages: what a lone rung's query rows are sized by (and what enables them)."""
         self.rows_pages = pages
 
+    def rows_capable(self) -> bool:
+        """Whether a lone request's steps may run as query rows: its runner bounds a request's pages, a plan of
+        LONE_ROWS_MAX rows fits the work items of one wave, and no sliding window (each row would need the window of
+        its own position, which is not tested)."""
+        return (self.rows_pages > 0 and self.split_items >= LONE_ROWS_MAX and not self.plans_upper_bounds
+                and self.window_left < 0)
+
     def lone_rows(self, layout: BatchLayout | None) -> bool:
         """Whether `layout`, a lone request's decode or verify, runs as its query rows over KV chunks sized by
         its expected length (`BatchLayout.query_rows`, `rows_split_pages`)."""
-        # (not with a sliding window: each row would need the window of its own position, which is not tested)
-        return (self.rows_pages > 0 and self.split_items >= LONE_ROWS_MAX and not self.plans_upper_bounds
-                and self.window_left < 0 and layout is not None and lone_decode_or_verify(layout) and layout.causal
+        return (self.rows_capable() and layout is not None and lone_decode_or_verify(layout) and layout.causal
                 and layout.query_masks is None and int(layout.q_lens[0]) <= LONE_ROWS_MAX)
+
+    def node_rows(self, layout: BatchLayout | None) -> bool:
+        """Whether `layout`, a lone request's token tree of at most LONE_ROWS_MAX rows, runs as node rows (one query
+        row per node over a KV of its own, `attention/node_rows.py`): the bits of a decode at every node."""
+        return (self.node_pages is not None and layout is not None and layout.query_masks is not None
+                and lone_decode_or_verify(layout) and int(layout.q_lens[0]) <= len(self.node_pages))
+
+    def spare_pages_wanted(self, page_size: int) -> int:
+        """Node pages for a lone request's trees of up to LONE_ROWS_MAX rows, where its steps run as query rows."""
+        self.page_size = page_size
+        return LONE_ROWS_MAX * node_pages_per_row(page_size, LONE_ROWS_MAX) if self.rows_capable() else 0
+
+    def use_spare_pages(self, pages: list[int]) -> None:
+        self.node_pages_host = np.asarray(pages, dtype=np.int32).reshape(LONE_ROWS_MAX, -1)
+        self.node_pages = torch.from_numpy(self.node_pages_host.astype(np.int64)).to(self.device)
 
     def one_piece(self, layout: BatchLayout | None) -> bool:
         """Whether the steps of `layout` keep each request's KV in one piece (no split-KV): every step of a backend
@@ -239,8 +280,14 @@ class FlashInferBackend(AttentionBackend):
         return (layout is not None and layout.batch_size >= ONE_PIECE_MIN_BATCH and layout.query_masks is None
                 and not layout.prompts and not prefill_heavy(layout))
 
-    def graph_fits(self, slot: GraphSlot, kv_lens: Callable[[], np.ndarray]) -> bool:
-        """A one-piece rung declines lengths that its KV in one piece does not suit (`one_piece_suits`)."""
+    def graph_fits(self, slot: GraphSlot, kv_lens: Callable[[], np.ndarray], expected_kv_len: int = 0) -> bool:
+        """A one-piece rung declines lengths that its KV in one piece does not suit (`one_piece_suits`); a node-rows
+        rung, a tree where a KV chunk boundary falls between its shallowest and its deepest node (its plan, made for
+        the deepest, would not serve the others: `chunks_agree`)."""
+        if slot.node_rows:
+            kv = int(kv_lens()[0])
+            split = split_pages_for(expected_kv_len, kv, self.page_size, self.split_items)
+            return chunks_agree(kv - slot.rows, slot.rows, self.page_size, split)
         return not slot.one_piece or self.one_piece_suits(kv_lens())
 
     def one_piece_suits(self, kv_lens) -> bool:
@@ -249,12 +296,8 @@ class FlashInferBackend(AttentionBackend):
         return self.plans_upper_bounds or even_lengths(kv_lens)
 
     def rows_split_pages(self, layout: BatchLayout) -> int:
-        """Pages per KV chunk of a lone request's query rows: its length at most (and the largest verify past it)
-        in as many chunks as a plan of LONE_ROWS_MAX rows may run in one wave. The same at every step of the
-        request, whatever its queries; a request of unknown length gets its current length's."""
-        bound = max(layout.expected_kv_len, int(layout.kv_lens[0])) + LONE_ROWS_MAX
-        pages, chunks = -(-bound // layout.page_size), self.split_items // LONE_ROWS_MAX
-        return -(-pages // chunks)
+        """Pages per KV chunk of a lone request's query rows (`split_pages_for`)."""
+        return split_pages_for(layout.expected_kv_len, int(layout.kv_lens[0]), layout.page_size, self.split_items)
 
     def tree_split_pages(self, layout: BatchLayout) -> int | None:
         """Pages per KV chunk of a lone request's token-tree context: those of its query rows (`rows_split_pages`), so
@@ -274,9 +317,16 @@ class FlashInferBackend(AttentionBackend):
         split = min(self.rows_split_pages(layout), context_pages - 1)
         return split if split > 0 else None
 
-    def _planned(self, layout: BatchLayout, padding_page: int) -> tuple[BatchLayout, dict]:
-        """What the paged wrappers attend over for `layout` (a tree's context part, a lone request's query
-        rows, else the layout itself) and the plan's extra arguments."""
+    def _planned(self, layout: BatchLayout, padding_page: int, depths: np.ndarray | None = None
+                 ) -> tuple[BatchLayout, dict]:
+        """What the paged wrappers attend over for `layout` (a lone tree's node rows, for its nodes' `depths` or else
+        all at the deepest node's length; a tree's context part; a lone request's query rows; else the layout itself)
+        and the plan's extra arguments."""
+        if self.node_rows(layout):
+            split, q = self.rows_split_pages(layout), int(layout.q_lens[0])
+            depths = np.full(q, q - 1) if depths is None else depths
+            return (node_rows_layout(layout, depths, split, padding_page, self.node_pages_host),
+                    dict(fixed_split_size=split, uniform_q_len=None))
         if layout.query_masks is not None:
             split = self.tree_split_pages(layout)
             return layout.tree_context(), dict(fixed_split_size=split) if split else {}
@@ -290,9 +340,14 @@ class FlashInferBackend(AttentionBackend):
         self.layout, self.slot, self.written = layout, None, None
         requests, positions = layout.new_kv_rows() if write_slots else (np.zeros(0, np.int32),) * 2
         kv_indptr = layout.kv_indptr()
-        tree = layout.query_masks is not None
+        nodes = self.node_rows(layout)
+        tree = layout.query_masks is not None and not nodes
+        # node rows planned for each node's own length: the tree's depths read back (an eager step, not on the path of
+        # graph steps)
+        depths = (layout.query_masks[0].sum(dim=1) - 1).cpu().numpy() if nodes else None
         # what the paged wrappers attend over (padding rows, if any, read the request's first page: never used)
-        planned, extra = self._planned(layout, int(layout.kv_indices[0]) if len(layout.kv_indices) else 0)
+        padding_page = int(layout.kv_indices[0]) if len(layout.kv_indices) else 0
+        planned, extra = self._planned(layout, padding_page, depths)
         separate = planned is not layout
         n_idx, b, n_new, n_planned = len(layout.kv_indices), layout.batch_size, len(requests), len(planned.kv_indices)
         # one host-to-device copy for everything the kernels read on the GPU
@@ -312,27 +367,37 @@ class FlashInferBackend(AttentionBackend):
         self.tree_wrappers = self._plan_trees(self.eager_tree_wrappers, layout, pinned(layout.qo_indptr())) if tree \
             else None
         self.eager_fence.mark()
+        self.node_copies = self._node_copies(layout, padding_page) if nodes else None
+
+    def _node_copies(self, layout: BatchLayout, parking_page: int) -> NodeRowCopies:
+        """An eager node-rows step's copies into its node pages (unused ones parked on `parking_page`, which no node
+        page is)."""
+        context = upload(np.int64([layout.kv_lens[0] - layout.q_lens[0]]), self.device)
+        return NodeRowCopies(layout.query_masks[0], context, self.kv_indices, self.node_pages, layout.page_size,
+                             parking_page)
 
     def graph_slot(self, batch_size: int, max_pages: int, example: BatchLayout | None = None) -> GraphSlot:
         """The buffers and wrappers of one rung; `example` (a layout of the steps it will replay, padded to
         its size) picks the kernel its graph is captured with, and a token-tree rung's tree size."""
-        tree = example is not None and example.query_masks is not None
-        rows = int(example.q_lens[0]) if batch_size == 1 and self.lone_rows(example) else 0
+        nodes = batch_size == 1 and self.node_rows(example)
+        tree = example is not None and example.query_masks is not None and not nodes
+        rows = int(example.q_lens[0]) if batch_size == 1 and (self.lone_rows(example) or nodes) else 0
         return GraphSlot(self, batch_size, max_pages, self.fa2(example),
                          tree_size=int(example.q_lens.max()) if tree else 0, rows=rows,
-                         one_piece=self.one_piece(example))
+                         one_piece=self.one_piece(example), node_rows=nodes)
 
     def plan_graph(self, slot: GraphSlot, layout: BatchLayout, scratch_page: int) -> None:
         """A graph replay: `layout` padded to the slot's batch size goes into the slot's buffers. The
         captured graph computes its own write slots from them (see `slots_on_device`)."""
         layout = layout.padded(slot.batch_size, scratch_page)
-        self.layout, self.written = layout, None
-        tree = layout.query_masks is not None
-        rows = int(layout.q_lens[0]) if self.lone_rows(layout) else 0
-        if (self.fa2(layout) != slot.fa2 or tree != slot.tree or rows != slot.rows
+        self.layout, self.written, self.node_copies, self.scratch_page = layout, None, None, scratch_page
+        nodes = self.node_rows(layout)
+        tree = layout.query_masks is not None and not nodes
+        rows = int(layout.q_lens[0]) if self.lone_rows(layout) or nodes else 0
+        if (self.fa2(layout) != slot.fa2 or tree != slot.tree or rows != slot.rows or nodes != slot.node_rows
                 or self.one_piece(layout) != slot.one_piece):
-            kind = ("token trees" if slot.tree else f"{slot.rows} query rows" if slot.rows else
-                    "the fa2 kernels" if slot.fa2 else "other kernels")
+            kind = ("token trees" if slot.tree else f"a tree of {slot.rows} node rows" if slot.node_rows else
+                    f"{slot.rows} query rows" if slot.rows else "the fa2 kernels" if slot.fa2 else "other kernels")
             raise ValueError(f"a rung captured for {kind} cannot replay this layout "
                              f"(q_lens {layout.q_lens.tolist()}, masks: {tree})")
         if tree and int(layout.q_lens.max()) > slot.tree_size:
@@ -350,6 +415,9 @@ class FlashInferBackend(AttentionBackend):
         qo_indptr, kv_indptr, last_page_len = (index.stage("qo_indptr", planned.qo_indptr()),
                                                 index.stage("kv_indptr", planned.kv_indptr()),
                                                 index.stage("last_page_len", planned.last_page_lens()))
+        if nodes:  # the tokens before the step, and the tree's masks: what the step's nodes' real metadata comes from
+            index.stage("context", np.int32([layout.kv_lens[0] - layout.q_lens[0]]))
+            slot.node_masks.copy_(layout.query_masks[0], non_blocking=True)
         index.stage("kv_indices", planned.kv_indices)
         index.send()
         # a rung planned with fixed KV chunks (a lone request's query rows or tree) whose requests have the chunks of
@@ -368,6 +436,22 @@ class FlashInferBackend(AttentionBackend):
         # the tree part's indptr: the context's qo_indptr (the same queries), staged above
         self.tree_wrappers = self._plan_trees(slot.tree_wrappers, layout, qo_indptr, slot) if tree else None
         slot.host_fence.mark()
+
+    def use_device_tree(self) -> None:
+        """A node-rows rung, planned with every node at the deepest node's length: each node's real page metadata
+        (its depth from the masks) into the rung's buffers, and the step's copies into the node pages."""
+        slot = self.slot
+        if slot is None or not slot.node_rows:
+            return
+        kv_indptr, kv_indices, last_page_len = slot.planned
+        context = slot.index["context"].long()
+        padding = torch.full_like(context, 1 << 30)  # the padding request keeps its planned length
+        real = real_page_metadata(kv_indptr, last_page_len, kv_indices,
+                                  torch.cat([context + slot.node_masks.sum(dim=1), padding]), self.layout.page_size)
+        for buffer, values in zip((kv_indptr, last_page_len, kv_indices), real):
+            buffer.copy_(values)
+        self.node_copies = NodeRowCopies(slot.node_masks, context, slot.kv_indices, self.node_pages,
+                                         self.layout.page_size, self.scratch_page)
 
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
         """A graph rung planned for upper bounds (`device_lengths`): its page metadata becomes the real lengths'
@@ -449,6 +533,8 @@ class FlashInferBackend(AttentionBackend):
         scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale) if layer.is_fp8 else {}
         if out is None:  # FlashInfer would zero the output it allocates: a kernel per layer, and every row is written
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self.node_copies is not None:  # node rows: each node's context tail and path into its node pages first
+            self.node_copies.copy(layer)
         if self.tree_wrappers is None:
             return self.wrappers[dtype].run(q, layer.data, out=out, **scales)
         # a token tree: the context part, then the tree part over the step's rows as stored, merged into the first
@@ -467,6 +553,14 @@ def kernel_backend(kv_dtype: torch.dtype, fa2: bool = False) -> str:
     """fa2 for FP8 caches (fa3 needs FP8 queries) and the steps that run fa2 whatever the dtype
     (`FlashInferBackend.fa2`), "auto" (fa3 on Hopper) otherwise."""
     return "fa2" if kv_dtype == FP8_DTYPE or fa2 else "auto"
+
+
+def split_pages_for(expected_kv_len: int, kv_len: int, page_size: int, split_items: int) -> int:
+    """Pages per KV chunk of a lone request's query rows: its length at most (and the largest verify past it) in as
+    many chunks as a plan of LONE_ROWS_MAX rows may run in one wave (`split_items` work items). The same at every
+    step of the request, whatever its queries; a request of unknown length gets its current length's."""
+    pages = -(-(max(expected_kv_len, kv_len) + LONE_ROWS_MAX) // page_size)
+    return -(-pages // (split_items // LONE_ROWS_MAX))
 
 
 def kv_split(layout: BatchLayout, split_pages: int) -> bytes:

@@ -65,6 +65,17 @@ class LayerKV:
     def _as_raw(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(torch.uint8) if self.is_fp8 else x
 
+    def rows(self) -> torch.Tensor:
+        """The layer as stored, one row per (page, K or V, offset): [num_pages * 2 * page_size, heads * head_dim]."""
+        raw = self._raw()
+        return raw.view(raw.shape[0] * 2 * raw.shape[2], -1)
+
+    @staticmethod
+    def kv_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
+        """The `rows()` of the K and then the V of slots given as page * page_size + offset: [2 * len(slots)]."""
+        page, offset = slots // page_size, slots % page_size
+        return torch.cat([page * 2 * page_size + offset, (page * 2 + 1) * page_size + offset])
+
     def stored(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """K and V [n, 2, num_kv_heads, head_dim] of the given slots as stored (in the cache dtype)."""
         return self._raw()[pages, :, offsets].view(self.data.dtype)
@@ -112,7 +123,9 @@ class KVCache:
     """The K/V tensors of every layer of one model, sharing one page geometry.
 
     One page more than `num_pages` is allocated: `scratch_page`, which the pool never hands out, takes
-    the K/V writes of padding rows (dummy requests of a CUDA-graph batch, padded draft context)."""
+    the K/V writes of padding rows (dummy requests of a CUDA-graph batch, padded draft context). `spare_pages`
+    more after it are never handed out either: an attention backend's own (`spare_page_ids`; the FlashInfer
+    backend's node pages, `attention/node_rows.py`)."""
 
     def __init__(
         self,
@@ -123,6 +136,7 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype | tuple[torch.dtype, ...],
         device: torch.device | str,
+        spare_pages: int = 0,
     ):
         """dtype: one for every layer, or each layer's (`layer_dtypes`)."""
         self.num_pages = num_pages
@@ -133,7 +147,8 @@ class KVCache:
         if len(self.layer_dtypes) != num_layers:
             raise ValueError(f"{len(self.layer_dtypes)} layer dtypes for {num_layers} layers")
         self.scratch_page = num_pages
-        shape = (num_pages + 1, 2, page_size, num_kv_heads, head_dim)
+        self.spare_page_ids = list(range(num_pages + 1, num_pages + 1 + spare_pages))
+        shape = (num_pages + 1 + spare_pages, 2, page_size, num_kv_heads, head_dim)
         # the layers of one dtype are views of one tensor [layers, *shape]: a row moves in all of them with one
         # indexed copy (`move_rows`) instead of one per layer
         self.stacked = {d: torch.zeros(self.layer_dtypes.count(d), *shape, dtype=d, device=device)

@@ -33,10 +33,10 @@ class PagedCase:
     """Requests with history already in a paged cache, plus K/V/Q of one new step."""
 
     def __init__(self, history, new_kv, q_lens, causal, page_size=4, kv_dtype=torch.float32, device="cpu",
-                 dtype=torch.float32, seed=0, scales=(1.0, 1.0), num_pages=256):
+                 dtype=torch.float32, seed=0, scales=(1.0, 1.0), num_pages=256, spare_pages=0):
         g = torch.Generator().manual_seed(seed)
         self.pool = PagePool(num_pages, page_size)
-        self.kv = KVCache(1, num_pages, page_size, HKV, D, kv_dtype, device)
+        self.kv = KVCache(1, num_pages, page_size, HKV, D, kv_dtype, device, spare_pages=spare_pages)
         self.kv.set_scales([scales[0]], [scales[1]])
         self.layer = self.kv.layers[0]
         self.tables = [PageTable(self.pool) for _ in history]

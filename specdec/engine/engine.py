@@ -257,7 +257,8 @@ class Engine:
                       - self.graph_memory.pool - self.graph_memory.slots)
         else:
             budget = self.config.cpu_kv_cache_gib * (1 << 30)
-        pages = int(budget // per_page) - 1  # one scratch page per cache
+        # one scratch page per cache, and the target's spare pages (its backend's own: node rows of small trees)
+        pages = int(budget // per_page) - 1 - self.runner.spare_pages
         if pages < 1:
             raise ValueError("no memory is left for the KV cache after loading the model; raise "
                              "gpu_memory_utilization or set num_kv_pages explicitly")

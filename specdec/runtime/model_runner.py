@@ -97,6 +97,7 @@ class ModelRunner:
         if backend_name == "flashinfer" and not model.fused_kernels:
             model.use_fused_kernels()  # FlashInfer's norm / rope / activation kernels on the same path
         self.kv: KVCache | None = None
+        self.spare_pages = 0  # KV pages outside the pool the backend asked for (`AttentionBackend.spare_pages_wanted`)
         self.ladders: dict[object, GraphLadder] = {}
         self.token_graphs: dict[object, PiecewiseGraphs] = {}
 
@@ -109,7 +110,9 @@ class ModelRunner:
     def allocate_kv(self, num_pages: int, calibrate_fp8_scales: bool = False) -> None:
         c = self.model.config
         self.kv = KVCache(c.num_hidden_layers, num_pages, self.page_size, c.num_key_value_heads, self.model.head_dim,
-                          self.kv_dtype, self.device)
+                          self.kv_dtype, self.device, spare_pages=self.spare_pages)
+        if self.spare_pages:
+            self.attn.use_spare_pages(self.kv.spare_page_ids)
         if calibrate_fp8_scales and self.kv.is_fp8:
             self.kv.calibrate_on_first_write()
 

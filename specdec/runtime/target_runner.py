@@ -120,6 +120,9 @@ class TargetRunner(ModelRunner):
         c, q_max = model.config, max(block_lens)
         # a request's KV: its context and the slots a step writes past it
         self.attn.bound_sequence_pages(-(-(c.max_position_embeddings + max(q_max, tree_nodes + 1)) // page_size))
+        # pages outside the pool where a lone request's small trees attend as a decode does (the node rows of
+        # attention/node_rows.py, where the backend has them)
+        self.spare_pages = self.attn.spare_pages_wanted(page_size) if tree_nodes else 0
         # static buffers of the fixed-shape steps, allocated before the KV pool is sized
         rows = max(max_batch * q_max, tree_nodes + 1 if tree_nodes else 0)  # a tree at batch 1 always fits
         self.tree_nodes = tree_nodes
@@ -244,13 +247,15 @@ class TargetRunner(ModelRunner):
         inputs.fill("starts", starts)
         return layout, inputs
 
-    def _rung_declines(self, q: int, starts: np.ndarray, key=None) -> bool:
+    def _rung_declines(self, q: int, starts: np.ndarray, key=None, expected_kv_len: int = 0) -> bool:
         """Whether the graph rung that would replay a block step (of `key`, default q) of requests at lengths `starts`
         declines their KV lengths after it (one request's KV far longer than the others' where the rung keeps each in
-        one piece)."""
+        one piece; a lone tree across a KV chunk boundary where its rung plans node rows). `expected_kv_len`: a lone
+        request's length at most."""
         key = q if key is None else key
         rung = self.rung_for(key, len(starts))
-        return rung is not None and not self.attn.graph_fits(self.ladders[key].slot(rung), lambda: starts + q)
+        return rung is not None and not self.attn.graph_fits(self.ladders[key].slot(rung), lambda: starts + q,
+                                                             expected_kv_len)
 
     def run_budget(self, tables: list[PageTable], first_tokens: list[int], rest: torch.Tensor,
                    confidence: torch.Tensor, q: int, per: int,
@@ -331,9 +336,10 @@ class TargetRunner(ModelRunner):
         mixed token step (piecewise graphs; attention planned with the masks, eager between the pieces)."""
         batch, q = len(tables), tree.tokens.shape[1] + 1
         rung = self.rung_for(TREE_STEP, batch)
-        if rung is None or self.tree_q(rung) != q:
-            return self._run_mixed(tables, anchors, tree.tokens, q, None, tree=tree)
         starts = table_lengths(tables)
+        if (rung is None or self.tree_q(rung) != q
+                or self._rung_declines(q, starts, TREE_STEP, tables[0].expected_length if batch == 1 else 0)):
+            return self._run_mixed(tables, anchors, tree.tokens, q, None, tree=tree)
         layout = self._grow(tables, [q] * batch, starts).with_query_masks(tree.masks, tree.packed)
         inputs = self.tree_inputs
         ids = np.zeros((batch, q), dtype=np.int64)
@@ -352,6 +358,7 @@ class TargetRunner(ModelRunner):
     def _tree_body(self, batch: int) -> None:
         """The token-tree verify of `batch` requests (a graph rung): RoPE at each node's depth past the anchor."""
         q = self.tree_q(batch)
+        self.attn.use_device_tree()
         self._fixed_forward(self.tree_inputs, batch, q, self.tree_inputs["depths"][:batch * q].view(batch, q))
         self._keep_tree_slots(self.attn.write_pages, self.attn.write_offsets)
 

@@ -6,6 +6,7 @@ import sys
 import types
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -408,3 +409,87 @@ def test_a_sliding_window_keeps_a_lone_requests_usual_plan(backend_class):
     backend.plan(layout)
     (planned,) = [w for w in RecordingWrapper.instances if w.plans]
     assert planned.backend == "auto" and planned.planned_kwargs[-1].get("fixed_split_size") is None
+
+
+def node_rows_backend(backend_class, kv_pages: int = 16):
+    """A rows backend (`rows_backend`) whose cache holds node pages: lone trees of up to 16 rows run as node rows."""
+    backend = rows_backend(backend_class)
+    wanted = backend.spare_pages_wanted(4)
+    assert wanted == 16 * 5  # a node's context tail (up to 3 tokens) and path (up to 16): 5 pages of 4
+    cache = KVCache(1, kv_pages, 4, 2, 8, torch.bfloat16, "cpu", spare_pages=wanted)
+    backend.use_spare_pages(cache.spare_page_ids)
+    return backend, cache
+
+
+def branching_tree_step(length: int) -> BatchLayout:
+    """A lone tree of 3 rows (the anchor, its child and a second child of the anchor) ending at `length` tokens."""
+    masks = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    layout = BatchLayout.for_tokens([3], [length], [list(range(8))], 4, causal=True, expected_kv_len=20)
+    return layout.with_query_masks(masks[None])
+
+
+def test_a_lone_small_tree_plans_each_node_as_a_query_row_over_pages_of_its_own(backend_class):
+    """An eager step of a lone tree: one request per node, each over the context's full pages and then its node pages
+    up to its own position (depths read back from the masks), in the query rows' KV chunks; no tree part, and every
+    layer first copies the context's tail and each node's path into the node pages."""
+    RecordingWrapper.instances = []
+    backend, cache = node_rows_backend(backend_class)
+    several = paged_wrappers()[1]
+    ragged = [w for w in RecordingWrapper.instances if not w.paged]
+    backend.plan(branching_tree_step(13))  # a context of 10 tokens: 2 full pages, then 2 tokens in the third
+    (qo_indptr, kv_indptr, kv_indices, last_page_len, *_), causal = several.planned_args[-1]
+    assert not causal and qo_indptr.tolist() == [0, 1, 2, 3, 3]
+    assert several.lengths[-1] == ([11, 12, 12, 16], 1, 16)  # the anchor, its two children, the padding request
+    nodes = backend.node_pages_host
+    assert kv_indices.tolist() == [0, 1, nodes[0, 0], 0, 1, nodes[1, 0], 0, 1, nodes[2, 0]] + [0] * 4
+    assert last_page_len.tolist() == [3, 4, 4, 4]
+    assert several.planned_kwargs[-1]["fixed_split_size"] == 2 and backend.tree_wrappers is None
+    layer = cache.layers[0]
+    layer.data.copy_(torch.randn(layer.data.shape))
+    k, v = torch.randn(2, 3, 2, 8).bfloat16()
+    backend.write_kv(layer, k, v)  # the anchor and the two nodes at positions 10, 11, 12 (page 2, offsets 2, 3; page 3)
+    backend.attend(torch.zeros(3, 4, 8, dtype=torch.bfloat16), layer)
+    assert len(several.runs) == 1 and not any(w.runs for w in ragged)
+    # node 2 (the anchor's second child, stored at position 12) sees the context's tail and the anchor, then itself
+    own = layer.data[nodes[2, 0]]
+    assert torch.equal(own[0, :2], layer.data[2, 0, :2]) and torch.equal(own[0, 2], k[0])
+    assert torch.equal(own[0, 3], k[2]) and torch.equal(own[1, 3], v[2])
+
+
+def test_a_lone_tree_rung_plans_the_deepest_node_and_the_step_makes_each_nodes_own(backend_class):
+    """A graph rung of a lone tree plans every node at the deepest node's length (the tree's shape is on the device
+    only); the step writes each node's real page metadata, the eager plan's, into the rung's buffers. A step where a KV
+    chunk boundary falls inside the tree is declined (it runs eagerly)."""
+    RecordingWrapper.instances = []
+    backend, cache = node_rows_backend(backend_class)
+    slot = backend.graph_slot(1, 32, tree_step(3, [3]))
+    (paged,) = paged_wrappers()[2:]
+    assert slot.node_rows and slot.rows == 3 and not slot.tree and backend.fa2(tree_step(3, [3]))
+    step = branching_tree_step(13)
+    backend.plan_graph(slot, step, scratch_page=15)
+    assert paged.lengths[-1] == ([13, 13, 13, 16], 1, 16)
+    assert slot.index["context"].tolist() == [10] and torch.equal(slot.node_masks, step.query_masks[0])
+    assert slot.kv_indptr.tolist() == [0, 4]  # the step's own metadata: its write slots and K/V moves read it
+    backend.use_device_tree()  # what the captured step does first
+    buffers = [paged.buffers[name].clone() for name in
+               ("paged_kv_indptr_buf", "paged_kv_last_page_len_buf", "paged_kv_indices_buf")]
+    backend.plan(step)
+    (_, kv_indptr, kv_indices, last_page_len, *_), _ = paged_wrappers()[1].planned_args[-1]
+    assert buffers[0].tolist() == kv_indptr.tolist() and buffers[1].tolist() == last_page_len.tolist()
+    # the nodes' pages; the padding request's are the scratch page in the graph, the request's first page eagerly
+    assert buffers[2].tolist()[:9] == kv_indices.tolist()[:9] and buffers[2].tolist()[9:13] == [15] * 4
+    assert backend.graph_fits(slot, lambda: np.array([13]), 20)
+    assert not backend.graph_fits(slot, lambda: np.array([18]), 20)  # tokens 16-18: pages 4 and 5, chunks of 2 pages
+    backend.plan_graph(slot, branching_tree_step(14), scratch_page=15)  # the same chunks: the plan is kept
+    assert len(paged.plans) == 1
+    with pytest.raises(ValueError, match="node rows"):
+        backend.plan_graph(slot, BatchLayout.for_tokens([3], [13], [list(range(8))], 4, causal=True), 15)
+
+
+def test_trees_of_more_rows_than_node_pages_hold_keep_the_context_and_tree_parts(backend_class):
+    RecordingWrapper.instances = []
+    backend, _ = node_rows_backend(backend_class, kv_pages=64)
+    big = replace(tree_step(17, [40]), expected_kv_len=60)
+    assert not backend.node_rows(big) and backend.node_rows(replace(tree_step(16, [40]), expected_kv_len=60))
+    backend.plan(big)
+    assert backend.tree_wrappers is not None and backend.node_copies is None

@@ -173,6 +173,37 @@ def test_token_trees_equal_autoregressive(verify):
     assert spec_one.engine.pool.num_free == spec_one.engine.pool.num_pages
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_small_token_trees_at_batch_one_equal_autoregressive(kv):
+    """Trees of 15 nodes (16 rows) for a lone request run as node rows (attention/node_rows.py): each node attends
+    over the context and its path in a decode's KV chunks, so token for token what plain decoding gives, through the
+    tree rung's graph and, where a KV chunk boundary falls inside a tree, the eager step that plans each node's own
+    length."""
+    from tests.drafter_helpers import ScriptedTreeDrafter
+
+    common = dict(device="cuda", num_kv_pages=2048, attention_backend="flashinfer", kv_cache_dtype=kv,
+                  max_num_seqs=1)
+    ar_llm = LLM(MODEL, **common)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    ar = ar_llm.generate(PROMPTS, params, chat=True)
+    script = {tuple(r.prompt_token_ids): r.token_ids for r in ar}
+    drafter = ScriptedTreeDrafter(script, 16, ar_llm.engine.model.config.vocab_size, error_rate=0.3)
+    spec_llm = LLM(MODEL, drafter=drafter, verify="tree", tree_nodes=15, **common)
+    runner = spec_llm.engine.decoding.runner
+    assert runner.ladders["tree"].slot(1).node_rows
+    run_mixed, eager_trees = runner._run_mixed, []
+    runner._run_mixed = lambda *args, tree=None, **kwargs: (
+        eager_trees.append(tree is not None), run_mixed(*args, tree=tree, **kwargs))[1]
+    spec = spec_llm.generate(PROMPTS, params, chat=True)
+    summary = spec_llm.last_summary
+    print(json.dumps({"label": f"tree15-node-rows-{kv}", "tau": summary.tau_mean_of_requests,
+                      "eager_tree_steps": sum(eager_trees), "verify_steps": summary.verify_steps}))
+    assert summary.verified_per_step == 16 and sum(eager_trees) > 0  # both the graph and the eager path ran
+    for i, (a, s) in enumerate(zip(ar, spec)):
+        assert s.token_ids == a.token_ids, f"prompt {i}"
+    assert spec_llm.engine.pool.num_free == spec_llm.engine.pool.num_pages
+
+
 def test_logprobs_with_graphs_match_plain_decoding_and_a_direct_forward(drafter_dir):
     """Logprobs read from the verify's rows (CUDA graphs, FlashInfer) against plain decoding's and the
     target's own next-token logits, up to bf16's rounding, wherever both engines chose the same tokens: bf16

@@ -316,6 +316,96 @@ def test_a_lone_requests_verify_rows_have_the_bits_of_its_decodes(kv):
         assert plans.count(verify.slot) == 4 and plans.count(decode.slot) == 4
 
 
+class LoneTreeRung(LoneRung):
+    """A lone request's token-tree rung of q rows planned as node rows: the step first makes its nodes' page metadata
+    and copies from the masks on the device (`use_device_tree`), as the target's tree step does."""
+
+    def __init__(self, backend, layer, q: int, scratch: int):
+        from attention.batch_layout import slots_on_device
+
+        self.backend, self.layer, self.scratch = backend, layer, scratch
+        masks = torch.ones(q, q, dtype=torch.bool, device="cuda").tril()[None]
+        dummy = BatchLayout.dummy(1, q, q, 16, scratch, True).with_query_masks(masks)
+        self.slot = backend.graph_slot(1, 256, dummy)
+        assert self.slot.node_rows and self.slot.rows == q
+        self.queries = torch.zeros(q, HQ, D, dtype=torch.bfloat16, device="cuda")
+        self.keys, self.values = (torch.zeros(q, HKV, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        self.positions = torch.zeros(q, dtype=torch.long, device="cuda")
+        self.requests = torch.zeros(q, dtype=torch.long, device="cuda")
+
+        def forward():
+            backend.use_device_tree()
+            backend.set_write_slots(*slots_on_device(backend.kv_indices, backend.kv_indptr, self.requests,
+                                                     self.positions, 16))
+            backend.write_kv(layer, self.keys, self.values)
+            return backend.attend(self.queries, layer)
+
+        backend.plan_graph(self.slot, dummy, scratch)
+        self.positions.copy_(torch.arange(q))
+        forward()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = forward()
+
+
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
+def test_a_lone_trees_node_rows_have_the_bits_of_the_decodes_along_each_path(kv):
+    """A lone request's token tree of 16 rows (random parents), replayed from a node-rows rung captured once on a
+    dummy, or run eagerly where a KV chunk boundary falls inside the tree (the rung declines it): every node's row
+    has the bits of the decode at the node's position after its path (its ancestors' K/V at the positions before
+    it), and the rows attend as the torch reference does the tree under its masks."""
+    scales = (0.05, 0.03) if kv == "fp8" else (1.0, 1.0)
+    backend = flashinfer_backend(KV_DTYPES[kv])
+    backend.bound_sequence_pages(256)
+    spare = backend.spare_pages_wanted(16)
+    expected = 2400  # KV chunks of 2416 / 16 tokens in up to 8: 19 pages (304 tokens) on 132 SMs
+    g = torch.Generator().manual_seed(0)
+    cases = {h: PagedCase([h], [16], [16], True, page_size=16, kv_dtype=KV_DTYPES[kv], device="cuda",
+                          dtype=torch.bfloat16, scales=scales, seed=h, spare_pages=spare) for h in (30, 295, 1500, 1510)}
+    layer, scratch = cases[30].layer, cases[30].kv.scratch_page  # the graphs' cache: each case's copied in
+    backend.use_spare_pages(cases[30].kv.spare_page_ids)
+    tree, decode = LoneTreeRung(backend, layer, 16, scratch), LoneRung(backend, layer, 1, scratch)
+    eager = []
+    for history, case in cases.items():
+        parents = [0] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, 16)]
+        paths = [[0]]
+        for i in range(1, 16):
+            paths.append(paths[parents[i]] + [i])
+        masks = torch.zeros(16, 16, dtype=torch.bool)
+        for i, path in enumerate(paths):
+            masks[i, path] = True
+        masks = masks.cuda()
+        layer.data.copy_(case.layer.data)
+        table = case.tables[0].array
+        step = BatchLayout.for_tokens([16], [history + 16], [table], 16, causal=True, expected_kv_len=expected)
+        step = step.with_query_masks(masks[None])
+        if backend.graph_fits(tree.slot, lambda: step.kv_lens, expected):
+            rows = tree.run(step, case.q, case.new_k, case.new_v)
+        else:
+            eager.append(history)
+            backend.plan(step)
+            backend.write_kv(layer, case.new_k, case.new_v)
+            rows = backend.attend(case.q, layer).clone()
+        reference = PagedCase([history], [16], [16], True, page_size=16, kv_dtype=KV_DTYPES[kv], device="cuda",
+                              dtype=torch.bfloat16, scales=scales, seed=history)
+        reference.layout = reference.layout.with_query_masks(masks[None])
+        err = rel_error(rows, run(TorchBackend(HQ, HKV, D, D ** -0.5, device="cuda"), reference))
+        print(f"lone tree node rows {kv} history {history}: rel err {err:.2e}")
+        assert err <= REL_BOUND
+        for i, path in enumerate(paths):
+            layer.data.copy_(case.layer.data)
+            if len(path) > 1:  # the ancestors' K/V at the positions before the node's, as decoding wrote them
+                positions = torch.arange(history, history + len(path) - 1)
+                pages = torch.tensor(table, device="cuda")[positions // 16]
+                layer.write(pages, (positions % 16).cuda(), case.new_k[path[:-1]], case.new_v[path[:-1]])
+            one = BatchLayout.for_tokens([1], [history + len(path)], [table], 16, causal=True,
+                                         expected_kv_len=expected)
+            row = decode.run(one, case.q[i:i + 1], case.new_k[i:i + 1], case.new_v[i:i + 1])
+            assert torch.equal(row[0], rows[i]), f"history {history}, node {i} at depth {len(path) - 1}"
+    if backend.split_items == 132:
+        assert eager == [295]  # tokens 296-311 cross the chunk boundary at 304
+
+
 # (history, new_kv, q_lens, causal): short ones, and long ones, where a plan would split each request's KV
 UPPER_BOUND_CASES = {"verify_page_boundaries": CASES["verify_page_boundaries"],
                      "noncausal_context_plus_block": CASES["noncausal_context_plus_block"],
