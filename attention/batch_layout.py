@@ -47,6 +47,9 @@ class BatchLayout:
     # the query masks already packed as `pack_tree_masks` packs them, for at least batch_size requests (made where the
     # masks are, e.g. in the CUDA graph that builds the trees); None: packed when asked for
     packed_masks: torch.Tensor | None = None
+    # with query masks of a lone request whose shape the host knows (a tree whose nodes form one chain): each row's
+    # depth, row i's i (False: the shape is on the device only)
+    chain_masks: bool = False
 
     @classmethod
     def build(cls, q_lens, kv_lens, new_kv_lens, page_tables, page_size: int, causal: bool,
@@ -63,15 +66,17 @@ class BatchLayout:
         indices = np.concatenate([_int32(t[:n]) for t, n in zip(page_tables, used.tolist())]) if len(q) else _int32([])
         return cls(q, kv, new, indices, page_size, causal, expected_kv_len=expected_kv_len)
 
-    def with_query_masks(self, masks: torch.Tensor, packed: torch.Tensor | None = None) -> "BatchLayout":
+    def with_query_masks(self, masks: torch.Tensor, packed: torch.Tensor | None = None,
+                         chain: bool = False) -> "BatchLayout":
         """The same step with each query seeing only the new rows `masks` allows (see `query_masks`); `packed`: the
-        same masks packed (`packed_masks`), if already made."""
+        same masks packed (`packed_masks`), if already made; `chain`: the masks are known to be causal order (see
+        `chain_masks`)."""
         q = int(self.q_lens.max())
         if (not self.causal or tuple(masks.shape) != (self.batch_size, q, q) or masks.dtype != torch.bool
                 or (self.q_lens != self.new_kv_lens).any()):
             raise ValueError(f"query masks need a causal layout whose new rows all have queries, and a bool "
                              f"mask of shape {(self.batch_size, q, q)}; got {masks.dtype} {tuple(masks.shape)}")
-        return replace(self, query_masks=masks, packed_masks=packed)
+        return replace(self, query_masks=masks, packed_masks=packed, chain_masks=chain)
 
     def tree_context(self) -> "BatchLayout":
         """A token-tree step's context part: the same queries, each seeing all of its request's KV before the

@@ -324,7 +324,8 @@ class FlashInferBackend(AttentionBackend):
         and the plan's extra arguments."""
         if self.node_rows(layout):
             split, q = self.rows_split_pages(layout), int(layout.q_lens[0])
-            depths = np.full(q, q - 1) if depths is None else depths
+            if depths is None:  # a chain's own depths where the host knows them, else every node at the deepest
+                depths = np.arange(q) if layout.chain_masks else np.full(q, q - 1)
             return (node_rows_layout(layout, depths, split, padding_page, self.node_pages_host),
                     dict(fixed_split_size=split, uniform_q_len=None))
         if layout.query_masks is not None:
@@ -344,7 +345,7 @@ class FlashInferBackend(AttentionBackend):
         tree = layout.query_masks is not None and not nodes
         # node rows planned for each node's own length: the tree's depths read back (an eager step, not on the path of
         # graph steps)
-        depths = (layout.query_masks[0].sum(dim=1) - 1).cpu().numpy() if nodes else None
+        depths = (layout.query_masks[0].sum(dim=1) - 1).cpu().numpy() if nodes and not layout.chain_masks else None
         # what the paged wrappers attend over (padding rows, if any, read the request's first page: never used)
         padding_page = int(layout.kv_indices[0]) if len(layout.kv_indices) else 0
         planned, extra = self._planned(layout, padding_page, depths)

@@ -41,6 +41,9 @@ from specdec.runtime.cuda_graphs import BatchGraphs, ladder_sizes
 from specdec.runtime.target_runner import PrefillChunks, TargetRunner, TreeRows
 
 CANDIDATES_PER_POSITION = 4
+# the log-probability that keeps a candidate out of every tree of at most the block's positions in nodes: the first
+# candidates' paths score above it
+NOT_A_CANDIDATE = -1e9
 
 
 class TreeDecoding:
@@ -130,6 +133,11 @@ class TreeDecoding:
         # drafts first: the drafter reads the last step's features, which this step's forwards overwrite
         for buffer, candidates in zip(self.candidates, self.drafter.propose_candidates(running)):
             buffer[:batch].copy_(candidates)
+        # a lone request's tree whose rows would straddle a KV chunk boundary: its first candidates alone, one chain,
+        # whose shape the host knows, so its node rows replay the graph (any other shape there runs eagerly)
+        chain = batch == 1 and self.runner.lone_tree_declined([running[0].target_pages], self.nodes_for(1) + 1)
+        if chain:
+            self.candidates[0][:1, :, 1:] = NOT_A_CANDIDATE
         tokens, _, depths, _, _, masks, packed = self.building.run(batch)
         rung = self.building.rung_for(batch)
         if rung is not None:  # every row of the rung: a verify replayed at that rung reads its padding rows' too
@@ -138,7 +146,7 @@ class TreeDecoding:
         self.verify_length = nodes
         starts = [r.num_cached for r in running]
         out = self.runner.run_tree([r.target_pages for r in running], [r.pending_token for r in running],
-                                   TreeRows(tokens, depths, masks, packed.view(-1)))
+                                   TreeRows(tokens, depths, masks, packed.view(-1), chain))
         self.chosen[:batch * nodes].copy_(sample_block(out, running, nodes).view(-1))
         path, accepted, bonus, path_tokens, chain = self.acceptance.run(batch)
         # the anchor's and the path's features, request i's at rows i * block_size on: gathered before the

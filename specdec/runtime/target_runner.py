@@ -73,6 +73,7 @@ class TreeRows:
     depths: torch.Tensor
     masks: torch.Tensor
     packed: torch.Tensor | None = None
+    chain: bool = False  # a lone request's nodes form one chain (node i at depth i): the host knows the tree's shape
 
 
 @dataclass
@@ -337,10 +338,9 @@ class TargetRunner(ModelRunner):
         batch, q = len(tables), tree.tokens.shape[1] + 1
         rung = self.rung_for(TREE_STEP, batch)
         starts = table_lengths(tables)
-        if (rung is None or self.tree_q(rung) != q
-                or self._rung_declines(q, starts, TREE_STEP, tables[0].expected_length if batch == 1 else 0)):
+        if rung is None or self.tree_q(rung) != q or (not tree.chain and self.lone_tree_declined(tables, q, starts)):
             return self._run_mixed(tables, anchors, tree.tokens, q, None, tree=tree)
-        layout = self._grow(tables, [q] * batch, starts).with_query_masks(tree.masks, tree.packed)
+        layout = self._grow(tables, [q] * batch, starts).with_query_masks(tree.masks, tree.packed, tree.chain)
         inputs = self.tree_inputs
         ids = np.zeros((batch, q), dtype=np.int64)
         ids[:, 0] = anchors
@@ -354,6 +354,14 @@ class TargetRunner(ModelRunner):
 
         self.dispatch(TREE_STEP, batch, layout, inputs, self._tree_body, after_upload=tree_into_inputs)
         return self._block_output(batch * q)
+
+    def lone_tree_declined(self, tables: list[PageTable], q: int, starts: np.ndarray | None = None) -> bool:
+        """Whether the tree step's graph rung declines a lone request's tree of q rows after these tables (lengths
+        `starts`, if read already) whatever its shape: its nodes attend as node rows, and a KV chunk boundary falls
+        between the shallowest and the deepest one (`AttentionBackend.graph_fits`). A tree whose nodes form one chain
+        (`TreeRows.chain`) it replays."""
+        starts = table_lengths(tables) if starts is None else starts
+        return len(tables) == 1 and self._rung_declines(q, starts, TREE_STEP, tables[0].expected_length)
 
     def _tree_body(self, batch: int) -> None:
         """The token-tree verify of `batch` requests (a graph rung): RoPE at each node's depth past the anchor."""
@@ -393,7 +401,7 @@ class TargetRunner(ModelRunner):
             raise ValueError(f"a step of {total} tokens exceeds the {self.max_step_tokens} the runner was sized for")
         layout = replace(self._grow([*tables, *chunk_tables], [q] * len(tables) + chunk_lens), prompts=len(chunk_lens))
         if tree is not None:
-            layout = layout.with_query_masks(tree.masks, tree.packed)
+            layout = layout.with_query_masks(tree.masks, tree.packed, tree.chain)
         self.attn.plan(layout, write_slots=False)  # the step writes K/V to the slots staged here
         # what attention reads as this step's slots between the pieces (a token tree's rows, read back)
         self.attn.set_write_slots(self.mixed.inputs["pages"], self.mixed.inputs["offsets"])

@@ -480,8 +480,13 @@ def test_a_lone_tree_rung_plans_the_deepest_node_and_the_step_makes_each_nodes_o
     assert buffers[2].tolist()[:9] == kv_indices.tolist()[:9] and buffers[2].tolist()[9:13] == [15] * 4
     assert backend.graph_fits(slot, lambda: np.array([13]), 20)
     assert not backend.graph_fits(slot, lambda: np.array([18]), 20)  # tokens 16-18: pages 4 and 5, chunks of 2 pages
-    backend.plan_graph(slot, branching_tree_step(14), scratch_page=15)  # the same chunks: the plan is kept
-    assert len(paged.plans) == 1
+    # there a tree whose nodes form one chain (the host knows their depths) is planned at each node's own length
+    chain = BatchLayout.for_tokens([3], [18], [list(range(8))], 4, causal=True, expected_kv_len=20)
+    backend.plan_graph(slot, chain.with_query_masks(torch.ones(1, 3, 3, dtype=torch.bool).tril(), chain=True), 15)
+    assert paged.lengths[-1] == ([16, 17, 18, 16], 1, 18)
+    backend.plan_graph(slot, branching_tree_step(14), scratch_page=15)  # after the chain's plan: planned again
+    backend.plan_graph(slot, branching_tree_step(13), scratch_page=15)  # the same chunks as the plan before: kept
+    assert len(paged.plans) == 3
     with pytest.raises(ValueError, match="node rows"):
         backend.plan_graph(slot, BatchLayout.for_tokens([3], [13], [list(range(8))], 4, causal=True), 15)
 

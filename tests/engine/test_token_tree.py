@@ -121,6 +121,20 @@ def test_one_candidate_per_position_is_the_chain():
     assert bonus.tolist() == want_bonus.tolist() == [998, 998, 999]
 
 
+def test_candidates_past_the_first_kept_out_make_the_chain_in_depth_order():
+    """What a lone tree step does where its node rows would straddle a KV chunk boundary: every candidate past each
+    position's first scored NOT_A_CANDIDATE, the tree of as many nodes as positions is the chain, node i at depth i
+    (the host then knows its shape), with a mask in causal order."""
+    from specdec.engine.tree_speculator import NOT_A_CANDIDATE
+
+    logprobs, tokens = candidates(2, 15, 4, seed=5)
+    logprobs[:, :, 1:] = NOT_A_CANDIDATE
+    tree = TokenTree.build(logprobs, tokens, 15)
+    assert tree.parents.tolist() == [list(range(15))] * 2 and tree.depths.tolist() == [list(range(1, 16))] * 2
+    assert torch.equal(tree.tokens, tokens[:, :, 0]) and (tree.ranks == 0).all()
+    assert torch.equal(tree.attention_mask(), torch.ones(2, 16, 16, dtype=torch.bool).tril())
+
+
 def test_one_forward_over_a_tree_gives_each_node_the_logits_of_its_own_path(tmp_path):
     """The target verifies a whole tree at once: K/V written in node order, RoPE at the anchor's position
     plus each node's depth, each node attending to the context, its ancestors and itself. Every node's

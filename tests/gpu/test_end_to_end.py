@@ -176,9 +176,9 @@ def test_token_trees_equal_autoregressive(verify):
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_small_token_trees_at_batch_one_equal_autoregressive(kv):
     """Trees of 15 nodes (16 rows) for a lone request run as node rows (attention/node_rows.py): each node attends
-    over the context and its path in a decode's KV chunks, so token for token what plain decoding gives, through the
-    tree rung's graph and, where a KV chunk boundary falls inside a tree, the eager step that plans each node's own
-    length."""
+    over the context and its path in a decode's KV chunks, so token for token what plain decoding gives. Every step
+    replays the tree rung's graph: where a KV chunk boundary falls inside a tree, the tree is the chain of first
+    candidates, whose shape the host plans."""
     from tests.drafter_helpers import ScriptedTreeDrafter
 
     common = dict(device="cuda", num_kv_pages=2048, attention_backend="flashinfer", kv_cache_dtype=kv,
@@ -194,11 +194,14 @@ def test_small_token_trees_at_batch_one_equal_autoregressive(kv):
     run_mixed, eager_trees = runner._run_mixed, []
     runner._run_mixed = lambda *args, tree=None, **kwargs: (
         eager_trees.append(tree is not None), run_mixed(*args, tree=tree, **kwargs))[1]
+    run_tree, chains = runner.run_tree, []
+    runner.run_tree = lambda tables, anchors, tree: (chains.append(tree.chain), run_tree(tables, anchors, tree))[1]
     spec = spec_llm.generate(PROMPTS, params, chat=True)
     summary = spec_llm.last_summary
     print(json.dumps({"label": f"tree15-node-rows-{kv}", "tau": summary.tau_mean_of_requests,
-                      "eager_tree_steps": sum(eager_trees), "verify_steps": summary.verify_steps}))
-    assert summary.verified_per_step == 16 and sum(eager_trees) > 0  # both the graph and the eager path ran
+                      "chain_shaped_steps": sum(chains), "tree_steps": len(chains)}))
+    assert summary.verified_per_step == 16 and not any(eager_trees)
+    assert 0 < sum(chains) < len(chains)  # trees of every shape, and chains at the KV chunk boundaries
     for i, (a, s) in enumerate(zip(ar, spec)):
         assert s.token_ids == a.token_ids, f"prompt {i}"
     assert spec_llm.engine.pool.num_free == spec_llm.engine.pool.num_pages

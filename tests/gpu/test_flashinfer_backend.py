@@ -403,7 +403,7 @@ def test_a_lone_trees_node_rows_have_the_bits_of_the_decodes_along_each_path(kv)
             row = decode.run(one, case.q[i:i + 1], case.new_k[i:i + 1], case.new_v[i:i + 1])
             assert torch.equal(row[0], rows[i]), f"history {history}, node {i} at depth {len(path) - 1}"
     if backend.split_items == 132:
-        assert eager == [295]  # tokens 296-311 cross the chunk boundary at 304
+        assert eager == [295, 1510]  # tokens 296-311 and 1511-1526 cross the chunk boundaries at 304 and 1520
 
 
 # (history, new_kv, q_lens, causal): short ones, and long ones, where a plan would split each request's KV
