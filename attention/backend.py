@@ -69,8 +69,8 @@ class AttentionBackend(ABC):
         return True
 
     def spare_pages_wanted(self, page_size: int) -> int:
-        """KV pages of its own (outside the pool) the backend would use for token trees (`use_spare_pages`). None
-        by default."""
+        """KV pages of its own (outside the pool) the backend would use for token trees (`use_spare_pages`); 0 by
+        default."""
         return 0
 
     def use_spare_pages(self, pages: list[int]) -> None:

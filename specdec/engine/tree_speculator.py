@@ -135,8 +135,8 @@ class TreeDecoding:
             buffer[:batch].copy_(candidates)
         # a lone request's tree whose rows would straddle a KV chunk boundary: its first candidates alone, one chain,
         # whose shape the host knows, so its node rows replay the graph (any other shape there runs eagerly)
-        chain = batch == 1 and self.runner.lone_tree_declined([running[0].target_pages], self.nodes_for(1) + 1)
-        if chain:
+        chain_shaped = batch == 1 and self.runner.lone_tree_declined([running[0].target_pages], self.nodes_for(1) + 1)
+        if chain_shaped:
             self.candidates[0][:1, :, 1:] = NOT_A_CANDIDATE
         tokens, _, depths, _, _, masks, packed = self.building.run(batch)
         rung = self.building.rung_for(batch)
@@ -146,7 +146,7 @@ class TreeDecoding:
         self.verify_length = nodes
         starts = [r.num_cached for r in running]
         out = self.runner.run_tree([r.target_pages for r in running], [r.pending_token for r in running],
-                                   TreeRows(tokens, depths, masks, packed.view(-1), chain))
+                                   TreeRows(tokens, depths, masks, packed.view(-1), chain_shaped))
         self.chosen[:batch * nodes].copy_(sample_block(out, running, nodes).view(-1))
         path, accepted, bonus, path_tokens, chain = self.acceptance.run(batch)
         # the anchor's and the path's features, request i's at rows i * block_size on: gathered before the
