@@ -56,8 +56,9 @@ as node rows (`attention/node_rows.py`): one query row per node over the context
 which every layer fills with the context's tail and the node's path before it attends, in the query rows' KV chunks:
 each node gets the bits of a decode at its position. The tree's shape is on the device only, so a graph rung plans
 every node at the deepest node's length and the step writes each node's real page metadata from the masks
-(`use_device_tree`); a tree whose nodes would not all have the deepest node's KV chunk count is declined by the rung
-(`graph_fits`) and runs eagerly, where the plan reads the depths back.
+(`use_device_tree`); where its nodes would not all have the deepest node's KV chunk count the rung declines a tree of
+any shape (`graph_fits`), and takes one whose nodes form a chain (`BatchLayout.chain_masks`: the host plans their
+depths; the tree step makes its tree so there). An eager plan reads the depths back.
 Any other token-tree step (`BatchLayout.query_masks`) is attended in two parts merged by their log-sum-exps
 (`flashinfer.merge_state_in_place`), as cascade attention does: the context, every query over its request's
 KV before the step (the paged fa2 wrappers, no mask, split over the KV like any fa2 step), and the tree, every

@@ -17,7 +17,8 @@ The tree's shape exists only on the device (built inside a CUDA graph), so a gra
 the deepest node's length and writes each node's real page metadata on the device
 (`attention.batch_layout.real_page_metadata`). FlashInfer derives its work items from each request's number
 of KV chunks, so that plan holds only while every node has as many chunks as the deepest one
-(`chunks_agree`); an eager step reads the depths back and plans each node's own length.
+(`chunks_agree`). Elsewhere a graph step takes a tree whose nodes form a chain (their depths known on the host),
+and an eager step reads the depths back and plans each node's own length.
 """
 
 from __future__ import annotations
