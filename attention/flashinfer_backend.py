@@ -125,7 +125,8 @@ class GraphSlot:
     planned once per tree size (later steps write only their masks)."""
 
     def __init__(self, backend: "FlashInferBackend", batch_size: int, max_pages: int, fa2: bool,
-                 tree_size: int = 0, rows: int = 0, one_piece: bool = False, node_rows: bool = False):
+                 tree_size: int = 0, rows: int = 0, one_piece: bool = False, node_rows: bool = False,
+                 page_size: int = 0):
         dev = backend.device
         self.batch_size = batch_size
         self.one_piece = one_piece  # each request's KV in one piece: the plan depends on the query counts alone
@@ -133,6 +134,7 @@ class GraphSlot:
         self.tree = tree_size > 0
         self.rows = rows  # a lone request's rung planned as its query rows: queries per step (0: not such a rung)
         self.node_rows = node_rows  # those rows are a token tree's nodes (`attention/node_rows.py`)
+        self.page_size = page_size  # a node-rows rung's steps' (what its KV chunk check counts pages in)
         # what the paged wrappers read: the step's own metadata, or a tree's context part's, or the query rows'
         # (one request per query, one without; each at most the longest request's pages, the last two chunks, which
         # round up to a page more at most); sent in one copy per plan, the page indices last
@@ -224,7 +226,6 @@ class FlashInferBackend(AttentionBackend):
         # cache holds their node pages (`use_spare_pages`): [LONE_ROWS_MAX, pages per node], on the device and the host
         self.node_pages: torch.Tensor | None = None
         self.node_pages_host: np.ndarray | None = None
-        self.page_size = 0  # the cache's, given with the node pages asked for
         # the planned node-rows step's copies into its node pages, run by every layer before it attends (None: not
         # such a step); a graph step makes them on the device (`use_device_tree`)
         self.node_copies: NodeRowCopies | None = None
@@ -266,7 +267,6 @@ class FlashInferBackend(AttentionBackend):
 
     def spare_pages_wanted(self, page_size: int) -> int:
         """Node pages for a lone request's trees of up to LONE_ROWS_MAX rows, where its steps run as query rows."""
-        self.page_size = page_size
         return LONE_ROWS_MAX * node_pages_per_row(page_size, LONE_ROWS_MAX) if self.rows_capable() else 0
 
     def use_spare_pages(self, pages: list[int]) -> None:
@@ -287,8 +287,8 @@ class FlashInferBackend(AttentionBackend):
         the deepest, would not serve the others: `chunks_agree`)."""
         if slot.node_rows:
             kv = int(kv_lens()[0])
-            split = split_pages_for(expected_kv_len, kv, self.page_size, self.split_items)
-            return chunks_agree(kv - slot.rows, slot.rows, self.page_size, split)
+            split = split_pages_for(expected_kv_len, kv, slot.page_size, self.split_items)
+            return chunks_agree(kv - slot.rows, slot.rows, slot.page_size, split)
         return not slot.one_piece or self.one_piece_suits(kv_lens())
 
     def one_piece_suits(self, kv_lens) -> bool:
@@ -386,7 +386,8 @@ class FlashInferBackend(AttentionBackend):
         rows = int(example.q_lens[0]) if batch_size == 1 and (self.lone_rows(example) or nodes) else 0
         return GraphSlot(self, batch_size, max_pages, self.fa2(example),
                          tree_size=int(example.q_lens.max()) if tree else 0, rows=rows,
-                         one_piece=self.one_piece(example), node_rows=nodes)
+                         one_piece=self.one_piece(example), node_rows=nodes,
+                         page_size=example.page_size if nodes else 0)
 
     def plan_graph(self, slot: GraphSlot, layout: BatchLayout, scratch_page: int) -> None:
         """A graph replay: `layout` padded to the slot's batch size goes into the slot's buffers. The
