@@ -243,26 +243,32 @@ def test_a_tree_graph_rung_attends_as_the_reference_for_every_step_it_replays(kv
 
 class LoneRung:
     """A lone request's graph rung of q queries over one layer: captured at its first run (on the dummy layout,
-    whose KV is one chunk), then each run plans the step's layout into it and replays."""
+    whose KV is one chunk), then each run plans the step's layout into it and replays. With `tree`, a token-tree
+    rung: the dummy has query masks, and the step first makes its node rows' page metadata and copies from the masks
+    on the device (`use_device_tree`), as the target's tree step does."""
 
-    def __init__(self, backend, layer, q: int, scratch: int):
+    def __init__(self, backend, layer, q: int, scratch: int, tree: bool = False):
         from attention.batch_layout import slots_on_device
 
         self.backend, self.layer, self.scratch = backend, layer, scratch
-        self.slot = backend.graph_slot(1, 256, BatchLayout.dummy(1, q, q, 16, scratch, True))
-        assert self.slot.rows == q
+        dummy = BatchLayout.dummy(1, q, q, 16, scratch, True)
+        if tree:
+            dummy = dummy.with_query_masks(torch.ones(q, q, dtype=torch.bool, device="cuda").tril()[None])
+        self.slot = backend.graph_slot(1, 256, dummy)
+        assert self.slot.rows == q and self.slot.node_rows == tree
         self.queries = torch.zeros(q, HQ, D, dtype=torch.bfloat16, device="cuda")
         self.keys, self.values = (torch.zeros(q, HKV, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
         self.positions = torch.zeros(q, dtype=torch.long, device="cuda")
         self.requests = torch.zeros(q, dtype=torch.long, device="cuda")  # held: the graph reads it
 
         def forward():
+            backend.use_device_tree()  # a no-op but for a tree rung
             backend.set_write_slots(*slots_on_device(backend.kv_indices, backend.kv_indptr, self.requests,
                                                      self.positions, 16))
             backend.write_kv(layer, self.keys, self.values)
             return backend.attend(self.queries, layer)
 
-        backend.plan_graph(self.slot, BatchLayout.dummy(1, q, q, 16, scratch, True), scratch)
+        backend.plan_graph(self.slot, dummy, scratch)
         self.positions.copy_(torch.arange(q))
         forward()  # warm-up outside the graph
         self.graph = torch.cuda.CUDAGraph()
@@ -316,38 +322,6 @@ def test_a_lone_requests_verify_rows_have_the_bits_of_its_decodes(kv):
         assert plans.count(verify.slot) == 4 and plans.count(decode.slot) == 4
 
 
-class LoneTreeRung(LoneRung):
-    """A lone request's token-tree rung of q rows planned as node rows: the step first makes its nodes' page metadata
-    and copies from the masks on the device (`use_device_tree`), as the target's tree step does."""
-
-    def __init__(self, backend, layer, q: int, scratch: int):
-        from attention.batch_layout import slots_on_device
-
-        self.backend, self.layer, self.scratch = backend, layer, scratch
-        masks = torch.ones(q, q, dtype=torch.bool, device="cuda").tril()[None]
-        dummy = BatchLayout.dummy(1, q, q, 16, scratch, True).with_query_masks(masks)
-        self.slot = backend.graph_slot(1, 256, dummy)
-        assert self.slot.node_rows and self.slot.rows == q
-        self.queries = torch.zeros(q, HQ, D, dtype=torch.bfloat16, device="cuda")
-        self.keys, self.values = (torch.zeros(q, HKV, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-        self.positions = torch.zeros(q, dtype=torch.long, device="cuda")
-        self.requests = torch.zeros(q, dtype=torch.long, device="cuda")
-
-        def forward():
-            backend.use_device_tree()
-            backend.set_write_slots(*slots_on_device(backend.kv_indices, backend.kv_indptr, self.requests,
-                                                     self.positions, 16))
-            backend.write_kv(layer, self.keys, self.values)
-            return backend.attend(self.queries, layer)
-
-        backend.plan_graph(self.slot, dummy, scratch)
-        self.positions.copy_(torch.arange(q))
-        forward()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = forward()
-
-
 @pytest.mark.parametrize("kv", sorted(KV_DTYPES))
 def test_a_lone_trees_node_rows_have_the_bits_of_the_decodes_along_each_path(kv):
     """A lone request's token tree of 16 rows (random parents), replayed from a node-rows rung captured once on a
@@ -364,7 +338,7 @@ def test_a_lone_trees_node_rows_have_the_bits_of_the_decodes_along_each_path(kv)
                           dtype=torch.bfloat16, scales=scales, seed=h, spare_pages=spare) for h in (30, 295, 1500, 1510)}
     layer, scratch = cases[30].layer, cases[30].kv.scratch_page  # the graphs' cache: each case's copied in
     backend.use_spare_pages(cases[30].kv.spare_page_ids)
-    tree, decode = LoneTreeRung(backend, layer, 16, scratch), LoneRung(backend, layer, 1, scratch)
+    tree, decode = LoneRung(backend, layer, 16, scratch, tree=True), LoneRung(backend, layer, 1, scratch)
     eager = []
     for history, case in cases.items():
         parents = [0] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, 16)]
