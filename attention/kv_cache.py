@@ -154,6 +154,11 @@ class KVCache:
         self.stacked = {d: torch.zeros(self.layer_dtypes.count(d), *shape, dtype=d, device=device)
                         for d in dict.fromkeys(self.layer_dtypes)}
         views = {d: iter(stacked) for d, stacked in self.stacked.items()}  # each dtype's layers in order
+        # per dtype, the row (`move_rows`) of each (layer, K or V) at slot 0 of page 0: [layers, K or V], made once
+        # (a tree step's moves would launch its few kernels at every step)
+        self._first_rows = {d: (torch.arange(len(stacked), device=device)[:, None] * shape[0] * 2
+                                + torch.arange(2, device=device)[None, :]) * page_size
+                            for d, stacked in self.stacked.items()}
         self.layers = [LayerKV(next(views[d])) for d in self.layer_dtypes]
 
     @property
@@ -175,16 +180,14 @@ class KVCache:
         or V, offset) each: indexed over its layer dimension too, a cache of more than 2^31 elements took one kernel
         launch per layer for the read and another for the write (torch splits such an indexed copy into parts that
         32-bit offsets address), ~0.2 ms of a tree step of the default target on an H200."""
-        for stacked in self.stacked.values():
-            raw = stacked.view(torch.uint8) if stacked.dtype == FP8_DTYPE else stacked
+        for dtype, stacked in self.stacked.items():
+            raw = stacked.view(torch.uint8) if dtype == FP8_DTYPE else stacked
             layers, pages, kinds, page_size = raw.shape[:4]
             rows = raw.view(layers * pages * kinds * page_size, -1)
-            device = raw.device
-            # row of (layer, K or V) at slot 0 of page 0, plus each slot's (page, offset): [layers, K or V, slots]
-            first = (torch.arange(layers, device=device)[:, None] * pages * kinds
-                     + torch.arange(kinds, device=device)[None, :]) * page_size
+            first = self._first_rows[dtype]
 
             def row_index(slot_pages: torch.Tensor, slot_offsets: torch.Tensor) -> torch.Tensor:
+                # each (layer, K or V)'s first row plus each slot's (page, offset): [layers, K or V, slots]
                 return (first[:, :, None] + (slot_pages * kinds * page_size + slot_offsets)[None, None, :]).flatten()
 
             rows[row_index(dst_pages, dst_offsets)] = rows[row_index(src_pages, src_offsets)]

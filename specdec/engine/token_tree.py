@@ -51,10 +51,11 @@ class TokenTree:
         device = logprobs.device
         keys, chosen_all, widths = [], [], []
         beam_key = torch.zeros(batch, 1, dtype=logprobs.dtype, device=device)  # the anchor
+        steps = logprobs - DEPTH_TIEBREAK  # once for every depth: each kernel of the loop costs a launch n times
         # per depth: the key of every extension of the beam by each of position d's candidates, the best
         # `budget` kept; chosen = parent's index in the beam * k + the candidate's rank
         for d in range(n):
-            key = (beam_key[:, :, None] + (logprobs[:, d, None, :] - DEPTH_TIEBREAK)).flatten(1)
+            key = (beam_key[:, :, None] + steps[:, d, None, :]).flatten(1)
             beam_key, chosen = key.topk(min(budget, key.shape[1]), dim=1)
             keys.append(beam_key)
             chosen_all.append(chosen)
@@ -84,15 +85,15 @@ class TokenTree:
         return torch.cat([torch.full_like(values[:, :1], anchor_value), values], dim=1)
 
     def attention_mask(self) -> torch.Tensor:
-        """[B, N+1, N+1] bool: row i (node i, 0 the anchor) sees column j iff j is i or an ancestor of i."""
-        parents = self._with_anchor(self.parents, 0)  # the anchor is its own parent
-        batch, nodes = parents.shape
-        rows = torch.arange(nodes, device=parents.device)
-        mask = torch.zeros(batch, nodes, nodes, dtype=torch.bool, device=parents.device)
-        ancestor = rows.expand(batch, nodes)
-        for _ in range(self.max_depth + 1):  # itself, then one generation up per pass (the anchor repeats)
-            mask.scatter_(2, ancestor[:, :, None], True)
-            ancestor = parents.gather(1, ancestor)
+        """[B, N+1, N+1] bool: row i (node i, 0 the anchor) sees column j iff j is i or an ancestor of i. By pointer
+        doubling: after pass t a row holds its ancestors up to 2^t - 1 generations up and `jump` is each node's
+        ancestor 2^t up, so log2 of the depth passes of three kernels each (one pass per generation took two)."""
+        jump = self._with_anchor(self.parents, 0)  # one generation up; the anchor is its own parent
+        batch, nodes = jump.shape
+        mask = torch.eye(nodes, dtype=torch.bool, device=jump.device).expand(batch, nodes, nodes)
+        for _ in range(max(self.max_depth, 1).bit_length()):  # 2^passes - 1 >= max_depth generations
+            mask = mask | mask.gather(1, jump[:, :, None].expand(batch, nodes, nodes))
+            jump = jump.gather(1, jump)
         return mask
 
     def accept(self, target_tokens: torch.Tensor, mask: torch.Tensor | None = None
