@@ -73,6 +73,12 @@ class AttentionBackend(ABC):
         default."""
         return 0
 
+    def exact_tree_rows(self) -> int:
+        """The most rows (the anchor and the nodes) of a lone request's token tree whose every node the backend
+        attends with the bits of a decode at its position (the FlashInfer backend's node rows), where larger trees'
+        attention only rounds like a decode's; 0: every tree it attends is as exact as its decodes (the default)."""
+        return 0
+
     def use_spare_pages(self, pages: list[int]) -> None:
         """The pages `spare_pages_wanted` asked for, allocated with the cache (`KVCache.spare_page_ids`)."""
 

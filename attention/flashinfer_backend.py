@@ -269,6 +269,9 @@ class FlashInferBackend(AttentionBackend):
         """Node pages for a lone request's trees of up to LONE_ROWS_MAX rows, where its steps run as query rows."""
         return LONE_ROWS_MAX * node_pages_per_row(page_size, LONE_ROWS_MAX) if self.rows_capable() else 0
 
+    def exact_tree_rows(self) -> int:
+        return LONE_ROWS_MAX if self.rows_capable() else 0
+
     def use_spare_pages(self, pages: list[int]) -> None:
         self.node_pages_host = np.asarray(pages, dtype=np.int32).reshape(LONE_ROWS_MAX, -1)
         self.node_pages = torch.from_numpy(self.node_pages_host.astype(np.int64)).to(self.device)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A lone request's small token trees as node rows on one GPU machine, as a background job that outlives single device
-# calls: their GPU tests (SmolLM2), math500 and HumanEval at batch 1 with the chain, trees of 63 nodes (context and tree
-# parts), trees of 15 nodes (node rows) and auto, each run pinned to one core, then the whole GPU test suite.
+# calls: their GPU tests (SmolLM2), math500 and HumanEval at batch 1 with the chain, trees (a lone request's: 15 nodes,
+# node rows, whatever --tree-nodes asks) and auto, each run pinned to one core, then the whole GPU test suite.
 #   start:  mkdir -p /tmp/nodes && source .gpu/setup.sh && setsid nohup bash scripts/device_node_rows.sh \
 #             > /tmp/nodes/run.log 2>&1 &
 #   watch:  tail /tmp/nodes/run.log; results in /tmp/nodes
@@ -30,10 +30,8 @@ batch1_set() {  # batch1_set SET [ARGS of the chain's run...]
   local set=$1
   shift
   eval_batch1 "$set" chain --verify chain "$@"
-  eval_batch1 "$set" tree63 --verify tree
-  eval_batch1 "$set" tree15 --verify tree --tree-nodes 15
+  eval_batch1 "$set" tree --verify tree
   eval_batch1 "$set" auto --verify auto
-  eval_batch1 "$set" auto15 --verify auto --tree-nodes 15
 }
 wanted math500 && batch1_set math500 --baseline
 wanted all-tests && gpu_suite

@@ -161,8 +161,12 @@ class TargetRunner(ModelRunner):
 
     def tree_q(self, size: int) -> int:
         """Tokens per request (the anchor and the nodes) of a token-tree step of `size` requests: a tree of
-        up to tree_nodes nodes, fewer as the batch grows so that the step fits the block rows."""
-        return min(self.tree_nodes, self.logits_out.shape[0] // size - 1) + 1
+        up to tree_nodes nodes, fewer as the batch grows so that the step fits the block rows. A lone request's tree
+        has at most the rows the backend attends with a decode's bits (`AttentionBackend.exact_tree_rows`), so that
+        greedy trees reproduce plain decoding at batch 1."""
+        nodes = min(self.tree_nodes, self.logits_out.shape[0] // size - 1)
+        exact_rows = self.attn.exact_tree_rows()
+        return (min(nodes, exact_rows - 1) if size == 1 and exact_rows else nodes) + 1
 
     def fixed_steps(self) -> list[FixedStep]:
         """One step per block length q: q new tokens per request (q = 1 decode, q = block size verify), and
@@ -174,7 +178,8 @@ class TargetRunner(ModelRunner):
                             lambda batch, scratch, q=q: BatchLayout.dummy(batch, q, q, self.page_size, scratch, True),
                             q, lambda batch, q=q, per=per: self._budget_body(q, per, batch)) for q, per in self.budgets]
         if self.tree_nodes and self.attn.supports_graphs:
-            steps.append(FixedStep(TREE_STEP, "target tree", self._tree_dummy, self.tree_q(1), self._tree_body,
+            # a request's rows at most: a lone request's tree may be the smaller one (`tree_q`)
+            steps.append(FixedStep(TREE_STEP, "target tree", self._tree_dummy, self.tree_nodes + 1, self._tree_body,
                                    max_rung=TREE_GRAPH_MAX_BATCH))
         return steps
 

@@ -46,6 +46,27 @@ def test_trees_larger_than_the_block_are_exact_and_shrink_with_the_batch(target_
     assert_no_leak(engine)
 
 
+def test_a_lone_requests_tree_has_at_most_the_rows_the_backend_attends_as_decodes(target_dir, tmp_path, monkeypatch):
+    """Where the backend gives a decode's bits only to small trees of a lone request (`exact_tree_rows`: the
+    FlashInfer backend's node rows), a lone request's tree is that small; trees of several requests keep tree_nodes
+    (less as the block rows run out), and both stay exact."""
+    from attention.torch_backend import TorchBackend
+
+    monkeypatch.setattr(TorchBackend, "exact_tree_rows", lambda self: 6)
+    params = SamplingParams(max_new_tokens=30)
+    drafter = dflash_drafter(target_dir, tmp_path, 4)
+    for prompts, max_num_seqs, allowed in (
+            (MANY_PROMPTS[:1], 1, {6}),  # 5 nodes of the 20 asked for
+            (MANY_PROMPTS[:3], 3, {6, 21 // 2, 21 // 3})):  # 20 + 1 block rows: 9 nodes at 2 requests, 6 at 3
+        engine = spec_engine(target_dir, drafter, verify="tree", attention_backend="torch",
+                             max_num_seqs=max_num_seqs, tree_nodes=20, num_kv_pages=64)
+        got = engine.generate_ids(prompts, params)
+        assert [r.output_ids for r in got] == ar_outputs(target_dir, prompts, params)
+        verified = {q for r in got for q in r.stats.verify_lengths}
+        assert verified <= allowed and max(allowed) in verified
+        assert_no_leak(engine)
+
+
 @pytest.mark.parametrize("tree_nodes", [1, 2])
 def test_trees_of_fewer_nodes_than_the_blocks_positions_are_exact(target_dir, tmp_path, tree_nodes):
     """1 or 2 nodes at block 8 (seven draft positions): a path is at most as deep as the tree, and the K/V moves of

@@ -151,10 +151,10 @@ def test_plain_steps_between_chains_are_exact_at_batch_one(drafter_dir):
 
 @pytest.mark.parametrize("verify", ["tree", "auto"])
 def test_token_trees_equal_autoregressive(verify):
-    """Token trees on the GPU path (FlashInfer's fa2 kernels with the trees' custom mask; batch-1 decoding
-    runs fa3, so a near-tie may flip, but nothing more), with a drafter whose corrupted drafts the tree
-    recovers from its second candidates: batched, then one prompt at a time (where auto verifies the whole
-    chain)."""
+    """Token trees on the GPU path (FlashInfer's fa2 kernels with the trees' custom mask; decoding runs other
+    kernels, so a near-tie may flip, but nothing more), with a drafter whose corrupted drafts the tree recovers from
+    its second candidates: batched, then one prompt at a time (where auto verifies the whole chain and a tree is one
+    of node rows: test_token_trees_at_batch_one_equal_autoregressive checks those token for token)."""
     from tests.drafter_helpers import ScriptedTreeDrafter
 
     common = dict(device="cuda", num_kv_pages=2048, attention_backend="flashinfer")
@@ -168,17 +168,17 @@ def test_token_trees_equal_autoregressive(verify):
     ar_one, spec_one = LLM(MODEL, **common, max_num_seqs=1), LLM(MODEL, drafter=drafter, verify=verify,
                                                                   max_num_seqs=1, **common)
     compare(ar_one, spec_one, f"{verify}-scripted-batch-1")
-    if verify == "tree":
-        assert spec_one.last_summary.verified_per_step == 64  # 63 nodes at batch 1
+    if verify == "tree":  # a lone request's tree: the 15 nodes its node rows attend with a decode's bits
+        assert spec_one.last_summary.verified_per_step == 16
     assert spec_one.engine.pool.num_free == spec_one.engine.pool.num_pages
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_small_token_trees_at_batch_one_equal_autoregressive(kv):
-    """Trees of 15 nodes (16 rows) for a lone request run as node rows (attention/node_rows.py): each node attends
-    over the context and its path in a decode's KV chunks, so token for token what plain decoding gives. Every step
-    replays the tree rung's graph: where a KV chunk boundary falls inside a tree, the tree is the chain of first
-    candidates, whose shape the host plans."""
+def test_token_trees_at_batch_one_equal_autoregressive(kv):
+    """A lone request's tree (15 nodes, 16 rows, whatever tree_nodes asks for above that) runs as node rows
+    (attention/node_rows.py): each node attends over the context and its path in a decode's KV chunks, so token for
+    token what plain decoding gives. Every step replays the tree rung's graph: where a KV chunk boundary falls inside
+    a tree, the tree is the chain of first candidates, whose shape the host plans."""
     from tests.drafter_helpers import ScriptedTreeDrafter
 
     common = dict(device="cuda", num_kv_pages=2048, attention_backend="flashinfer", kv_cache_dtype=kv,
@@ -188,7 +188,7 @@ def test_small_token_trees_at_batch_one_equal_autoregressive(kv):
     ar = ar_llm.generate(PROMPTS, params, chat=True)
     script = {tuple(r.prompt_token_ids): r.token_ids for r in ar}
     drafter = ScriptedTreeDrafter(script, 16, ar_llm.engine.model.config.vocab_size, error_rate=0.3)
-    spec_llm = LLM(MODEL, drafter=drafter, verify="tree", tree_nodes=15, **common)
+    spec_llm = LLM(MODEL, drafter=drafter, verify="tree", **common)  # tree_nodes 63 by default
     runner = spec_llm.engine.decoding.runner
     assert runner.ladders["tree"].slot(1).node_rows
     run_mixed, eager_trees = runner._run_mixed, []
