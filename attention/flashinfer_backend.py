@@ -384,22 +384,27 @@ class FlashInferBackend(AttentionBackend):
     def graph_slot(self, batch_size: int, max_pages: int, example: BatchLayout | None = None) -> GraphSlot:
         """The buffers and wrappers of one rung; `example` (a layout of the steps it will replay, padded to
         its size) picks the kernel its graph is captured with, and a token-tree rung's tree size."""
-        nodes = batch_size == 1 and self.node_rows(example)
-        tree = example is not None and example.query_masks is not None and not nodes
-        rows = int(example.q_lens[0]) if batch_size == 1 and (self.lone_rows(example) or nodes) else 0
+        nodes, tree, rows = self._step_kind(example)
         return GraphSlot(self, batch_size, max_pages, self.fa2(example),
                          tree_size=int(example.q_lens.max()) if tree else 0, rows=rows,
                          one_piece=self.one_piece(example), node_rows=nodes,
                          page_size=example.page_size if nodes else 0)
+
+    def _step_kind(self, layout: BatchLayout | None) -> tuple[bool, bool, int]:
+        """How a step of `layout` attends, which a graph rung is captured for and replays only: (its rows are a lone
+        request's tree's node rows, they are trees as a context and a tree part, a lone request's query rows: their
+        count or 0)."""
+        nodes = self.node_rows(layout)
+        tree = layout is not None and layout.query_masks is not None and not nodes
+        rows = int(layout.q_lens[0]) if self.lone_rows(layout) or nodes else 0
+        return nodes, tree, rows
 
     def plan_graph(self, slot: GraphSlot, layout: BatchLayout, scratch_page: int) -> None:
         """A graph replay: `layout` padded to the slot's batch size goes into the slot's buffers. The
         captured graph computes its own write slots from them (see `slots_on_device`)."""
         layout = layout.padded(slot.batch_size, scratch_page)
         self.layout, self.written, self.node_copies, self.scratch_page = layout, None, None, scratch_page
-        nodes = self.node_rows(layout)
-        tree = layout.query_masks is not None and not nodes
-        rows = int(layout.q_lens[0]) if self.lone_rows(layout) or nodes else 0
+        nodes, tree, rows = self._step_kind(layout)
         if (self.fa2(layout) != slot.fa2 or tree != slot.tree or rows != slot.rows or nodes != slot.node_rows
                 or self.one_piece(layout) != slot.one_piece):
             kind = ("token trees" if slot.tree else f"a tree of {slot.rows} node rows" if slot.node_rows else
