@@ -4,6 +4,8 @@
     python scripts/profile_step_host.py --quick                                 # CPU smoke run, tiny model
     python scripts/profile_step_host.py --batches 1 --timeline   # + the host's path between two verifies
     python scripts/profile_step_host.py --batches 1 --systems DFlash --verify chain tree   # token-tree steps too
+    python scripts/profile_step_host.py --quick --batches 1 --systems DFlash --verify chain tree --ops
+        # + the tensor operations a step dispatches (on the CPU all of its work: scripts/bench/op_count.py)
 
 The model is `bench_steps.py`'s (random weights of the default target's shape, the shipped drafter) unless
 --model names one. For each system and batch: one warm-up generate, then one generate under cProfile; the
@@ -28,6 +30,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from scripts.bench_steps import greedy, longest, models_to_run, prompt_ids  # noqa: E402
+from scripts.bench.op_count import OpCount  # noqa: E402
 from scripts.bench.runner import release_memory  # noqa: E402
 from scripts.bench.step_timeline import StepTimeline  # noqa: E402
 from specdec import LLM  # noqa: E402
@@ -47,6 +50,8 @@ def parse_args(argv):
                    help="DFlash: the verify policies profiled, one engine each")
     p.add_argument("--timeline", action="store_true",
                    help="DFlash chain: also the host's path from a step's tokens to the next verify's launch, per piece")
+    p.add_argument("--ops", action="store_true",
+                   help="also count the tensor operations each decode step dispatches (outside CUDA graphs on a GPU)")
     p.add_argument("--quick", action="store_true",
                    help="CPU smoke run: tiny sizes (sizes given still apply: e.g. --batches 256 for the host's "
                         "per-request work)")
@@ -100,6 +105,10 @@ def main(argv=None) -> int:
                     with StepTimeline(llm) as timeline:
                         llm.generate(prompts[:b], greedy(args.max_new_tokens))
                     out[-1] += "\n" + timeline.report() + "\n"
+                if args.ops:
+                    with OpCount(llm) as ops:
+                        llm.generate(prompts[:b], greedy(args.max_new_tokens))
+                    out[-1] += "\n" + ops.report() + "\n"
                 print(out[-1], flush=True)
             del llm
             release_memory(args.device)
