@@ -26,3 +26,14 @@ def test_the_timeline_follows_each_step_from_its_tokens_to_the_next_verify(tmp_p
                   "tokens read -> verify planned", "waiting for the tokens", "step (wall)"):
         assert piece in report
     assert decoding.StepTransfer.read.__name__ == "read"  # the class's own method again
+
+
+def test_ops_counts_what_a_chain_step_and_a_tree_step_dispatch(tmp_path):
+    """--ops adds each decode step's dispatched operations (on the CPU all of its work) per policy: a tree step
+    builds and accepts its tree with more of them than a chain step needs; the engine's step is its own afterwards."""
+    out = tmp_path / "profile.txt"
+    assert main(["--quick", "--systems", "DFlash", "--batches", "1", "--verify", "chain", "tree", "--ops",
+                 "--out", str(out)]) == 0
+    chain, tree = (int(part.split("operations dispatched per step")[0].split()[-1])
+                   for part in out.read_text().split("# DFlash")[1:])
+    assert 0 < chain < tree
