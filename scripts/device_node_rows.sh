@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # A lone request's small token trees as node rows on one GPU machine, as a background job that outlives single device
 # calls: their GPU tests (SmolLM2), math500 and HumanEval at batch 1 with the chain, trees (a lone request's: 15 nodes,
-# node rows, whatever --tree-nodes asks) and auto, each run pinned to one core, then the whole GPU test suite.
+# node rows, whatever --tree-nodes asks) and auto, each run pinned to one core; a chain step's and a tree step's wall
+# and kernel time at batch 1 (random weights of the default target's shape); then the whole GPU test suite.
 #   start:  mkdir -p /tmp/nodes && source .gpu/setup.sh && setsid nohup bash scripts/device_node_rows.sh \
 #             > /tmp/nodes/run.log 2>&1 &
 #   watch:  tail /tmp/nodes/run.log; results in /tmp/nodes
 # The GGUFs (the demo target, and SmolLM2 for the GPU tests) come as one tar in pieces in /tmp/xfer
-# (ggufs.tar.part.*), or already in $SPECDEC_CACHE/gguf. Env: STAGES (default "tests math500 all-tests humaneval"),
+# (ggufs.tar.part.*), or already in $SPECDEC_CACHE/gguf. Env: STAGES (default "tests math500 steps all-tests humaneval"),
 # LIMIT (problems per batch-1 eval, default 20).
 set -uo pipefail
 out=${NODES_OUT:-/tmp/nodes}
-default_stages="tests math500 all-tests humaneval"
+default_stages="tests math500 steps all-tests humaneval"
 source scripts/device_job.sh
 limit=${LIMIT:-20}
 if wanted tests; then
@@ -34,5 +35,10 @@ batch1_set() {  # batch1_set SET [ARGS of the chain's run...]
   eval_batch1 "$set" auto --verify auto
 }
 wanted math500 && batch1_set math500 --baseline
+if wanted steps; then
+  stage "a chain step and a tree step at batch 1, wall and kernel time"
+  taskset -c 4 python3 scripts/bench_steps.py --batches 1 --fp8-batches --verify chain tree --graphs-only \
+    --out "$out/steps-b1.json" 2>&1 | grep -v "Loading weights" | tail -20
+fi
 wanted all-tests && gpu_suite
 wanted humaneval && batch1_set humaneval
