@@ -53,10 +53,11 @@ class TokenTree:
         beam_key = torch.zeros(batch, 1, dtype=logprobs.dtype, device=device)  # the anchor
         steps = logprobs - DEPTH_TIEBREAK  # once for every depth: each kernel of the loop costs a launch n times
         # per depth: the key of every extension of the beam by each of position d's candidates, the best
-        # `budget` kept; chosen = parent's index in the beam * k + the candidate's rank
+        # `budget` kept; chosen = parent's index in the beam * k + the candidate's rank. A beam in any order serves
+        # (its nodes are ranked at the end), and an unsorted top-k skips a sort kernel per depth
         for d in range(n):
             key = (beam_key[:, :, None] + steps[:, d, None, :]).flatten(1)
-            beam_key, chosen = key.topk(min(budget, key.shape[1]), dim=1)
+            beam_key, chosen = key.topk(min(budget, key.shape[1]), dim=1, sorted=False)
             keys.append(beam_key)
             chosen_all.append(chosen)
             widths.append(beam_key.shape[1])
