@@ -108,8 +108,10 @@ class EngineConfig:
                                     "batch size (measured step times); tree = always a token tree",
                            choices=VERIFY_POLICIES)
     # a token tree's draft nodes per request at small batches; fewer as the batch grows, since a step
-    # verifies at most max(max_num_seqs x block_size, tree_nodes + 1) tokens
-    tree_nodes: int = _setting(63, "token trees (verify tree / auto): draft nodes per request at small batches")
+    # verifies at most max(max_num_seqs x block_size, tree_nodes + 1) tokens, and a lone request's tree on the GPU
+    # has at most the 15 its attention gives a decode's bits (`TargetRunner.tree_q`)
+    tree_nodes: int = _setting(63, "token trees (verify tree / auto): draft nodes per request at small batches "
+                                   "(a lone request's: at most 15 on the GPU, for output equal to plain decoding's)")
     # auto's budget steps (specdec/runtime/row_budget.py): blocks whose forward runs each request's share of the
     # step's rows, chosen from its drafts' confidence. Off by default: on one H200 a budget step cost about what a
     # chain of its q does, so auto ran no faster with them (BENCHMARKS.md, 2026-12-05); exact either way
