@@ -60,9 +60,14 @@ def test_a_certain_draft_still_comes_after_its_parent():
     assert tree.tokens.tolist() == [[5, 7, 9]] and tree.parents.tolist() == [[0, 1, 2]]
 
 
-def test_the_mask_lets_each_node_see_its_ancestors_and_itself():
-    logprobs, tokens = candidates(2, 4, 3, seed=7)
-    tree = TokenTree.build(logprobs, tokens, 12)
+@pytest.mark.parametrize("n, k, budget", [(4, 3, 12), (15, 4, 63), (15, 2, 40)])
+def test_the_mask_lets_each_node_see_its_ancestors_and_itself(n, k, budget):
+    """Also for trees as deep as a block of 16 allows, whose masks take every pass of the pointer doubling."""
+    logprobs, tokens = candidates(2, n, k, seed=7)
+    if n > 4:  # surer first candidates: deep paths, branching on the way
+        logprobs = logprobs - logprobs[:, :, :1] - torch.linspace(0.01, 0.2, n)[None, :, None]
+    tree = TokenTree.build(logprobs, tokens, budget)
+    assert n == 4 or tree.depths.max() >= 8  # ancestors more than 7 generations up: the fourth doubling pass
     mask = tree.attention_mask()
     for b in range(2):
         parents = [0] + tree.parents[b].tolist()
