@@ -456,13 +456,15 @@ class FlashInferBackend(AttentionBackend):
             return
         kv_indptr, kv_indices, last_page_len = slot.planned
         context = slot.index["context"].long()
-        padding = torch.full_like(context, 1 << 30)  # the padding request keeps its planned length
-        real = real_page_metadata(kv_indptr, last_page_len, kv_indices,
-                                  torch.cat([context + slot.node_masks.sum(dim=1), padding]), self.layout.page_size)
-        for buffer, values in zip((kv_indptr, last_page_len, kv_indices), real):
-            buffer.copy_(values)
+        # the copies read the planned buffers' request pages (`slot.kv_indices`, the step's own), not the ones
+        # rewritten below
         self.node_copies = NodeRowCopies(slot.node_masks, context, slot.kv_indices, self.node_pages,
                                          self.layout.page_size, self.scratch_page)
+        padding = torch.full_like(context, 1 << 30)  # the padding request keeps its planned length
+        real = real_page_metadata(kv_indptr, last_page_len, kv_indices,
+                                  torch.cat([context + 1 + self.node_copies.depths, padding]), self.layout.page_size)
+        for buffer, values in zip((kv_indptr, last_page_len, kv_indices), real):
+            buffer.copy_(values)
 
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
         """A graph rung planned for upper bounds (`device_lengths`): its page metadata becomes the real lengths'

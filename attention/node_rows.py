@@ -73,7 +73,7 @@ class NodeRowCopies:
     def __init__(self, masks: torch.Tensor, context: torch.Tensor, request_pages: torch.Tensor,
                  node_pages: torch.Tensor, page_size: int, scratch_page: int):
         q, device = masks.shape[0], masks.device
-        depths = masks.sum(dim=1) - 1  # [q]: a node sees itself and one ancestor per depth
+        self.depths = depths = masks.sum(dim=1) - 1  # [q]: a node sees itself and one ancestor per depth
         nodes = torch.arange(q, device=device)
         # ancestors[i, d]: node i's ancestor at depth d (itself at its own depth); past its depth, column q
         columns = torch.where(masks, depths[None, :], q)
