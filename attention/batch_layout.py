@@ -61,9 +61,12 @@ class BatchLayout:
         if not ((0 < q) & (q <= new) & (new <= kv)).all():
             raise ValueError(f"need 0 < q_len <= new_kv_len <= kv_len, got {q}, {new}, {kv}")
         used = -(-kv // page_size)
-        if any(len(t) < n for t, n in zip(page_tables, used.tolist())):
+        # one pass over the tables (a step of 256 requests builds two layouts on the host's path between verifies):
+        # a table too short gives a shorter slice, so the pages taken fall short of the pages used
+        indices = (np.concatenate([t[:n] for t, n in zip(page_tables, used.tolist())], dtype=np.int32)
+                   if len(q) else _int32([]))
+        if len(indices) != used.sum():
             raise ValueError(f"page tables too short for KV lengths {kv.tolist()} with pages of {page_size}")
-        indices = np.concatenate([_int32(t[:n]) for t, n in zip(page_tables, used.tolist())]) if len(q) else _int32([])
         return cls(q, kv, new, indices, page_size, causal, expected_kv_len=expected_kv_len)
 
     def with_query_masks(self, masks: torch.Tensor, packed: torch.Tensor | None = None,

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from attention.batch_layout import BatchLayout, slots_on_device
-from attention.page_pool import PagePool, PageTable, grow_tables, table_lengths
+from attention.page_pool import PagePool, PageTable, grow_tables, pages_for, table_lengths
 from attention.transfer import upload
 from drafters.dflash_model import DFlashDraftModel
 from drafters.token_ranking import draft_vocabulary
@@ -426,7 +426,8 @@ class DFlashDrafter(ModelRunner, Drafter):
         planned = np.asarray(most, dtype=np.int64) if upper else counts[:batch].cpu().numpy().astype(np.int64)
         block = self.block_rows(None if candidates else length)
         kv_lens = starts + planned + block
-        if sum(self.pool.pages_for(int(n)) - t.num_pages for t, n in zip(tables, kv_lens)) > self.pool.num_free:
+        held = np.fromiter((t.num_pages for t in tables), dtype=np.int64, count=batch)
+        if int((pages_for(kv_lens, self.page_size) - held).sum()) > self.pool.num_free:  # pages to take
             return False
         for table, n in zip(tables, kv_lens.tolist()):
             table.grow(n - table.length)
@@ -448,7 +449,7 @@ class DFlashDrafter(ModelRunner, Drafter):
                       after_upload=results_into_inputs)
         self.queued = {r.request_id: i for i, r in enumerate(requests)}
         self.queued_drafts, self.queued_candidates = length, candidates
-        self.unsettled = {r.request_id: int(start) for r, start in zip(requests, starts)}
+        self.unsettled = dict(zip([r.request_id for r in requests], starts.tolist()))
         return True
 
     def settle(self, requests: list[DraftRequest], counts: list[int]) -> None:
