@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -60,6 +62,51 @@ def dflash_engine(path, tmp_path, **config) -> Engine:
     return spec_engine(path, dflash_drafter(path, tmp_path, 4, seed=2), eos=(2, 9), **config)
 
 
+def follow_the_target(drafter, continuations: dict[tuple, list[int]], error_rate: float, seed: int = 0) -> None:
+    """Make a DFlash drafter's steps draft what the target answers: each draft step runs whole (its context, its
+    queued drafts, its pages), then its drafts become the tokens after each request's anchor in `continuations`
+    (prompt ids -> the target's greedy continuation), each corrupted (+1) with probability `error_rate`; its
+    candidates lead with the draft, then the continuation's token where the draft was corrupted. A random drafter
+    accepts almost nothing, so without this the paths of deep acceptance (K/V kept and moved, context rows written
+    for several positions) would go untested on the CPU. What the drafter itself predicts from its context is
+    replaced, so the context's contents are not checked here (the conformance tests against z-lab's code do)."""
+    rng = random.Random(seed)
+    batches = []  # the requests of the draft step running now (its rows' order)
+    for name in ("_step", "propose_next"):
+        def remembering(requests, *args, _original=getattr(drafter, name), **kwargs):
+            batches.append(list(requests))
+            try:
+                return _original(requests, *args, **kwargs)
+            finally:
+                batches.pop()
+        setattr(drafter, name, remembering)
+    body = drafter._draft_body
+
+    def drafting(batch, candidates=False, length=None):
+        logits = body(batch, candidates, length)
+        vocab = drafter.context.lm_head.weight.shape[0]
+        n = drafter.block_size - 1 if length is None else length
+        truth, drafts = [], []
+        for request, start in zip(batches[-1], drafter.inputs["starts"][:batch].tolist()):  # the anchor's position
+            sequence = list(request.prompt_ids) + continuations[tuple(request.prompt_ids)]
+            row = (sequence[start + 1:start + drafter.block_size] + [3] * drafter.block_size)[:drafter.block_size - 1]
+            truth.append(row)
+            drafts.append([(t + 1) % vocab if rng.random() < error_rate else t for t in row])
+        truth, drafts = torch.tensor(truth), torch.tensor(drafts)
+        drafter.drafts_out[:batch, :n] = drafts[:, :n]
+        if drafter.confidence_out is not None:
+            drafter.confidence_out[:batch, :n] = -0.1
+        if candidates:
+            logprobs, tokens = drafter.candidates_out
+            ranks = torch.arange(tokens.shape[-1])
+            made = (drafts[..., None] + ranks) % vocab
+            made[..., 1] = torch.where(truth != drafts, truth, made[..., 1])
+            tokens[:batch] = made
+            logprobs[:batch] = -0.5 - ranks.float()
+        return logits
+    drafter._draft_body = drafting
+
+
 def failing_at(after: int, error: BaseException):
     """A wrapper for functions (their calls counted together) that raises `error` at the `after`-th call."""
     calls = {"n": 0}
@@ -106,6 +153,30 @@ def run_staggered(engine, prompts, params_list) -> list:
             engine.step()
     while engine.has_unfinished_requests:
         engine.step()
+    return requests
+
+
+def run_workload(engine, arrivals, aborts, max_steps: int = 600) -> list:
+    """Step the engine until every arrival has come and no request is unfinished (at most `max_steps` steps).
+    arrivals: (step, add): add() queues requests on the engine at that step and returns them; aborts: (index, step):
+    the index-th request queued by then is aborted at that step. Mid-run no pool counts a page twice. Returns the
+    requests in the order they were queued."""
+    requests, arrived, step = [], 0, 0
+    pools = [engine.pool] + ([engine.drafter.pool] if getattr(engine.drafter, "pool", None) is not None else [])
+    while step < max_steps and (engine.has_unfinished_requests or arrived < len(arrivals)):
+        for at, add in arrivals:
+            if at == step:
+                requests.extend(add())
+                arrived += 1
+        for index, at in aborts:
+            if at == step and index < len(requests):
+                engine.abort(requests[index].request_id)
+        if engine.has_unfinished_requests:
+            engine.step()
+        for pool in pools:  # nothing lost, nothing counted twice
+            assert pool.num_free + pool.num_referenced <= pool.num_pages
+        step += 1
+    assert not engine.has_unfinished_requests
     return requests
 
 

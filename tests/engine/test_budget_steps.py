@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import Budget
 from tests.engine_helpers import (MANY_PROMPTS, assert_no_leak, budget_step_against_chain, dflash_drafter, module_target,
-                                  run_failing, spec_engine, tiny_engine)
+                                  run_failing, run_workload, spec_engine, tiny_engine)
 from tests.sampling_helpers import SAMPLES, outcomes, p_value, sampling, small_vocab_target  # noqa: F401
 
 target_dir = module_target("budget-steps", seed=7)
@@ -174,19 +174,9 @@ def test_random_workloads_of_budget_steps_end_exact_with_every_page_free_or_cach
     arrivals, aborts, num_pages, prefill_budget, ahead, seed = workload
     engine = budget_engine(target_dir, tmp_path, [BUDGET, Budget(4, 2), 8, 2], seed=seed, num_kv_pages=num_pages,
                            max_num_seqs=4, max_prefill_tokens=prefill_budget, overlap_steps=ahead)
-    requests, step = [], 0
-    while step < 400 and (engine.has_unfinished_requests or len(requests) < len(arrivals)):
-        for base, own, at, max_new in arrivals:
-            if at == step:
-                params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
-                requests.append(engine.add_request(SHARED[base] + own, params))
-        for index, at in aborts:
-            if at == step and index < len(requests):
-                engine.abort(requests[index].request_id)
-        if engine.has_unfinished_requests:
-            engine.step()
-        step += 1
-    assert not engine.has_unfinished_requests
+    requests = run_workload(engine, [(at, lambda base=base, own=own, max_new=max_new: [engine.add_request(
+        SHARED[base] + own, SamplingParams(max_new_tokens=max_new, ignore_eos=True))])
+        for base, own, at, max_new in arrivals], aborts)
     assert_no_leak(engine)
     reference = tiny_engine(target_dir, eos=(2, 9), enable_prefix_caching=False)
     for request in (r for r in requests if r.finish_reason == "length"):

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from specdec.arguments import add_engine_arguments, engine_options
 
 from specdec.engine.sampling_params import SamplingParams
-from tests.engine_helpers import assert_no_leak, dflash_drafter, module_target, spec_engine, tiny_engine
+from tests.engine_helpers import (assert_no_leak, dflash_drafter, module_target, run_workload, spec_engine,
+                                  tiny_engine)
 
 SYSTEM = [(7 * i + 3) % 90 + 5 for i in range(22)]  # a shared "system prompt": 5 full pages of 4 and a part
 GREEDY = SamplingParams(max_new_tokens=13)
@@ -148,20 +149,8 @@ def test_random_workloads_end_with_every_page_free_or_cached(target_dir, tmp_pat
     arrivals, aborts, num_pages, prefill_budget = workload
     engine = make_engine(target_dir, tmp_path, 4, num_kv_pages=num_pages, max_num_seqs=3,
                          max_prefill_tokens=prefill_budget)
-    requests, step = [], 0
-    while step < 400 and (engine.has_unfinished_requests or len(requests) < len(arrivals)):
-        for base, own, at, max_new in arrivals:
-            if at == step:
-                requests.append(engine.add_request(SHARED[base] + own, SamplingParams(max_new_tokens=max_new)))
-        for index, at in aborts:
-            if at == step and index < len(requests):
-                engine.abort(requests[index].request_id)
-        if engine.has_unfinished_requests:
-            engine.step()
-        for pool in [engine.pool, engine.drafter.pool]:  # mid-run: nothing lost, nothing counted twice
-            assert pool.num_free + pool.num_referenced <= pool.num_pages
-        step += 1
-    assert not engine.has_unfinished_requests
+    requests = run_workload(engine, [(at, lambda base=base, own=own, max_new=max_new: [engine.add_request(
+        SHARED[base] + own, SamplingParams(max_new_tokens=max_new))]) for base, own, at, max_new in arrivals], aborts)
     assert_no_leak(engine)
     finished = [r for r in requests if r.finish_reason == "length"]
     reference = tiny_engine(target_dir, eos=(), enable_prefix_caching=False)

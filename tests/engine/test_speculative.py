@@ -8,7 +8,8 @@ from specdec.engine import decoding
 from specdec.engine.sampling_params import SamplingParams
 from tests.conftest import VOCAB, build_tiny_model
 from tests.drafter_helpers import ScriptedDrafter
-from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, spec_engine, tiny_engine
+from tests.engine_helpers import (MANY_PROMPTS, assert_no_leak, dflash_drafter, follow_the_target, spec_engine,
+                                  tiny_engine)
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
@@ -33,6 +34,24 @@ def test_dflash_greedy_equals_autoregressive(target_dir, tmp_path, batch, block_
     got = engine.generate_ids(prompts, SamplingParams(max_new_tokens=max_new))
     assert [r.output_ids for r in got] == expected
     assert all(r.finish_reason == "length" and r.stats.verify_steps > 0 for r in got)
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "drafted-ahead"])
+@pytest.mark.parametrize("error_rate", [0.0, 0.3])
+def test_deep_acceptance_of_a_dflash_drafter_stays_exact(target_dir, tmp_path, batch, overlap, error_rate):
+    """A DFlash drafter whose drafts follow the target (`follow_the_target`): most of each block is accepted, so every
+    step keeps several drafts' K/V, writes several context rows and queues the next draft from them; outputs stay
+    plain decoding's and no page leaks."""
+    prompts, max_new = MANY_PROMPTS[:batch], 37
+    expected = ar_outputs(target_dir, prompts, max_new + 8)
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 8), overlap_steps=overlap,
+                         max_num_seqs=max(1, batch - 1))  # the last one arrives later
+    follow_the_target(engine.drafter, {tuple(p): e for p, e in zip(prompts, expected)}, error_rate)
+    got = engine.generate_ids(prompts, SamplingParams(max_new_tokens=max_new))
+    assert [r.output_ids for r in got] == [e[:max_new] for e in expected]
+    assert max(n for r in got for n in r.stats.acceptance_lengths) >= (8 if error_rate == 0 else 4)
     assert_no_leak(engine)
 
 

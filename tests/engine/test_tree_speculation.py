@@ -4,7 +4,8 @@ arrivals, preemption-free and preempting pools, EOS and length limits; no page l
 import pytest
 
 from specdec.engine.sampling_params import SamplingParams
-from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, module_target, spec_engine, tiny_engine
+from tests.engine_helpers import (MANY_PROMPTS, assert_no_leak, dflash_drafter, follow_the_target, module_target,
+                                  spec_engine, tiny_engine)
 
 
 target_dir = module_target("tree-spec", seed=9)
@@ -27,6 +28,23 @@ def test_tree_greedy_equals_autoregressive(target_dir, tmp_path, batch, block_si
     assert all(r.stats.verify_lengths and set(r.stats.verify_lengths) == {block_size} for r in got)
     if block_size >= 4:  # drafts were accepted, so later steps read K/V moved into place
         assert max(n for r in got for n in r.stats.acceptance_lengths) > 1
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("error_rate", [0.0, 0.3])
+def test_deep_paths_through_second_candidates_are_moved_into_place(target_dir, tmp_path, batch, error_rate):
+    """A drafter whose drafts follow the target, each wrong with `error_rate` and then its second candidate right
+    (`follow_the_target`): the accepted paths run deep and through nodes other than their depth's slot, so their K/V
+    must move into place for the next step to read; outputs stay plain decoding's and no page leaks."""
+    prompts, params = MANY_PROMPTS[:batch], SamplingParams(max_new_tokens=40)
+    expected = ar_outputs(target_dir, prompts, SamplingParams(max_new_tokens=48))
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 8), verify="tree", tree_nodes=20,
+                         num_kv_pages=256)
+    follow_the_target(engine.drafter, {tuple(p): e for p, e in zip(prompts, expected)}, error_rate)
+    got = engine.generate_ids(prompts, params)
+    assert [r.output_ids for r in got] == [e[:40] for e in expected]
+    assert max(n for r in got for n in r.stats.acceptance_lengths) >= 5
     assert_no_leak(engine)
 
 
