@@ -1,8 +1,8 @@
 """Whatever `auto` picks at each ask (a plain step, any chain length, a token tree, a budget step; at every batch size,
 batch 1 included), in random workloads (arrivals sharing cached prefixes, aborts, pools small enough to preempt,
-chunked prompts, page sizes, drafts queued ahead or not, penalties, logprobs, sampled answers), every page ends free
-or cached and each greedy answer that ran to its end is the one plain decoding gives. Drafts come from a random DFlash
-drafter, or from one that follows the target (`follow_the_target`), so that deep acceptance runs too."""
+chunked prompts, page sizes, FP8 KV, drafts queued ahead or not, penalties, logprobs, sampled answers), every page
+ends free or cached and each greedy answer that ran to its end is the one plain decoding gives. Drafts come from a
+random DFlash drafter, or from one that follows the target (`follow_the_target`), so that deep acceptance runs too."""
 
 import random
 
@@ -36,7 +36,8 @@ def workloads(draw):
                   tree_nodes=draw(st.sampled_from([3, 9])), budget_steps=draw(st.booleans()),
                   overlap_steps=draw(st.booleans()), enable_prefix_caching=draw(st.booleans()),
                   num_kv_pages=draw(st.sampled_from([40, 80, 400])), max_num_seqs=draw(st.sampled_from([1, 3, 5])),
-                  max_prefill_tokens=draw(st.sampled_from([5, 64])), page_size=draw(st.sampled_from([1, 4, 16])))
+                  max_prefill_tokens=draw(st.sampled_from([5, 64])), page_size=draw(st.sampled_from([1, 4, 16])),
+                  kv_cache_dtype=draw(st.sampled_from(["auto", "fp8"])))
     arrivals = draw(st.lists(st.tuples(st.sampled_from([None, 0, 1]), st.lists(st.integers(3, 89), min_size=1,
                                                                                   max_size=8),
                                        st.sampled_from(sorted(KINDS)), st.integers(0, 8), st.integers(1, 20)),
@@ -62,7 +63,7 @@ def test_any_step_kind_at_any_ask_stays_exact_and_gives_every_page_back(target_d
     block, eos = config.pop("block"), config.pop("eos")
     engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, block, seed=seed % 3), eos=eos,
                          verify="auto", **config)
-    reference = tiny_engine(target_dir, eos=eos, enable_prefix_caching=False)
+    reference = tiny_engine(target_dir, eos=eos, enable_prefix_caching=False, kv_cache_dtype=config["kv_cache_dtype"])
     if error_rate is not None:
         prompts = list({tuple((SHARED[base] if base is not None else []) + own) for base, own, *_ in arrivals})
         answers = reference.generate_ids([list(p) for p in prompts], SamplingParams(max_new_tokens=20 + block))

@@ -40,13 +40,15 @@ def test_dflash_greedy_equals_autoregressive(target_dir, tmp_path, batch, block_
 @pytest.mark.parametrize("batch", [1, 5])
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "drafted-ahead"])
 @pytest.mark.parametrize("error_rate", [0.0, 0.3])
-def test_deep_acceptance_of_a_dflash_drafter_stays_exact(target_dir, tmp_path, batch, overlap, error_rate):
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_deep_acceptance_of_a_dflash_drafter_stays_exact(target_dir, tmp_path, batch, overlap, error_rate, kv):
     """A DFlash drafter whose drafts follow the target (`follow_the_target`): most of each block is accepted, so every
     step keeps several drafts' K/V, writes several context rows and queues the next draft from them; outputs stay
     plain decoding's and no page leaks."""
     prompts, max_new = MANY_PROMPTS[:batch], 37
-    expected = ar_outputs(target_dir, prompts, max_new + 8)
-    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 8), overlap_steps=overlap,
+    expected = [r.output_ids for r in tiny_engine(target_dir, eos=(), kv_cache_dtype=kv).generate_ids(
+        prompts, SamplingParams(max_new_tokens=max_new + 8))]
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 8), overlap_steps=overlap, kv_cache_dtype=kv,
                          max_num_seqs=max(1, batch - 1))  # the last one arrives later
     follow_the_target(engine.drafter, {tuple(p): e for p, e in zip(prompts, expected)}, error_rate)
     got = engine.generate_ids(prompts, SamplingParams(max_new_tokens=max_new))
