@@ -1,6 +1,6 @@
 """Whatever `auto` picks at each ask (a plain step, any chain length, a token tree, a budget step; at every batch size,
 batch 1 included), in random workloads (arrivals sharing cached prefixes, aborts, pools small enough to preempt,
-chunked prompts, page sizes, FP8 KV, drafts queued ahead or not, penalties, logprobs, sampled answers), every page
+chunked prompts, page sizes, drafts queued ahead or not, penalties, logprobs, sampled answers), every page
 ends free or cached and each greedy answer that ran to its end is the one plain decoding gives. Drafts come from a
 random DFlash drafter, or from one that follows the target (`follow_the_target`), so that deep acceptance runs too."""
 
@@ -31,13 +31,15 @@ EXACT = ("greedy", "penalized", "logprobs")
 def workloads(draw):
     """The engine's settings, arrivals (a shared prefix or none, own tokens, kind, arrival step, max new tokens),
     aborts (request, step), the rate of wrong drafts of a drafter that follows the target (None: the random
-    drafter's own drafts, almost never accepted) and the seed of the policy's picks."""
+    drafter's own drafts, almost never accepted) and the seed of the policy's picks. The KV stays in the model's
+    dtype: on the CPU a verify's row and a decode's differ in the last bits of their fp32 GEMMs, and FP8 rounding
+    of the K/V can grow that to ~1e-3 in the logits, so a random search finds near-ties where FP8 answers part
+    (the FP8 tests elsewhere pin cases without one)."""
     config = dict(block=draw(st.sampled_from([4, 8])), eos=draw(st.sampled_from([(), (2,)])),
                   tree_nodes=draw(st.sampled_from([3, 9])), budget_steps=draw(st.booleans()),
                   overlap_steps=draw(st.booleans()), enable_prefix_caching=draw(st.booleans()),
                   num_kv_pages=draw(st.sampled_from([40, 80, 400])), max_num_seqs=draw(st.sampled_from([1, 3, 5])),
-                  max_prefill_tokens=draw(st.sampled_from([5, 64])), page_size=draw(st.sampled_from([1, 4, 16])),
-                  kv_cache_dtype=draw(st.sampled_from(["auto", "fp8"])))
+                  max_prefill_tokens=draw(st.sampled_from([5, 64])), page_size=draw(st.sampled_from([1, 4, 16])))
     arrivals = draw(st.lists(st.tuples(st.sampled_from([None, 0, 1]), st.lists(st.integers(3, 89), min_size=1,
                                                                                   max_size=8),
                                        st.sampled_from(sorted(KINDS)), st.integers(0, 8), st.integers(1, 20)),
@@ -63,7 +65,7 @@ def test_any_step_kind_at_any_ask_stays_exact_and_gives_every_page_back(target_d
     block, eos = config.pop("block"), config.pop("eos")
     engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, block, seed=seed % 3), eos=eos,
                          verify="auto", **config)
-    reference = tiny_engine(target_dir, eos=eos, enable_prefix_caching=False, kv_cache_dtype=config["kv_cache_dtype"])
+    reference = tiny_engine(target_dir, eos=eos, enable_prefix_caching=False)
     if error_rate is not None:
         prompts = list({tuple((SHARED[base] if base is not None else []) + own) for base, own, *_ in arrivals})
         answers = reference.generate_ids([list(p) for p in prompts], SamplingParams(max_new_tokens=20 + block))

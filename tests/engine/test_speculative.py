@@ -42,9 +42,9 @@ def test_dflash_greedy_equals_autoregressive(target_dir, tmp_path, batch, block_
 @pytest.mark.parametrize("error_rate", [0.0, 0.3])
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_deep_acceptance_of_a_dflash_drafter_stays_exact(target_dir, tmp_path, batch, overlap, error_rate, kv):
-    """A DFlash drafter whose drafts follow the target (`follow_the_target`): most of each block is accepted, so every
-    step keeps several drafts' K/V, writes several context rows and queues the next draft from them; outputs stay
-    plain decoding's and no page leaks."""
+    """A DFlash drafter whose drafts follow the target (`follow_the_target`), each wrong with `error_rate`: steps accept
+    runs of drafts, so they keep several drafts' K/V, write several context rows and queue the next draft from them;
+    outputs stay plain decoding's and no page leaks."""
     prompts, max_new = MANY_PROMPTS[:batch], 37
     expected = [r.output_ids for r in tiny_engine(target_dir, eos=(), kv_cache_dtype=kv).generate_ids(
         prompts, SamplingParams(max_new_tokens=max_new + 8))]
