@@ -81,9 +81,13 @@ class ScriptedTreeDrafter(ScriptedDrafter):
         self.k = context.candidates
 
     def propose_candidates(self, requests):
-        truth, drafts = self._scripted(requests)
-        ranks = torch.arange(self.k, device=self.device)
-        tokens = (drafts[..., None] + ranks) % self.vocab
-        tokens[..., 1] = torch.where(truth != drafts, truth, tokens[..., 1])
-        logprobs = (-0.5 - ranks.float()).expand(*tokens.shape).clone()
-        return logprobs, tokens
+        return scripted_candidates(*self._scripted(requests), self.k, self.vocab)
+
+
+def scripted_candidates(truth: torch.Tensor, drafts: torch.Tensor, k: int, vocab: int):
+    """(log-probabilities, tokens) [B, n, k] of each position's k candidates: the draft first, then the true token
+    where the draft is wrong (else draft + 1), then draft + 2, ...; log-probabilities -0.5, -1.5, ..."""
+    ranks = torch.arange(k, device=drafts.device)
+    tokens = (drafts[..., None] + ranks) % vocab
+    tokens[..., 1] = torch.where(truth != drafts, truth, tokens[..., 1])
+    return (-0.5 - ranks.float()).expand(*tokens.shape).clone(), tokens

@@ -13,7 +13,7 @@ from specdec.engine.engine import Engine
 from specdec.engine.verify_policy import PLAIN
 from specdec.models.loader import LoadedTarget, load_causal_lm
 from tests.conftest import build_tiny_model
-from tests.drafter_helpers import build_random_drafter
+from tests.drafter_helpers import build_random_drafter, scripted_candidates
 
 
 def tiny_target(path, eos=(2,)) -> LoadedTarget:
@@ -97,12 +97,9 @@ def follow_the_target(drafter, continuations: dict[tuple, list[int]], error_rate
         if drafter.confidence_out is not None:
             drafter.confidence_out[:batch, :n] = -0.1
         if candidates:
-            logprobs, tokens = drafter.candidates_out
-            ranks = torch.arange(tokens.shape[-1])
-            made = (drafts[..., None] + ranks) % vocab
-            made[..., 1] = torch.where(truth != drafts, truth, made[..., 1])
-            tokens[:batch] = made
-            logprobs[:batch] = -0.5 - ranks.float()
+            k = drafter.candidates_out[1].shape[-1]
+            for out, made in zip(drafter.candidates_out, scripted_candidates(truth, drafts, k, vocab)):
+                out[:batch] = made
         return logits
     drafter._draft_body = drafting
 

@@ -6,9 +6,9 @@
 
 Every dispatched aten operation except views and metadata (each a kernel on a GPU) is counted while the engine's
 decoding runs a step (`decoding.step`: a speculative step, or a plain step run in order; an overlapped plain decoding
-engine launches its steps otherwise, and nothing is counted there). On the CPU that is all of a step's work; on the GPU what CUDA graphs replay is not
-dispatched, so the count is what the host launches outside them. Counting compares steps' work where timing
-cannot: a token-tree step against a chain step on the development CPU, say.
+engine launches its steps otherwise, and nothing is counted there). On the CPU that is all of a step's work; on the
+GPU what CUDA graphs replay is not dispatched, so the count is what the host launches outside them. Counting
+compares steps' work where timing cannot: a token-tree step against a chain step on the development CPU, say.
 """
 
 from __future__ import annotations
