@@ -40,7 +40,16 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
     "$(awk '/MHz/ {s += $4; n++} END {if (n) printf "%.0f", s / n}' /proc/cpuinfo)"
 done > "$out/host-load.log") &
 trap 'kill $(jobs -p) 2> /dev/null' EXIT
-python3 -c "from specdec.weights.demo_models import resolve_model; print(resolve_model('$target'))" || exit 1
+# the demo target, converted once, unless the job's stages are among `no_target_stages` only (a job script's list of
+# stages that need no target, such as the GPU suite on SmolLM2 and steps of random weights)
+needs_target() {
+  local s
+  for s in ${STAGES:-$default_stages}; do [[ " ${no_target_stages:-} " == *" $s "* ]] || return 0; done
+  return 1
+}
+if needs_target; then
+  python3 -c "from specdec.weights.demo_models import resolve_model; print(resolve_model('$target'))" || exit 1
+fi
 gpu_suite() {  # the whole GPU test suite on the small demo model, log in $out/gpu-all.log
   stage "the whole GPU suite"
   SPECDEC_GPU_MODEL=smollm2-135m-instruct python3 -m pytest -q tests/gpu -rA > "$out/gpu-all.log" 2>&1

@@ -7,11 +7,12 @@
 #             > /tmp/nodes/run.log 2>&1 &
 #   watch:  tail /tmp/nodes/run.log; results in /tmp/nodes
 # The GGUFs (the demo target, and SmolLM2 for the GPU tests) come as one tar in pieces in /tmp/xfer
-# (ggufs.tar.part.*), or already in $SPECDEC_CACHE/gguf. Env: STAGES (default "tests math500 steps all-tests humaneval"),
-# LIMIT (problems per batch-1 eval, default 20).
+# (ggufs.tar.part.*), or already in $SPECDEC_CACHE/gguf; stages "tests steps all-tests" alone need only SmolLM2's.
+# Env: STAGES (default "tests math500 steps all-tests humaneval"), LIMIT (problems per batch-1 eval, default 20).
 set -uo pipefail
 out=${NODES_OUT:-/tmp/nodes}
 default_stages="tests math500 steps all-tests humaneval"
+no_target_stages="tests steps all-tests"  # SmolLM2 and random weights: these need only the SmolLM2 GGUF
 source scripts/device_job.sh
 limit=${LIMIT:-20}
 if wanted tests; then
