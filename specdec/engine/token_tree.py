@@ -8,10 +8,18 @@ Node 0 is the anchor (the request's last committed token); nodes 1..N are drafts
 block position from the anchor and the context alone, so the candidates below any node at depth d are
 the top-k tokens of position d + 1, and a node's score is the sum of the log-probabilities of the tokens
 on its path. The tree is the `budget` best-scoring nodes. A prefix scores at least what its extension
-does, so the chosen set is closed under prefixes: a tree. It is built depth by depth, keeping the best
-`budget` nodes of each depth (a node of the overall best has its parent among its depth's best), then
-the best `budget` of all: a fixed number of small tensor operations (n of them), so the step builds
-it on the GPU, inside a CUDA graph, with no host work that grows with the tree.
+does, so the chosen set is closed under prefixes: a tree. It is built with a fixed number of small tensor
+operations, so the step builds it on the GPU, inside a CUDA graph, with no host work that grows with the tree;
+there each kernel costs its launch (~2-3 us) or more, so their number is what a tree's building costs.
+
+Which nodes can be among the best is known before any score: replacing a node's draft of rank > 0 at some depth
+with that position's first candidate gives a node scoring at least as much, so a node whose path leaves the first
+candidates at m positions comes with the 2^m - 1 nodes of the other choices there, and all their ancestors. A node
+whose union of such paths has more than `budget` nodes is never chosen. For the small trees of a lone request (15
+nodes: 633 possible nodes of the 4^1 + ... + 4^15) the step scores every possible node at once (`_possible_nodes`,
+a table made once per shape) and takes the best: ~23 kernels, where building it depth by depth takes ~60, among them
+a top-k per depth (~9 us each on an H200 at 63 nodes). Larger trees keep the best `budget` of each depth, depth by
+depth (a node of the overall best has its parent among its depth's best).
 
 Node order: by score, best first, so every parent comes before its children (a key that drops by a
 hair per depth breaks ties between a node and its child, which a draft of probability 1 would make).
@@ -26,6 +34,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -44,39 +53,23 @@ class TokenTree:
     @classmethod
     def build(cls, logprobs: torch.Tensor, tokens: torch.Tensor, budget: int) -> TokenTree:
         """logprobs, tokens: [B, n, k], each position's top-k candidates (logprobs descending). A fixed
-        number of kernels per depth (a step replays them from a CUDA graph, where each costs a launch)."""
+        number of kernels (a step replays them from a CUDA graph, where each costs a launch)."""
         batch, n, k = logprobs.shape
         if budget < 1:
             raise ValueError(f"a tree needs at least one node, got a budget of {budget}")
-        device = logprobs.device
-        keys, chosen_all, widths = [], [], []
-        beam_key = torch.zeros(batch, 1, dtype=logprobs.dtype, device=device)  # the anchor
-        steps = logprobs - DEPTH_TIEBREAK  # once for every depth: each kernel of the loop costs a launch n times
-        # per depth: the key of every extension of the beam by each of position d's candidates, the best
-        # `budget` kept; chosen = parent's index in the beam * k + the candidate's rank. A beam in any order serves
-        # (its nodes are ranked at the end), and an unsorted top-k skips a sort kernel per depth
-        for d in range(n):
-            key = (beam_key[:, :, None] + steps[:, d, None, :]).flatten(1)
-            beam_key, chosen = key.topk(min(budget, key.shape[1]), dim=1, sorted=False)
-            keys.append(beam_key)
-            chosen_all.append(chosen)
-            widths.append(beam_key.shape[1])
-        key, chosen = torch.cat(keys, dim=1), torch.cat(chosen_all, dim=1)
-        depth_of, parent_offset = _candidate_layout(tuple(widths), device)
-        rank, parent_in_beam = chosen % k, chosen // k
-        # a candidate's parent among all candidates (-1: the anchor)
-        parent_global = torch.where(depth_of > 1, parent_offset[(depth_of - 1).clamp(max=n - 1)] + parent_in_beam, -1)
+        possible = _possible_nodes(n, k, budget, logprobs.device)
+        key, depths, ranks, places, parents = (_scored_possible_nodes(logprobs, possible) if possible is not None
+                                               else _beam_nodes(logprobs, budget))
         size = min(budget, key.shape[1])
         _, selected = key.topk(size, dim=1)  # best first: parents before children
-        # candidate index -> node id (1..size); candidates left out -> -1
-        node_of = torch.full((batch, key.shape[1]), -1, dtype=torch.long, device=device)
-        node_of.scatter_(1, selected, torch.arange(1, size + 1, device=device).expand(batch, size))
-        parent = parent_global.gather(1, selected)
-        parents = torch.where(parent < 0, 0, node_of.gather(1, parent.clamp(min=0)))
-        depths = depth_of.expand(batch, -1).gather(1, selected)
-        ranks = rank.gather(1, selected)
-        picked = tokens.flatten(1).gather(1, (depths - 1) * k + ranks)
-        return cls(picked, parents, depths, key.gather(1, selected) + DEPTH_TIEBREAK * depths, ranks, n)
+        # candidate index -> node id (1..size), the anchor's index (the last) -> 0; candidates left out are never a
+        # chosen node's parent
+        node_of = torch.zeros(batch, key.shape[1] + 1, dtype=torch.long, device=logprobs.device)
+        node_of.scatter_(1, selected, torch.arange(1, size + 1, device=logprobs.device).expand(batch, size))
+        depths, ranks, places, parents = (t.expand(batch, -1).gather(1, selected)
+                                          for t in (depths, ranks, places, parents))
+        return cls(tokens.flatten(1).gather(1, places), node_of.gather(1, parents), depths,
+                   key.gather(1, selected) + DEPTH_TIEBREAK * depths, ranks, n)
 
     @property
     def size(self) -> int:
@@ -119,6 +112,94 @@ class TokenTree:
         path = torch.zeros(batch, self.max_depth + 1, dtype=torch.long, device=target_tokens.device)
         path.scatter_(1, column, torch.arange(nodes, device=target_tokens.device).expand(batch, nodes))
         return path[:, :self.max_depth], accepted, bonus
+
+
+# the most possible nodes a request's tree is built from at once (`_possible_nodes`); larger trees go depth by depth.
+# A block of 16, 4 candidates a position: 633 for 15 nodes (a lone request's), 9,609 for 31, 122,865 for 63
+POSSIBLE_NODES_MAX = 16384
+
+
+class PossibleNodes(NamedTuple):
+    """Every node that may be among a tree's best (see the module's doc), as tables over them (P nodes)."""
+
+    depths: torch.Tensor  # [P]
+    # the flat index (depth * k + rank, into a row of n * k + 1 whose last entry is 0) of each position where the
+    # node's path leaves the first candidates, padded with that last entry
+    departures: torch.Tensor  # [P, m]
+    ranks: torch.Tensor  # [P]: the node's own token's rank
+    places: torch.Tensor  # [P]: its token's index among the candidates, (depth - 1) * k + rank
+    parents: torch.Tensor  # [P]: its parent's index, P for the anchor
+    tiebreaks: torch.Tensor  # [P]: -DEPTH_TIEBREAK times the depth
+
+
+@functools.lru_cache(maxsize=64)
+def _possible_nodes(n: int, k: int, budget: int, device: torch.device) -> PossibleNodes | None:
+    """The nodes of depth <= n, k candidates a position, that a tree of `budget` nodes may hold, parents before
+    children; None where there are more than POSSIBLE_NODES_MAX. Made once per shape, before a CUDA graph is captured
+    (its warm-up run builds the same tree): no host-to-device copy runs inside the capture."""
+    index: dict[tuple[int, ...], int] = {}
+    paths: list[tuple[int, ...]] = []
+    frontier: list[tuple[int, ...]] = [()]
+    for _ in range(n):
+        frontier = [(*path, rank) for path in frontier for rank in range(k)
+                    if _nodes_it_brings((*path, rank)) <= budget]
+        for path in frontier:
+            index[path] = len(paths)
+            paths.append(path)
+        if len(paths) > POSSIBLE_NODES_MAX:
+            return None
+    departures = [[d * k + r for d, r in enumerate(path) if r] for path in paths]
+    width = max(1, *map(len, departures))
+    depths = torch.tensor([len(path) for path in paths])
+    tables = PossibleNodes(
+        depths, torch.tensor([d + [n * k] * (width - len(d)) for d in departures]),
+        torch.tensor([path[-1] for path in paths]), torch.tensor([(len(path) - 1) * k + path[-1] for path in paths]),
+        torch.tensor([index.get(path[:-1], len(paths)) for path in paths]), -DEPTH_TIEBREAK * depths)
+    return PossibleNodes(*(t.to(device) for t in tables))
+
+
+def _nodes_it_brings(ranks: tuple[int, ...]) -> int:
+    """How many nodes a tree holding the node of this path of ranks holds at least: at each depth, one per choice
+    (that rank or the first) at the positions so far where the path leaves the first candidates."""
+    total, departed = 0, 0
+    for rank in ranks:
+        departed += rank > 0
+        total += 2 ** departed
+    return total
+
+
+def _scored_possible_nodes(logprobs: torch.Tensor, possible: PossibleNodes) -> tuple[torch.Tensor, ...]:
+    """Every possible node's key (its path's log-probabilities less the depth's tiebreak: the first candidates' sum
+    to its depth plus what each departure from them loses), depth, rank, place and parent (`PossibleNodes`)."""
+    batch = logprobs.shape[0]
+    firsts = logprobs[:, :, 0].cumsum(dim=1)
+    losses = torch.cat([(logprobs - logprobs[:, :, :1]).flatten(1), firsts.new_zeros(batch, 1)], dim=1)
+    key = firsts[:, possible.depths - 1] + losses[:, possible.departures].sum(dim=2) + possible.tiebreaks
+    return key, possible.depths, possible.ranks, possible.places, possible.parents
+
+
+def _beam_nodes(logprobs: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
+    """Each depth's best `budget` extensions of the last depth's, depth by depth: the candidates' keys, depths, ranks,
+    places and parents as `_scored_possible_nodes` gives them."""
+    batch, n, k = logprobs.shape
+    keys, chosen_all, widths = [], [], []
+    beam_key = torch.zeros(batch, 1, dtype=logprobs.dtype, device=logprobs.device)  # the anchor
+    steps = logprobs - DEPTH_TIEBREAK  # once for every depth: each kernel of the loop costs a launch n times
+    # per depth: the key of every extension of the beam by each of position d's candidates, the best `budget` kept;
+    # chosen = parent's index in the beam * k + the candidate's rank. A beam in any order serves (its nodes are ranked
+    # at the end), and an unsorted top-k skips a sort kernel per depth
+    for d in range(n):
+        key = (beam_key[:, :, None] + steps[:, d, None, :]).flatten(1)
+        beam_key, chosen = key.topk(min(budget, key.shape[1]), dim=1, sorted=False)
+        keys.append(beam_key)
+        chosen_all.append(chosen)
+        widths.append(beam_key.shape[1])
+    key, chosen = torch.cat(keys, dim=1), torch.cat(chosen_all, dim=1)
+    depth_of, parent_offset = _candidate_layout(tuple(widths), logprobs.device)
+    rank, parent_in_beam = chosen % k, chosen // k
+    parent = torch.where(depth_of > 1, parent_offset[(depth_of - 1).clamp(max=n - 1)] + parent_in_beam,
+                         key.shape[1])
+    return key, depth_of, rank, (depth_of - 1) * k + rank, parent
 
 
 @functools.lru_cache(maxsize=64)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specdec.engine.acceptance import accept as accept_chain
+from specdec.engine import token_tree
 from specdec.engine.token_tree import TokenTree
 
 
@@ -50,6 +51,45 @@ def test_the_tree_is_the_best_nodes_and_parents_come_first(n, k, budget):
         assert all(len(paths[i + 1]) == tree.depths[b, i].item() for i in range(tree.size))
         scores = tree.scores[b].tolist()
         assert scores == sorted(scores, reverse=True)
+
+
+def two_sure_choices_then_sure_firsts(batch, n, k):
+    """Two about equally likely candidates at each of the first three positions, then sure first candidates: the
+    best 15 nodes are the 14 of the full binary tree over those positions and one more below it, the deepest fan-out
+    a tree of 15 nodes can have (every node leaves the first candidates at up to 3 positions)."""
+    logprobs = torch.tensor([-5.0, -6.0, -7.0, -8.0][:k]).repeat(batch, n, 1)
+    logprobs[:, :3, :2] = torch.tensor([-0.69, -0.70])
+    logprobs[:, :3, 2:] = -20.0
+    return logprobs, torch.arange(batch * n * k).view(batch, n, k)
+
+
+@pytest.mark.parametrize("n, k, budget, sure", [(15, 4, 15, True), (15, 4, 31, True), (6, 3, 20, False),
+                                                 (15, 2, 12, True), (15, 4, 15, "fan-out")])
+def test_trees_from_every_possible_node_equal_trees_built_depth_by_depth(n, k, budget, sure, monkeypatch):
+    """Small trees are chosen among every node that may be among the best at once; larger ones depth by depth, from
+    each depth's best. Both give the same tree."""
+    if sure == "fan-out":
+        logprobs, tokens = two_sure_choices_then_sure_firsts(3, n, k)
+    else:
+        logprobs, tokens = candidates(3, n, k, seed=budget)
+        if sure:  # deep paths, branching on the way
+            logprobs = logprobs - logprobs[:, :, :1] - torch.linspace(0.01, 0.2, n)[None, :, None]
+    assert token_tree._possible_nodes(n, k, budget, torch.device("cpu")) is not None
+    at_once = TokenTree.build(logprobs, tokens, budget)
+    monkeypatch.setattr(token_tree, "_possible_nodes", lambda *shape: None)
+    by_depth = TokenTree.build(logprobs, tokens, budget)
+    for b in range(3):
+        assert set(node_paths(at_once, b).values()) == set(node_paths(by_depth, b).values())
+    torch.testing.assert_close(at_once.scores, by_depth.scores)
+    if sure == "fan-out":
+        assert (at_once.depths <= 4).all() and (at_once.ranks[:, :14] <= 1).all()
+
+
+def test_only_small_trees_are_chosen_among_every_possible_node():
+    """15 nodes of a block of 16 with 4 candidates a position may be any of 633 nodes; 63 nodes go depth by depth."""
+    cpu = torch.device("cpu")
+    assert token_tree._possible_nodes(15, 4, 15, cpu).depths.shape == (633,)
+    assert token_tree._possible_nodes(15, 4, 63, cpu) is None
 
 
 def test_a_certain_draft_still_comes_after_its_parent():
