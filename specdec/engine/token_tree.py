@@ -51,13 +51,15 @@ class TokenTree:
     max_depth: int  # n, the block's draft positions
 
     @classmethod
-    def build(cls, logprobs: torch.Tensor, tokens: torch.Tensor, budget: int) -> TokenTree:
+    def build(cls, logprobs: torch.Tensor, tokens: torch.Tensor, budget: int, at_once: bool = True) -> TokenTree:
         """logprobs, tokens: [B, n, k], each position's top-k candidates (logprobs descending). A fixed
-        number of kernels (a step replays them from a CUDA graph, where each costs a launch)."""
+        number of kernels (a step replays them from a CUDA graph, where each costs a launch). `at_once`: among every
+        possible node where their tables are small enough (see the module's doc), else depth by depth; the same
+        tree either way."""
         batch, n, k = logprobs.shape
         if budget < 1:
             raise ValueError(f"a tree needs at least one node, got a budget of {budget}")
-        possible = _possible_nodes(n, k, budget, logprobs.device)
+        possible = _possible_nodes(n, k, budget, logprobs.device) if at_once else None
         key, depths, ranks, places, parents = (_scored_possible_nodes(logprobs, possible) if possible is not None
                                                else _beam_nodes(logprobs, budget))
         size = min(budget, key.shape[1])

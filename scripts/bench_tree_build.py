@@ -1,0 +1,89 @@
+"""What building a token tree costs the GPU: every possible node at once against depth by depth.
+
+    python scripts/bench_tree_build.py [--cases 1x15 4x15 1x31 1x63] [--out tree_build.json]   # GPU
+
+A tree step builds its trees inside a CUDA graph (`TreeDecoding._build`: the tree, its ancestor mask and the mask
+packed for the verify's attention), where each kernel costs at least its launch. Per case (requests x nodes, a
+block of 16 with 4 candidates a position, from random draft distributions): the GPU time of one replay of that
+graph (CUDA events over 200 replays, median of 5), for both constructions (`TokenTree.build(at_once=...)`), and
+whether they built the same trees. Trees of more than ~31 nodes are built depth by depth either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python scripts/bench_tree_build.py`: the repo's packages
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from attention.batch_layout import pack_tree_masks  # noqa: E402
+from specdec.engine.token_tree import TokenTree  # noqa: E402
+
+POSITIONS, CANDIDATES, VOCAB = 15, 4, 1000
+
+
+def build(logprobs: torch.Tensor, tokens: torch.Tensor, nodes: int, at_once: bool) -> tuple[torch.Tensor, ...]:
+    """What a tree step's building graph makes (`TreeDecoding._build`)."""
+    tree = TokenTree.build(logprobs, tokens, nodes, at_once=at_once)
+    mask = tree.attention_mask()
+    return tree.tokens, tree.parents, mask, pack_tree_masks(mask)
+
+
+def replay_us(batch: int, nodes: int, at_once: bool, repeats: int = 5, replays: int = 200
+              ) -> tuple[float, tuple[torch.Tensor, ...]]:
+    """GPU microseconds of one replay of the building graph, and what it built."""
+    g = torch.Generator(device="cuda").manual_seed(batch * 1000 + nodes)
+    logits = torch.randn(batch, POSITIONS, VOCAB, device="cuda", generator=g) * 3
+    logprobs, tokens = logits.log_softmax(-1).topk(CANDIDATES, dim=-1)
+    side = torch.cuda.Stream()  # warm-up off the default stream, as a capture wants: tables made, kernels loaded
+    with torch.cuda.stream(side):
+        build(logprobs, tokens, nodes, at_once)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        built = build(logprobs, tokens, nodes, at_once)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / replays * 1e3)
+    return statistics.median(times), built
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", nargs="+", default=["1x15", "4x15", "1x31", "1x63"], help="requests x nodes")
+    p.add_argument("--out", help="JSON results file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_tree_build.py times CUDA graphs: it needs a GPU", file=sys.stderr)
+        return 1
+    rows = []
+    for case in args.cases:
+        batch, nodes = map(int, case.split("x"))
+        at_once_us, at_once = replay_us(batch, nodes, True)
+        by_depth_us, by_depth = replay_us(batch, nodes, False)
+        same = all(torch.equal(a, b) for a, b in zip(at_once, by_depth))
+        rows.append({"requests": batch, "nodes": nodes, "at_once_us": at_once_us, "by_depth_us": by_depth_us,
+                     "same_trees": same})
+        print(f"{batch} x {nodes} nodes: at once {at_once_us:.1f} us, depth by depth {by_depth_us:.1f} us, "
+              f"same trees {same}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                              "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
