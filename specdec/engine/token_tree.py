@@ -131,7 +131,7 @@ class PossibleNodes(NamedTuple):
     ranks: torch.Tensor  # [P]: the node's own token's rank
     places: torch.Tensor  # [P]: its token's index among the candidates, (depth - 1) * k + rank
     parents: torch.Tensor  # [P]: its parent's index, P for the anchor
-    tiebreaks: torch.Tensor  # [P]: -DEPTH_TIEBREAK times the depth
+    sums: torch.Tensor  # [P]: depth - 1, where the first candidates' sum to its depth sits (made once, not per step)
 
 
 @functools.lru_cache(maxsize=64)
@@ -156,7 +156,7 @@ def _possible_nodes(n: int, k: int, budget: int, device: torch.device) -> Possib
     tables = PossibleNodes(
         depths, torch.tensor([d + [n * k] * (width - len(d)) for d in departures]),
         torch.tensor([path[-1] for path in paths]), torch.tensor([(len(path) - 1) * k + path[-1] for path in paths]),
-        torch.tensor([index.get(path[:-1], len(paths)) for path in paths]), -DEPTH_TIEBREAK * depths)
+        torch.tensor([index.get(path[:-1], len(paths)) for path in paths]), depths - 1)
     return PossibleNodes(*(t.to(device) for t in tables))
 
 
@@ -172,11 +172,12 @@ def _nodes_it_brings(ranks: tuple[int, ...]) -> int:
 
 def _scored_possible_nodes(logprobs: torch.Tensor, possible: PossibleNodes) -> tuple[torch.Tensor, ...]:
     """Every possible node's key (its path's log-probabilities less the depth's tiebreak: the first candidates' sum
-    to its depth plus what each departure from them loses), depth, rank, place and parent (`PossibleNodes`)."""
+    to its depth, each less the tiebreak, plus what each departure from them loses), depth, rank, place and parent
+    (`PossibleNodes`)."""
     batch = logprobs.shape[0]
-    firsts = logprobs[:, :, 0].cumsum(dim=1)
+    firsts = (logprobs[:, :, 0] - DEPTH_TIEBREAK).cumsum(dim=1)
     losses = torch.cat([(logprobs - logprobs[:, :, :1]).flatten(1), firsts.new_zeros(batch, 1)], dim=1)
-    key = firsts[:, possible.depths - 1] + losses[:, possible.departures].sum(dim=2) + possible.tiebreaks
+    key = firsts[:, possible.sums] + losses[:, possible.departures].sum(dim=2)
     return key, possible.depths, possible.ranks, possible.places, possible.parents
 
 

@@ -46,6 +46,18 @@ CANDIDATES_PER_POSITION = 4
 NOT_A_CANDIDATE = -1e9
 
 
+def build_trees(logprobs: torch.Tensor, tokens: torch.Tensor, nodes: int, at_once: bool = True
+                ) -> tuple[torch.Tensor, ...]:
+    """What a tree step's building graph makes from each request's candidates [B, n, k]: the trees' tokens, parents,
+    depths, scores and ranks (`TokenTree.build`), their ancestor masks, and the masks packed for the verify's
+    attention, here in the graph, where packing them per step took ~0.2 ms of host time (its launches) on the step's
+    path."""
+    tree = TokenTree.build(logprobs, tokens, nodes, at_once=at_once)
+    mask = tree.attention_mask()
+    return (tree.tokens, tree.parents, tree.depths, tree.scores, tree.ranks, mask,
+            pack_tree_masks(mask).view(logprobs.shape[0], -1))
+
+
 class TreeDecoding:
     def __init__(self, runner: TargetRunner, drafter: Drafter, draft_ahead: bool = False):
         self.runner = runner
@@ -86,13 +98,7 @@ class TreeDecoding:
 
     # ---- the graphed pieces ------------------------------------------------------------------
     def _build(self, size: int) -> tuple[torch.Tensor, ...]:
-        logprobs, tokens = (c[:size] for c in self.candidates)
-        tree = TokenTree.build(logprobs, tokens, self.nodes_at(size))
-        mask = tree.attention_mask()
-        # the masks packed for the verify's attention here, in the graph, where packing them per step took ~0.2 ms of
-        # host time (its launches) on the step's path
-        self._eager_tree = (tree.tokens, tree.parents, tree.depths, tree.scores, tree.ranks, mask,
-                            pack_tree_masks(mask).view(size, -1))
+        self._eager_tree = build_trees(*(c[:size] for c in self.candidates), self.nodes_at(size))
         return self._eager_tree
 
     def _accept(self, size: int) -> tuple[torch.Tensor, ...]:
