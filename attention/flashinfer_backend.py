@@ -571,8 +571,11 @@ def kernel_backend(kv_dtype: torch.dtype, fa2: bool = False) -> str:
 def split_pages_for(expected_kv_len: int, kv_len: int, page_size: int, split_items: int) -> int:
     """Pages per KV chunk of a lone request's query rows: its length at most (and the largest verify past it) in as
     many chunks as a plan of LONE_ROWS_MAX rows may run in one wave (`split_items` work items). The same at every
-    step of the request, whatever its queries; a request of unknown length gets its current length's."""
-    pages = -(-(max(expected_kv_len, kv_len) + LONE_ROWS_MAX) // page_size)
+    step of the request, whatever its queries; a request of unknown length gets its current length's. A verify near
+    the end of a request runs rows past its length (up to LONE_ROWS_MAX - 1 of them): its chunks stay the request's,
+    as its rows within the length must have the bits of the decodes there."""
+    longest = expected_kv_len if expected_kv_len else kv_len
+    pages = -(-(max(longest + LONE_ROWS_MAX, kv_len)) // page_size)
     return -(-pages // (split_items // LONE_ROWS_MAX))
 
 

@@ -313,6 +313,23 @@ def test_a_lone_requests_decode_and_verify_plan_its_query_rows(backend_class):
     assert several.planned_kwargs[-1].get("fixed_split_size") is None
 
 
+def test_a_verify_past_a_requests_expected_length_keeps_its_decodes_kv_chunks(backend_class):
+    """Near the end of a request a verify's rows run past its expected length (the most it can hold); its rows within
+    that length must get the bits of the decodes there, so its KV chunks stay the request's: expected 16 tokens + 16
+    are 8 pages, one chunk of 1 page each, for the decode at 16 and for a verify over 17 and 18 tokens alike (not
+    18 + 16 tokens' 9 pages, chunks of 2)."""
+    RecordingWrapper.instances = []
+    backend = rows_backend(backend_class)
+    several = paged_wrappers()[1]
+    table = list(range(8))
+    for q, length in ((1, 15), (1, 16), (3, 18), (16, 31)):
+        backend.plan(BatchLayout.for_tokens([q], [length], [table], 4, causal=True, expected_kv_len=16))
+        assert several.planned_kwargs[-1]["fixed_split_size"] == 1, (q, length)
+    # a request of unknown length: its current length's
+    backend.plan(BatchLayout.for_tokens([3], [18], [table], 4, causal=True))
+    assert several.planned_kwargs[-1]["fixed_split_size"] == 2
+
+
 def test_a_lone_rung_plans_query_rows_into_buffers_of_their_own(backend_class):
     """The batch-1 rung of a verify of 3 is made for 3 query rows: its wrappers read buffers sized for 4
     requests and the longest request's pages, the rung's kv_indptr / kv_indices keep the step's metadata, and
