@@ -17,6 +17,7 @@ import re
 import sys
 import tempfile
 import time
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -61,6 +62,8 @@ def parse_args(argv):
     p.add_argument("--overlap-steps", choices=("on", "off"), default="on",
                    help="plain decoding's overlapped steps and DFlash's drafting ahead (the engine's default: on)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
+    p.add_argument("--top-kernels", type=int, default=0, metavar="N",
+                   help="also list each row's N largest kernels per step (time and launches, by name)")
     p.add_argument("--out", help="JSON results file")
     args = p.parse_args(argv)
     if args.quick:
@@ -186,28 +189,44 @@ def host_split(llm, prompts, max_new: int) -> dict:
             "other_host_ms": per_step(run["decode_s"] - spent["plan"] - spent["transfer"])}
 
 
-def device_time(llm, prompts, max_new: int, cuda: bool) -> tuple[float, float, int]:
-    """(kernel s, memcpy + memset s, steps) of one profiled generate. The raw kineto events are read:
-    this skips the profiler's costly event-tree building, and CUDA-graph replays show as their kernels."""
+def kernel_name(event) -> str:
+    """A kernel's name without its template arguments and parameters (`flashinfer::BatchPrefill...Kernel`)."""
+    return event.name().split("<")[0].split("(")[0]
+
+
+def device_time(llm, prompts, max_new: int, cuda: bool) -> tuple[float, float, int, Counter, Counter]:
+    """(kernel s, memcpy + memset s, steps, kernel ns by name, launches by name) of one profiled generate. The raw
+    kineto events are read: this skips the profiler's costly event-tree building, and CUDA-graph replays show as
+    their kernels."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         results = llm.generate(prompts, greedy(max_new))
     ns = {"kernel": 0, "gpu_memcpy": 0, "gpu_memset": 0}
+    by_name, launches = Counter(), Counter()
     for e in prof.profiler.kineto_results.events():
         if (kind := event_kind(e)) in ns:
             ns[kind] += e.duration_ns()
-    return ns["kernel"] / 1e9, (ns["gpu_memcpy"] + ns["gpu_memset"]) / 1e9, longest(results)["steps"]
+            if kind == "kernel":
+                by_name[kernel_name(e)] += e.duration_ns()
+                launches[kernel_name(e)] += 1
+    return (ns["kernel"] / 1e9, (ns["gpu_memcpy"] + ns["gpu_memset"]) / 1e9, longest(results)["steps"], by_name,
+            launches)
 
 
-def step_kernels(llm, prompts, max_new: int, cuda: bool) -> dict:
-    """Device time per step: a generate minus a prefill-only generate of the same prompts."""
-    kernel, copies, steps = device_time(llm, prompts, max_new, cuda)
-    kernel_pre, copies_pre, _ = device_time(llm, prompts, 1, cuda)
+def step_kernels(llm, prompts, max_new: int, cuda: bool, top: int = 0) -> dict:
+    """Device time per step: a generate minus a prefill-only generate of the same prompts; with `top`, the `top`
+    kernels that take the most time per step, by name: [name, us per step, launches per step]."""
+    kernel, copies, steps, by_name, launches = device_time(llm, prompts, max_new, cuda)
+    kernel_pre, copies_pre, _, by_name_pre, launches_pre = device_time(llm, prompts, 1, cuda)
     if not cuda:  # the profiler ran (CPU events only), but there are no kernel times
         return {"kernel_ms": None, "memcpy_ms": None}
-    return {"kernel_ms": (kernel - kernel_pre) / steps * 1e3, "memcpy_ms": (copies - copies_pre) / steps * 1e3}
+    by_name.subtract(by_name_pre)
+    launches.subtract(launches_pre)
+    largest = [[name, ns / steps / 1e3, launches[name] / steps] for name, ns in by_name.most_common(top)]
+    return {"kernel_ms": (kernel - kernel_pre) / steps * 1e3, "memcpy_ms": (copies - copies_pre) / steps * 1e3,
+            **({"top_kernels": largest} if top else {})}
 
 
 def bench_config(model: str, drafter, batches: list[int], prompts, args, **engine) -> tuple[list[dict], float | None]:
@@ -219,7 +238,8 @@ def bench_config(model: str, drafter, batches: list[int], prompts, args, **engin
     for b in batches:
         rows.append({"batch": b, **step_wall(llm, prompts[:b], args.max_new_tokens, args.repeats),
                      **host_split(llm, prompts[:b], args.max_new_tokens),
-                     **step_kernels(llm, prompts[:b], args.profile_tokens, args.device.type == "cuda")})
+                     **step_kernels(llm, prompts[:b], args.profile_tokens, args.device.type == "cuda",
+                                    args.top_kernels)})
         print(f"  batch {b}: {rows[-1]['step_wall_ms']:.2f} ms/step", file=sys.stderr, flush=True)
     capture = getattr(llm.engine, "graph_capture_seconds", None)  # read late: capture may wait for a first step
     del llm
@@ -314,6 +334,11 @@ def report(info: dict) -> str:
                      f"{fmt(r['busy_pct'], '.0f')} | {r['bound_ms']:.2f} | {fmt(r['wall_over_kernel'])} | "
                      f"{r['tokens_per_step']:.2f} | {r['tpot_ms']:.2f} | {r['plan_ms']:.2f} / "
                      f"{r['transfer_wait_ms']:.2f} / {r['other_host_ms']:.2f} |")
+    for r in info["rows"]:
+        if r.get("top_kernels"):
+            lines += ["", f"{r['system']}, {r['kv']}, {'graphs' if r['graphs'] else 'eager'}, batch {r['batch']}: "
+                      "the largest kernels per step", "", "| kernel | us per step | launches per step |", "|---|---|---|"]
+            lines += [f"| `{name}` | {us:.1f} | {count:.1f} |" for name, us, count in r["top_kernels"]]
     return "\n".join(lines)
 
 

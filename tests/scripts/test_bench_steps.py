@@ -3,6 +3,7 @@ weight-byte count of the default target's shape, how kernel times turn into busy
 profiler events are sorted, and the host timers leaving the engine as they found it."""
 
 import json
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +14,8 @@ from drafters import DEFAULT_DRAFTERS, resolve_drafter_path
 from drafters.dflash_model import read_dflash_config
 from drafters.training.drafter_config import parameter_counts
 from scripts.bench.random_models import TARGET_SHAPE
-from scripts.bench_steps import derive, event_kind, host_timers, main, weight_bytes
+import scripts.bench_steps as bench_steps
+from scripts.bench_steps import derive, event_kind, host_timers, kernel_name, main, weight_bytes
 from specdec.engine import decoding
 
 
@@ -90,3 +92,18 @@ def test_host_timers_count_plans_and_transfers_and_then_leave_no_trace():
         assert decoding.to_host(torch.tensor([[1, 2]]), None) == [[1, 2]]
     assert calls == ["layout"] and spent["plan"] > 0 and spent["transfer"] > 0
     assert "plan" not in vars(backend) and decoding.StepTransfer.read is read
+
+
+def test_the_largest_kernels_per_step_are_the_generates_less_the_prefills(monkeypatch):
+    """Per kernel name: the profiled generate's time and launches less the prefill-only generate's, per step,
+    largest first; the report lists them under the row."""
+    profiles = {8: (3e-3, 0.0, 4, Counter(gemm=2_400_000, attention=1_000_000, norm=50_000),
+                    Counter(gemm=40, attention=36, norm=9)),
+                1: (1e-3, 0.0, 1, Counter(gemm=800_000, attention=200_000, norm=10_000),
+                    Counter(gemm=8, attention=4, norm=1))}
+    monkeypatch.setattr(bench_steps, "device_time", lambda llm, prompts, max_new, cuda: profiles[max_new])
+    row = bench_steps.step_kernels(None, [], 8, cuda=True, top=2)
+    assert row["top_kernels"] == [["gemm", 400.0, 8.0], ["attention", 200.0, 8.0]]
+    assert "top_kernels" not in bench_steps.step_kernels(None, [], 8, cuda=True)
+    assert kernel_name(SimpleNamespace(name=lambda: "void flashinfer::Kernel<true, 128>(Params)")) == \
+        "void flashinfer::Kernel"
