@@ -156,8 +156,9 @@ class KVCache:
         views = {d: iter(stacked) for d, stacked in self.stacked.items()}  # each dtype's layers in order
         # per dtype, the row (`move_rows`) of each (layer, K or V) at slot 0 of page 0: [layers, K or V], made once
         # (a tree step's moves would launch its few kernels at every step)
-        self._first_rows = {d: (torch.arange(len(stacked), device=device)[:, None] * shape[0] * 2
-                                + torch.arange(2, device=device)[None, :]) * page_size
+        kinds = shape[1]  # K and V
+        self._first_rows = {d: (torch.arange(len(stacked), device=device)[:, None] * shape[0] * kinds
+                                + torch.arange(kinds, device=device)[None, :]) * page_size
                             for d, stacked in self.stacked.items()}
         self.layers = [LayerKV(next(views[d])) for d in self.layer_dtypes]
 
