@@ -292,7 +292,8 @@ def test_a_lone_requests_verify_rows_have_the_bits_of_its_decodes(kv):
     bits of the decode at that position, with a short history (one KV chunk per row) and long ones (several).
     A rung replans only when a row's number of chunks changes: after the history of 1,500 tokens, that of 1,502
     keeps both rungs' plans (every row still 5 chunks of 19 pages on a GPU of 132 SMs), and in that of 1,510 the
-    rows reach a sixth chunk."""
+    rows reach a sixth chunk. The verify of a request's last block, whose rows run past its length, has the bits of
+    the decodes there too."""
     scales = (0.05, 0.03) if kv == "fp8" else (1.0, 1.0)
     backend = flashinfer_backend(KV_DTYPES[kv])
     backend.bound_sequence_pages(256)
@@ -320,6 +321,22 @@ def test_a_lone_requests_verify_rows_have_the_bits_of_its_decodes(kv):
         # per rung: the dummy it was captured on, 30, 1,500 and 1,510 (the verify's rows reach a sixth chunk there,
         # the decodes from position 1,520 on), never 1,502
         assert plans.count(verify.slot) == 4 and plans.count(decode.slot) == 4
+    # the last block of a request: the verify's rows run up to 15 tokens past the request's length at most, and keep
+    # its decodes' chunks (the length + 16 tokens fill a multiple of the chunks a row may have, so one page more would
+    # have made each chunk a page larger)
+    from attention.flashinfer_backend import LONE_ROWS_MAX
+
+    end = 16 * 2 * (backend.split_items // LONE_ROWS_MAX) - 16
+    case = PagedCase([end - 1], [16], [16], True, page_size=16, kv_dtype=KV_DTYPES[kv], device="cuda",
+                     dtype=torch.bfloat16, scales=scales, seed=end)
+    layer.data.copy_(case.layer.data)
+    table = case.tables[0].array
+    step = BatchLayout.for_tokens([16], [end + 15], [table], 16, causal=True, expected_kv_len=end)
+    rows = verify.run(step, case.q, case.new_k, case.new_v)
+    for j in range(16):
+        one = BatchLayout.for_tokens([1], [end + j], [table], 16, causal=True, expected_kv_len=end)
+        row = decode.run(one, case.q[j:j + 1], case.new_k[j:j + 1], case.new_v[j:j + 1])
+        assert torch.equal(row[0], rows[j]), f"position {end - 1 + j} of a request of {end} tokens at most"
 
 
 @pytest.mark.parametrize("kv", sorted(KV_DTYPES))
