@@ -575,7 +575,7 @@ def split_pages_for(expected_kv_len: int, kv_len: int, page_size: int, split_ite
     the end of a request runs rows past its length (up to LONE_ROWS_MAX - 1 of them): its chunks stay the request's,
     as its rows within the length must have the bits of the decodes there."""
     longest = expected_kv_len if expected_kv_len else kv_len
-    pages = -(-(max(longest + LONE_ROWS_MAX, kv_len)) // page_size)
+    pages = -(-max(longest + LONE_ROWS_MAX, kv_len) // page_size)
     return -(-pages // (split_items // LONE_ROWS_MAX))
 
 

@@ -96,7 +96,7 @@ def test_host_timers_count_plans_and_transfers_and_then_leave_no_trace():
 
 def test_the_largest_kernels_per_step_are_the_generates_less_the_prefills(monkeypatch):
     """Per kernel name: the profiled generate's time and launches less the prefill-only generate's, per step,
-    largest first; the report lists them under the row."""
+    largest first (only when asked for)."""
     profiles = {8: (3e-3, 0.0, 4, Counter(gemm=2_400_000, attention=1_000_000, norm=50_000),
                     Counter(gemm=40, attention=36, norm=9)),
                 1: (1e-3, 0.0, 1, Counter(gemm=800_000, attention=200_000, norm=10_000),
