@@ -330,6 +330,19 @@ def test_a_verify_past_a_requests_expected_length_keeps_its_decodes_kv_chunks(ba
     assert several.planned_kwargs[-1]["fixed_split_size"] == 2
 
 
+def test_every_step_of_a_lone_request_of_known_length_has_the_same_kv_chunks(backend_class):
+    """Whatever a request's length at most, its decodes and its verifies of up to LONE_ROWS_MAX rows (the last ones
+    running past that length) get one KV chunk size, on GPUs of 2 and 3 KV heads (132 and 88 work items)."""
+    module = sys.modules["attention.flashinfer_backend"]
+    split_pages_for, rows_max = module.split_pages_for, module.LONE_ROWS_MAX
+    for split_items in (132, 88):
+        for page_size in (16, 4):
+            for expected in range(1, 700):
+                splits = {split_pages_for(expected, start + q, page_size, split_items)
+                          for start in range(max(0, expected - 40), expected) for q in (1, 2, 5, rows_max)}
+                assert len(splits) == 1, (split_items, page_size, expected, splits)
+
+
 def test_a_lone_rung_plans_query_rows_into_buffers_of_their_own(backend_class):
     """The batch-1 rung of a verify of 3 is made for 3 query rows: its wrappers read buffers sized for 4
     requests and the longest request's pages, the rung's kv_indptr / kv_indices keep the step's metadata, and
