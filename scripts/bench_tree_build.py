@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,33 +24,27 @@ if str(ROOT) not in sys.path:  # run as `python scripts/bench_tree_build.py`: th
 import torch  # noqa: E402
 
 from specdec.engine.tree_speculator import build_trees  # noqa: E402
+from specdec.runtime.cuda_graphs import BatchGraphs, gpu_seconds  # noqa: E402
 
 POSITIONS, CANDIDATES, VOCAB = 15, 4, 1000
 
 
 def replay_us(batch: int, nodes: int, at_once: bool, repeats: int = 5, replays: int = 200
               ) -> tuple[float, tuple[torch.Tensor, ...]]:
-    """GPU microseconds of one replay of the building graph, and what it built."""
+    """GPU microseconds of one replay of the building graph (captured as the tree step captures it), and what it
+    built."""
     g = torch.Generator(device="cuda").manual_seed(batch * 1000 + nodes)
     logits = torch.randn(batch, POSITIONS, VOCAB, device="cuda", generator=g) * 3
     logprobs, tokens = logits.log_softmax(-1).topk(CANDIDATES, dim=-1)
-    side = torch.cuda.Stream()  # warm-up off the default stream, as a capture wants: tables made, kernels loaded
-    with torch.cuda.stream(side):
-        build_trees(logprobs, tokens, nodes, at_once)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        built = build_trees(logprobs, tokens, nodes, at_once)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    graphs = BatchGraphs("tree", (batch,), lambda size: build_trees(logprobs[:size], tokens[:size], nodes, at_once))
+    graphs.capture()
+    graph = graphs.graphs[batch]
+
+    def replay_many() -> None:
         for _ in range(replays):
             graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / replays * 1e3)
-    return statistics.median(times), built
+
+    return gpu_seconds(replay_many, repeats) / replays * 1e6, graphs.outputs[batch]
 
 
 def main(argv=None) -> int:
