@@ -8,8 +8,9 @@
     K/V of the accepted path move into place (start + 1 .. start + a) on the device; the rest of the tree
     goes back; the drafter's context grows by the features of the anchor and the accepted path.
     With `draft_ahead` (and no prompt chunk in the step) the next step's draft with candidates is queued
-    before the readback, from the acceptance on the device (`Drafter.propose_next`): the GPU drafts while
-    the host commits, and that context growth happens in the queued draft.
+    after the step's tokens start on their way to the host and before the host reads them, from the acceptance
+    on the device (`Drafter.propose_next`): the GPU drafts while the host commits, and that context growth
+    happens in the queued draft.
 
 Everything between the draft and the step's one device-to-host transfer stays on the device: the tree's
 building and its acceptance are replayed from CUDA graphs per batch rung (`BatchGraphs`), the verify is
@@ -32,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from attention.batch_layout import pack_tree_masks
-from specdec.engine.decoding import to_host
+from specdec.engine.decoding import StepTransfer
 from specdec.engine.drafter import Drafter
 from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
@@ -166,11 +167,14 @@ class TreeDecoding:
             self.runner.run_prefill(prefill)
             chunk_rows = sum(prefill.lens)
         self.runner.features_out[chunk_rows:chunk_rows + batch * block].copy_(features)
-        # the next step's draft with candidates, queued before the readback so the GPU drafts while the host
-        # commits (not with prompt chunks in the step: their requests' contexts are written after it)
+        # the step's tokens on their way to the host, then the next step's draft with candidates: reading them waits
+        # for this step alone, and the GPU drafts while the host commits (not with prompt chunks in the step: their
+        # requests' contexts are written after it)
+        transfer = StepTransfer(torch.cat([path_tokens, accepted[:, None], bonus[:, None], chain[:, None]], dim=1),
+                                prefill)
         ahead = self.draft_ahead and prefill is None and self.drafter.propose_next(
             running, bonus, accepted + 1, [i * block for i in range(batch)], [block] * batch, candidates=True)
-        host = to_host(torch.cat([path_tokens, accepted[:, None], bonus[:, None], chain[:, None]], dim=1), prefill)
+        host = transfer.read()
         committed, counts = [], []
         self.chain_accepted = [row[self.depth + 2] for row in host]
         for row, request, start in zip(host, running, starts):

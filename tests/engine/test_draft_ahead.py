@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from specdec.engine import decoding
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import TREE, StepCosts
 from tests.conftest import VOCAB
@@ -203,3 +204,34 @@ def test_an_exception_around_a_draft_ahead_leaves_the_engine_clean(target_dir, t
     for _ in range(4):
         run_failing(engine, engine.drafter, point, rng.randint(1, 5), MANY_PROMPTS[:5], params)
     assert [r.output_ids for r in engine.generate_ids(MANY_PROMPTS[:3], params)] == fresh
+
+
+@pytest.mark.parametrize("verify", ["chain", "tree"])
+def test_a_steps_tokens_start_to_the_host_before_the_next_draft_is_queued(target_dir, tmp_path, monkeypatch, verify):
+    """A step that drafts ahead queues its tokens' copy to the host before the next step's draft, and reads them
+    after: the read then waits for the step alone while the GPU drafts (a chain's draft, a tree's candidates)."""
+    engine = engine_for(target_dir, tmp_path, True, verify=verify, max_num_seqs=4)
+    events = []
+
+    class RecordedCopy(decoding.HostCopy):
+        def __init__(self, tensor):
+            events.append("copy")
+            super().__init__(tensor)
+
+        def tolist(self):
+            events.append("read")
+            return super().tolist()
+
+    monkeypatch.setattr(decoding, "HostCopy", RecordedCopy)
+    propose_next = engine.drafter.propose_next
+
+    def queue(*args, **options):
+        queued = propose_next(*args, **options)
+        events.append("draft" if queued else "no draft")
+        return queued
+
+    engine.drafter.propose_next = queue
+    requests = engine.generate_ids(MANY_PROMPTS[:3], SamplingParams(max_new_tokens=12))
+    drafts = [i for i, event in enumerate(events) if event == "draft"]
+    assert len(drafts) > 3 and all(r.finished for r in requests)
+    assert all(events[i - 1] == "copy" and events[i + 1] == "read" for i in drafts), events
