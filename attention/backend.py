@@ -87,6 +87,17 @@ class AttentionBackend(ABC):
         graph), for a step planned with upper bounds of them: its attention and write slots then read each
         request's first pages up to its real length. A no-op where plans are exact (the default)."""
 
+    def rows_plan_serves(self, slot, q: int, kv_lens: tuple[int, int], expected_kv_len: int, page_size: int) -> bool:
+        """Whether graph rung `slot`, planned for a lone request's step of q rows at KV length kv_lens[1], runs it as
+        well at every KV length from kv_lens[0] up, given that length on the device (`use_device_rows`): a step
+        queued before the host knows its length. False by default (no such plans)."""
+        return False
+
+    def use_device_rows(self, kv_len: torch.Tensor) -> None:
+        """The real KV length (one element, on the device, with the step's rows) of a lone request's step planned for
+        a longer one (`rows_plan_serves`): its page metadata becomes the real length's. Queued before the step's
+        replay. A no-op by default."""
+
     def use_device_tree(self) -> None:
         """The planned token-tree step's node metadata from its masks on the device (called by the step itself,
         inside its CUDA graph, before its layers), where the backend plans a tree's shape it does not know on the

@@ -466,6 +466,28 @@ class FlashInferBackend(AttentionBackend):
         for buffer, values in zip((kv_indptr, last_page_len, kv_indices), real):
             buffer.copy_(values)
 
+    def rows_plan_serves(self, slot: GraphSlot, q: int, kv_lens: tuple[int, int], expected_kv_len: int,
+                         page_size: int) -> bool:
+        """A query-rows rung of q rows planned at the longer length serves every length down to the shorter one where
+        each row has as many KV chunks at both (`kv_split`: the plan's work depends on nothing else); a row's chunk
+        count grows with the length, so the two ends decide it."""
+        if slot.rows != q or slot.node_rows or not self.rows_capable():
+            return False
+        splits = {split_pages_for(expected_kv_len, kv, page_size, self.split_items) for kv in kv_lens}
+        return len(splits) == 1 and len({rows_chunks(kv, q, page_size, *splits) for kv in kv_lens}) == 1
+
+    def use_device_rows(self, kv_len: torch.Tensor) -> None:
+        slot = self.slot
+        if slot is None or not slot.rows or slot.node_rows:
+            return
+        q = slot.rows
+        kv_indptr, kv_indices, last_page_len = slot.planned
+        padding = torch.full_like(kv_len, 1 << 30)  # the padding request keeps its planned length
+        lengths = torch.cat([kv_len - q + 1 + torch.arange(q, device=kv_len.device), padding])
+        real = real_page_metadata(kv_indptr, last_page_len, kv_indices, lengths, self.layout.page_size)
+        for buffer, values in zip((kv_indptr, last_page_len, kv_indices), real):
+            buffer.copy_(values)
+
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
         """A graph rung planned for upper bounds (`device_lengths`): its page metadata becomes the real lengths'
         (each request keeps its first pages up to min(real, planned) length), on the device, with no host work.
@@ -577,6 +599,12 @@ def split_pages_for(expected_kv_len: int, kv_len: int, page_size: int, split_ite
     longest = expected_kv_len if expected_kv_len else kv_len
     pages = -(-max(longest + LONE_ROWS_MAX, kv_len) // page_size)
     return -(-pages // (split_items // LONE_ROWS_MAX))
+
+
+def rows_chunks(kv_len: int, q: int, page_size: int, split_pages: int) -> tuple[int, ...]:
+    """The KV chunks of each of a lone request's q query rows at KV length `kv_len` (`BatchLayout.query_rows`)."""
+    pages = -(-(kv_len - q + 1 + np.arange(q)) // page_size)
+    return tuple((-(-pages // split_pages)).tolist())
 
 
 def kv_split(layout: BatchLayout, split_pages: int) -> bytes:

@@ -452,6 +452,12 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.unsettled = dict(zip([r.request_id for r in requests], starts.tolist()))
         return True
 
+    def drafts_ahead(self, requests: list[DraftRequest]) -> torch.Tensor | None:
+        batch = len(requests)
+        if self.queued_candidates or [self.queued.get(r.request_id) for r in requests] != list(range(batch)):
+            return None
+        return self.drafts_out[:batch, :self.queued_drafts]
+
     def settle(self, requests: list[DraftRequest], counts: list[int]) -> None:
         for request, count in zip(requests, counts):
             start = self.unsettled.pop(request.request_id, None)

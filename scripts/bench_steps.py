@@ -61,6 +61,8 @@ def parse_args(argv):
                                                                "reference that flags graph kernels the profiler missed)")
     p.add_argument("--overlap-steps", choices=("on", "off"), default="on",
                    help="plain decoding's overlapped steps and DFlash's drafting ahead (the engine's default: on)")
+    p.add_argument("--verify-ahead", action="store_true",
+                   help="DFlash rows: a lone request's next verify queued with its draft (EngineConfig.verify_ahead)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
     p.add_argument("--top-kernels", type=int, default=0, metavar="N",
                    help="also list each row's N largest kernels per step (time and launches, by name)")
@@ -292,7 +294,7 @@ def run_rows(info: dict, model: str, drafter: str | None, prompts, args) -> None
                 rows, info["graph_capture_s"][name] = bench_config(
                     model, draft, batches, prompts, args, enforce_eager=not graphs,
                     kv_cache_dtype="fp8" if kv == "fp8" else "auto", verify=verify,
-                    overlap_steps=args.overlap_steps == "on")
+                    overlap_steps=args.overlap_steps == "on", verify_ahead=args.verify_ahead)
                 nbytes = info["weight_bytes"]["dflash" if draft else "target"]
                 for r in rows:
                     eager = eager_kernels.get(r["batch"]) if graphs else None
@@ -351,7 +353,7 @@ def main(argv=None) -> int:
         info = {"environment": environment(args.device), "model": name, "drafter": drafter, "skipped": skipped,
                 "tau_note": REAL_TAU_NOTE if args.model else TAU_NOTE, "prompt_tokens": args.prompt_tokens,
                 "max_new_tokens": args.max_new_tokens, "profile_tokens": args.profile_tokens, "repeats": args.repeats,
-                "overlap_steps": args.overlap_steps,
+                "overlap_steps": args.overlap_steps, "verify_ahead": args.verify_ahead,
                 "copy_mib": args.copy_mib, "copy_bandwidth": copy_bandwidth(args.device, args.copy_mib),
                 "weight_bytes": weight_bytes(model_dir, drafter and resolve_drafter_path(drafter),
                                              2 if args.device.type == "cuda" else 4),  # "auto": bf16 / fp32

@@ -97,6 +97,11 @@ class EngineConfig:
     overlap_steps: bool = _setting(True, "plain decoding: the host prepares and queues the next step before "
                                           "waiting for this one's tokens; speculative decoding: the next step's "
                                           "draft is queued before this step's tokens are read")
+    # with overlap_steps, a lone request's chain step also queues the next step's verify before this step's tokens are
+    # read (planned for the latest start it may have, the real one written on the device: docs/gpu.md). Off until its
+    # GPU test of accepted drafts (tests/gpu/test_flashinfer_backend.py, `..._planned_for_a_later_start_...`) has run
+    verify_ahead: bool = _setting(False, "speculative decoding of a lone request: the next step's verify is queued "
+                                         "with its draft, before this step's tokens are read (needs overlap_steps)")
     # speculative steps (specdec/engine/verify_policy.py): chain = every draft of the block every step;
     # auto = per step the chain length (the block, a half, a quarter, an eighth) with the most committed tokens per
     # second, from running acceptance and step times measured after graph capture (without CUDA graphs:

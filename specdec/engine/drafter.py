@@ -143,6 +143,12 @@ class Drafter(ABC):
         that scores every draft): a step that takes them verifies at most that many."""
         return None
 
+    def drafts_ahead(self, requests: list[DraftRequest]) -> torch.Tensor | None:
+        """The drafts `propose_next` queued for exactly these requests, in order ([B, queued_length], on the device,
+        valid until the next draft), without taking them: the next `propose` still does. None: none queued for them
+        (the default)."""
+        return None
+
     def settle(self, requests: list[DraftRequest], counts: list[int]) -> None:
         """After `propose_next`: request i committed counts[i] positions."""
         raise NotImplementedError(f"{type(self).__name__} queues no draft ahead")

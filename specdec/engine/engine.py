@@ -138,7 +138,7 @@ class Engine:
             self.decoding: DecodePhase = SpeculativeDecoding(
                 self.runner, drafter, VerifyPolicy(block, chain_lengths, tree=trees, budgets=budgets),
                 TreeDecoding(self.runner, drafter, draft_ahead=config.overlap_steps) if trees else None,
-                draft_ahead=config.overlap_steps)
+                draft_ahead=config.overlap_steps, verify_ahead=config.overlap_steps and config.verify_ahead)
         else:
             self.decoding = PlainDecoding(self.runner)
         # one entry per cached page: the target's KV page and, when the drafter keeps a context cache, its page
@@ -348,6 +348,8 @@ class Engine:
                 self.drafter.release(request)
             self._adopt_cached_context(plan.admitted)
             self.decoding.room = plan.room  # what a speculative step may write past each request's length
+            # nothing waits to join: the next step runs the same requests unless one ends (or one arrives meanwhile)
+            self.decoding.next_step_known = not self.scheduler.waiting
         if plan.empty and self.scheduler.waiting and self.flight is None:
             raise RuntimeError("scheduler stalled with waiting requests and nothing to run")
         out = StepOutput(preempted=plan.preempted)

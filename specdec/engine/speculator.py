@@ -14,16 +14,22 @@ own tokens); a step with a grammar (structured output) adds one, of the drafts, 
 while the verify runs. With `draft_ahead`
 the next step's draft is queued right after the transfer (from the acceptance on the device, see
 `Drafter.propose_next`), so the GPU drafts while the host reads and commits; its length is the policy's choice
-for the next step's batch then, and that step verifies no more drafts than it holds. The engine commits the tokens;
+for the next step's batch then, and that step verifies no more drafts than it holds. With `verify_ahead` a lone
+request's chain step also queues the next step's verify right after that draft (`_queue_next_verify`, planned for the latest start it
+may have, the real one written on the device), which that step then takes instead of planning its verify once the
+host has read this step's tokens. The engine commits the tokens;
 one it cuts short (EOS, a stop, max_new_tokens) finishes the request, which then gives back its
 target pages and drafter state, so the rollback and the drafter's context need not wait for it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+from attention.page_pool import PageTable
 from attention.transfer import HostCopy
 from specdec.engine.acceptance import accept
 from specdec.engine.decoding import Launched, PlainDecoding, StepTransfer
@@ -33,16 +39,17 @@ from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
 from specdec.engine.tree_speculator import TreeDecoding
 from specdec.engine.verify_policy import PLAIN, TREE, Budget, VerifyPolicy
-from specdec.runtime.target_runner import Carried, PrefillChunks, TargetRunner
+from specdec.runtime.target_runner import BlockOutput, Carried, PrefillChunks, TargetRunner
 
 
 class SpeculativeDecoding:
     def __init__(self, runner: TargetRunner, drafter: Drafter, policy: VerifyPolicy | None = None,
-                 tree: TreeDecoding | None = None, draft_ahead: bool = True):
+                 tree: TreeDecoding | None = None, draft_ahead: bool = True, verify_ahead: bool = False):
         self.runner = runner
         self.drafter = drafter
         # queue each chain step's next draft before reading its tokens (not with trees only: they draft candidates)
         self.draft_ahead = draft_ahead
+        self.verify_ahead = verify_ahead  # and a lone request's next verify with it (`_queue_next_verify`)
         self.tokens_per_step = drafter.block_size  # the most a step commits per request
         self.policy = policy or VerifyPolicy(drafter.block_size, (drafter.block_size,))
         if self.policy.tree and tree is None:
@@ -55,6 +62,9 @@ class SpeculativeDecoding:
         # slots the next step's plan holds for each request past its committed length (the engine's, from the
         # scheduler; None: as many as any step writes): a tree step that would write more verifies a chain instead
         self.room: int | None = None
+        # the engine's, each step: no request waits to join, so the next step runs these requests unless one ends
+        self.next_step_known = False
+        self.ahead: VerifiedAhead | None = None  # the next step's verify, queued by this one (`_queue_next_verify`)
         self.logprobs: list[list[TokenLogprob] | None] | None = None  # the last step's, per request (None: none asked)
 
     def _prefilled(self, prefill: PrefillChunks | None) -> torch.Tensor | None:
@@ -75,6 +85,7 @@ class SpeculativeDecoding:
     def step(self, running: list[Request], prefill: PrefillChunks | None = None) -> list[list[int]]:
         batch = len(running)
         self.logprobs = None
+        verified, self.ahead = self.ahead, None  # a verify the last step queued for this one
         nodes = self.tree.nodes_for(batch) if self.tree is not None else 0
         # logprobs, penalties and grammars work on the rows of a chain's verify: a step with a request that asks for
         # one verifies a chain (of the length the policy picks). Asked only where the policy may pick a tree
@@ -97,6 +108,10 @@ class SpeculativeDecoding:
         queued = self.drafter.queued_length  # a draft queued ahead, chosen for the batch of its time
         if queued is not None and queued + 1 < q:  # the chain of what it holds
             budget, q = None, queued + 1
+        if verified is not None and not verified.serves(running, prefill, budget):
+            verified = None
+        if verified is not None:  # its rows are verified already: the chain of all of them
+            q = verified.q
         # what runs: its wall time is weighed against its cost
         self.option, self.verify_length = budget or q, budget.per if budget is not None else q
         tables = [r.target_pages for r in running]
@@ -106,7 +121,10 @@ class SpeculativeDecoding:
         # masks are computed
         drafts_host = HostCopy(drafts) if any(r.matcher is not None for r in running) else None
         anchors = [r.pending_token for r in running]
-        if budget is None:
+        if verified is not None:
+            tables[0].grow(q)  # the slots the verify queued ahead wrote
+            out = verified.out
+        elif budget is None:
             out = self.runner.run_block(tables, anchors, drafts, q, prefill)
         else:  # a request accepts drafts only as far as its rows ran
             out, lengths = self.runner.run_budget(tables, anchors, drafts, self.drafter.confidence, q, budget.per,
@@ -123,6 +141,8 @@ class SpeculativeDecoding:
         starting = prefill.starting if first_tokens is not None else []
         drafting = running + starting
         ahead = self._queue_next_draft(running, starting, bonus, accepted, first_tokens, q)
+        if ahead and budget is None and rows is None and drafts_host is None and prefill is None:
+            self.ahead = self._queue_next_verify(running, bonus, accepted, q)
         host = transfer.read()
         tokens, counts = [], []
         room = self.tokens_per_step
@@ -166,6 +186,21 @@ class SpeculativeDecoding:
         return self.drafter.propose_next(running + starting, anchors, counts, [i * q for i in range(batch)]
                                          + [0] * len(starting), [q] * batch + [0] * len(starting), length)
 
+    def _queue_next_verify(self, running: list[Request], bonus: torch.Tensor, accepted: torch.Tensor,
+                           q: int) -> "VerifiedAhead | None":
+        """A lone request's next verify, queued right after its next draft and before this step's tokens reach the
+        host (`TargetRunner.run_block_ahead`): the host then plans it while the GPU verifies this step, and the GPU
+        goes from the draft to the verify while the host commits. Only where the next step is known to run this
+        request alone, with nothing it must follow on the host (penalties); None where not queued."""
+        request = running[0]
+        drafts = self.drafter.drafts_ahead(running)
+        if (not self.verify_ahead or len(running) != 1 or not self.next_step_known or drafts is None
+                or request.params.adjusts_logits or not request.can_take_more):
+            return None
+        length = drafts.shape[1] + 1
+        out = self.runner.run_block_ahead(request.target_pages, length, bonus[:1], drafts, accepted[:1], q)
+        return VerifiedAhead(request, request.target_pages, length, out) if out is not None else None
+
     def plain_pays(self, batch: int) -> bool:
         """Whether the policy runs a step of `batch` requests as a plain decoding step (PLAIN): no draft pays at this
         batch. The caller rules out requests whose tokens the host must follow one by one (penalties, grammars)."""
@@ -178,6 +213,7 @@ class SpeculativeDecoding:
         steps are (specdec/engine/flight.py). The drafter's context grows by the positions its forward computes (the
         running requests' inputs and the prompt chunks), so a later speculative step drafts from where they are."""
         self.drafter.catch_up(running)
+        self.ahead = None  # a verify queued for a speculative step: this step comes instead
         self.verify_length = PLAIN
         return self.plain.launch(running, prefill, carried, starting, after_forward=self._plain_context)
 
@@ -190,3 +226,20 @@ class SpeculativeDecoding:
         if prefill is not None:
             prefill.context_added = True
             self.drafter.add_context(prefill.requests, features[batch:batch + sum(prefill.lens)], prefill.lens)
+
+
+@dataclass
+class VerifiedAhead:
+    """A verify queued by the step before (`SpeculativeDecoding._queue_next_verify`): q rows of `request`, after the
+    tokens that step committed, their outputs in `out`."""
+
+    request: Request
+    table: PageTable
+    q: int
+    out: BlockOutput
+
+    def serves(self, running: list[Request], prefill: PrefillChunks | None, budget: Budget | None) -> bool:
+        """Whether this step is the one it was queued for: the same request alone (its same table), a chain, no
+        prompt chunks."""
+        return (len(running) == 1 and running[0] is self.request and self.request.target_pages is self.table
+                and prefill is None and budget is None and not self.request.finished)

@@ -240,6 +240,37 @@ class TargetRunner(ModelRunner):
                       after_upload=device_tokens_into_ids if rest is not None or carried is not None else None)
         return self._block_output(batch * q)
 
+    def run_block_ahead(self, table: PageTable, q: int, anchor: torch.Tensor, rest: torch.Tensor,
+                        accepted: torch.Tensor, most: int) -> BlockOutput | None:
+        """A lone request's next verify of q rows, queued before this step's acceptance reaches the host: its first
+        token `anchor` [1] and drafts `rest` [1, q - 1] are on the device, and so is `accepted` [1], the drafts this
+        step accepts (fewer than `most`, the rows it verified, the last of the table's length). The verify starts after
+        them and the bonus; the host knows only that start's range. Where the graph rung planned for the latest start
+        serves every start of the range (`AttentionBackend.rows_plan_serves`), the step is planned there, its start
+        and page metadata are written on the device, and it is replayed. The table then holds the pages of the latest
+        start's verify (the caller rolls it back to the real length as after any verify; the next step grows it by q
+        again). None where that is not so: not queued. On the CPU the acceptance is read back (at no cost there) and
+        the verify runs at its real start."""
+        base = table.length - most  # the step's anchor's position
+        if self.device.type != "cuda":
+            table.truncate(base + int(accepted[0]) + 1)
+            return self.run_block([table], [int(anchor[0])], rest, q)
+        rung = self.rung_for(q, 1)
+        starts = (base + 1, table.length)  # none of this step's drafts accepted, all of them
+        if (rung is None or not table.can_grow(q) or not self.attn.rows_plan_serves(
+                self.ladders[q].slot(rung), q, (starts[0] + q, starts[1] + q), table.expected_length, self.page_size)):
+            return None
+        layout, inputs = self._stage_block([table], [0], q, np.array([table.length]))
+
+        def device_inputs() -> None:
+            write_device_tokens(inputs["ids"][:q].view(1, q), rest, Carried(self.arange[:1], anchor.long()))
+            start = inputs["starts"][:1]
+            start.copy_(base + 1 + accepted.long())
+            self.attn.use_device_rows(start + q)
+
+        self.dispatch(q, 1, layout, inputs, lambda b: self._block_body(q, b), after_upload=device_inputs)
+        return self._block_output(q)
+
     def _stage_block(self, tables: list[PageTable], first_tokens: list[int], q: int,
                      starts: np.ndarray) -> tuple[BatchLayout, StaticInputs]:
         """A block step's host side: each table grown by q (their lengths before: `starts`), and the step's inputs

@@ -388,6 +388,42 @@ def test_a_lone_rung_keeps_its_plan_while_each_rows_kv_chunks_are_the_same(backe
     assert paged.planned_args[-1][0][1].tolist() == [0, 4, 8, 13, 17]
 
 
+def test_a_lone_rung_planned_for_a_longer_step_takes_the_real_lengths_page_metadata_on_the_device(backend_class):
+    """A verify queued before its length is known: the query-rows rung planned at the longest length the step may
+    have serves the shorter ones whose rows have the same KV chunks (`rows_plan_serves`), and the real length on the
+    device turns the planned page metadata into exactly what a plan of that length stages (`use_device_rows`)."""
+    RecordingWrapper.instances = []
+    backend = rows_backend(backend_class)
+    q, page, pages = 3, 4, list(range(40, 72))
+    slot = backend.graph_slot(1, 32, BatchLayout.dummy(1, q, q, page, 15, causal=True))
+    (paged,) = paged_wrappers()[2:]
+
+    def step(length: int) -> BatchLayout:
+        return BatchLayout.for_tokens([q], [length], [pages], page, causal=True, expected_kv_len=100)
+
+    def metadata() -> tuple[list, list, list]:
+        kv_indptr, kv_indices, last_page_len = slot.planned
+        used = int(kv_indptr[-1])
+        return kv_indptr.tolist(), last_page_len.tolist(), kv_indices[:used].tolist()
+
+    served = 0
+    for longest in range(q + 1, 110):
+        for shortest in range(max(q + 1, longest - 15), longest + 1):
+            if not backend.rows_plan_serves(slot, q, (shortest, longest), 100, page):
+                continue
+            served += 1
+            backend.plan_graph(slot, step(shortest), scratch_page=15)
+            want, plans = metadata(), len(paged.plans)
+            backend.plan_graph(slot, step(longest), scratch_page=15)
+            backend.use_device_rows(torch.tensor([shortest]))
+            assert metadata() == want, (shortest, longest)
+            assert len(paged.plans) == plans  # the same plan serves both
+    assert served > 500
+    # rows that would cross a KV chunk boundary between the two lengths are not served (here: a row's 13th page)
+    assert not backend.rows_plan_serves(slot, q, (47, 49), 100, page)
+    assert not backend.rows_plan_serves(slot, 2, (47, 48), 100, page)  # a rung of other rows
+
+
 def test_a_lone_tree_rung_keeps_its_context_plan_while_its_kv_chunks_are_the_same(backend_class):
     """A lone request's tree context is planned in KV chunks of its query rows' size, at least two of them (FlashInfer
     merges only then, as the captured graph does): its rung keeps the plan while the chunk count holds and plans

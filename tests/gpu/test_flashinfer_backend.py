@@ -275,11 +275,18 @@ class LoneRung:
         with torch.cuda.graph(self.graph):
             self.out = forward()
 
-    def run(self, layout: BatchLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def run(self, layout: BatchLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            kv_len: int | None = None) -> torch.Tensor:
+        """With `kv_len`: the rung is planned for `layout` but the step's real KV length is that (shorter) one, which
+        the device gives (`use_device_rows`), as for a verify queued before its start is known."""
         for buffer, values in ((self.queries, q), (self.keys, k), (self.values, v)):
             buffer.copy_(values)
-        self.positions.copy_(torch.from_numpy(layout.new_kv_positions()).long())
+        rows = int(layout.q_lens[0])
+        self.positions.copy_(torch.from_numpy(layout.new_kv_positions()).long() if kv_len is None else
+                             torch.arange(kv_len - rows, kv_len))
         self.backend.plan_graph(self.slot, layout, self.scratch)
+        if kv_len is not None:
+            self.backend.use_device_rows(torch.tensor([kv_len], device="cuda"))
         self.graph.replay()
         torch.cuda.synchronize()
         return self.out.clone()
@@ -337,6 +344,35 @@ def test_a_lone_requests_verify_rows_have_the_bits_of_its_decodes(kv):
         one = BatchLayout.for_tokens([1], [end + j], [table], 16, causal=True, expected_kv_len=end)
         row = decode.run(one, case.q[j:j + 1], case.new_k[j:j + 1], case.new_v[j:j + 1])
         assert torch.equal(row[0], rows[j]), f"position {end - 1 + j} of a request of {end} tokens at most"
+
+
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
+def test_a_lone_verify_planned_for_a_later_start_has_the_bits_of_its_decodes(kv):
+    """A verify queued before its start is known (`TargetRunner.run_block_ahead`): the rung planned for the latest
+    start the step may have, with the real start's page metadata made on the device (`use_device_rows`), gives each
+    row the bits of the decode at its position, for every start up to 15 before the latest that the plan serves
+    (`rows_plan_serves`: no row's KV chunk count differs between the two)."""
+    scales = (0.05, 0.03) if kv == "fp8" else (1.0, 1.0)
+    backend = flashinfer_backend(KV_DTYPES[kv])
+    backend.bound_sequence_pages(256)
+    expected, served = 2400, 0
+    case = PagedCase([1500], [16], [16], True, page_size=16, kv_dtype=KV_DTYPES[kv], device="cuda",
+                     dtype=torch.bfloat16, scales=scales, seed=3)
+    layer, table = case.layer, case.tables[0].array
+    scratch = case.kv.scratch_page
+    verify, decode = LoneRung(backend, layer, 16, scratch), LoneRung(backend, layer, 1, scratch)
+    for latest in (1500, 1420, 40):
+        step = BatchLayout.for_tokens([16], [latest + 16], [table], 16, causal=True, expected_kv_len=expected)
+        for start in range(max(latest - 15, 1), latest + 1):
+            if not backend.rows_plan_serves(verify.slot, 16, (start + 16, latest + 16), expected, 16):
+                continue
+            served += 1
+            rows = verify.run(step, case.q, case.new_k, case.new_v, kv_len=start + 16)
+            for j in range(16):
+                one = BatchLayout.for_tokens([1], [start + j + 1], [table], 16, causal=True, expected_kv_len=expected)
+                row = decode.run(one, case.q[j:j + 1], case.new_k[j:j + 1], case.new_v[j:j + 1])
+                assert torch.equal(row[0], rows[j]), f"latest {latest}, start {start}, position {start + j}"
+    assert served > 20
 
 
 @pytest.mark.parametrize("kv", sorted(KV_DTYPES))

@@ -1,0 +1,173 @@
+"""A lone request's next verify, queued before its step's tokens reach the host (`SpeculativeDecoding.
+_queue_next_verify`, `TargetRunner.run_block_ahead`): steps that take it commit what steps verifying in order commit
+(greedy and seeded sampling, deep and no acceptance, EOS and length limits); a request that joins, a plain or tree step
+in between, or a request waiting to join, keeps it from being used; failures and aborts leave nothing held. On the
+CPU the queued verify reads the acceptance back and runs at its real start; the GPU's planning for the latest start
+with the real one on the device is tested in tests/attention/test_flashinfer_dispatch.py and tests/gpu."""
+
+import random
+
+import pytest
+
+from specdec.engine import speculator
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.verify_policy import PLAIN, TREE
+from tests.engine_helpers import (MANY_PROMPTS, assert_no_leak, dflash_engine, follow_the_target, module_target,
+                                  run_failing, spec_engine)
+
+target_dir = module_target("verify-ahead", seed=37)
+
+
+def params_for(i: int, temperature: float) -> SamplingParams:
+    return SamplingParams(max_new_tokens=6 + 5 * i, temperature=temperature, seed=i)
+
+
+def plain_answers(target_dir, prompts) -> list:
+    """Greedy plain decoding of each prompt (request i ending after 6 + 5i tokens, or at EOS)."""
+    return lone_runs(spec_engine(target_dir, None, eos=(2, 9)), prompts, 0.0)
+
+
+def count_ahead(engine, monkeypatch) -> dict:
+    """Counts of verifies queued ahead and of steps that took one (or found one and dropped it)."""
+    counts = {"queued": 0, "taken": 0, "dropped": 0, "queued_for": []}
+    run_block_ahead = engine.runner.run_block_ahead
+
+    def queue(table, *args):
+        out = run_block_ahead(table, *args)
+        counts["queued"] += out is not None
+        counts["queued_for"].append(table)
+        return out
+
+    serves = speculator.VerifiedAhead.serves
+
+    def recorded(self, *args):
+        served = serves(self, *args)
+        counts["taken" if served else "dropped"] += 1
+        return served
+
+    engine.runner.run_block_ahead = queue
+    monkeypatch.setattr(speculator.VerifiedAhead, "serves", recorded)
+    return counts
+
+
+def lone_runs(engine, prompts, temperature: float) -> list:
+    """Each prompt alone, one after another (request i ending after 6 + 5i tokens, or at EOS)."""
+    return [engine.generate_ids([prompt], params_for(i, temperature))[0] for i, prompt in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("temperature,error_rate", [(0.0, 0.0), (0.0, 0.3), (0.0, 1.0), (0.8, 0.3)])
+def test_a_lone_requests_verifies_queued_ahead_commit_what_verifies_in_order_commit(target_dir, tmp_path, monkeypatch,
+                                                                                    temperature, error_rate):
+    """Requests alone, drafts from the target's own answers (none to all of them accepted), drafted ahead: every step
+    commits what it commits when each verify is planned after its step's tokens are read, outputs equal plain
+    decoding's at T=0, and no page leaks."""
+    answers = plain_answers(target_dir, MANY_PROMPTS)
+
+    def run(ahead: bool):
+        engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead=ahead)
+        follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, error_rate)
+        counts = count_ahead(engine, monkeypatch)
+        requests = lone_runs(engine, MANY_PROMPTS, temperature)
+        assert_no_leak(engine)
+        return requests, counts
+
+    ahead, counts = run(True)
+    in_order, in_order_counts = run(False)
+    assert [r.output_ids for r in ahead] == [r.output_ids for r in in_order]
+    assert [r.stats.acceptance_lengths for r in ahead] == [r.stats.acceptance_lengths for r in in_order]
+    assert [r.finish_reason for r in ahead] == [r.finish_reason for r in in_order]
+    assert counts["taken"] > 5 and counts["taken"] >= counts["queued"] - len(MANY_PROMPTS)
+    assert in_order_counts["queued"] == 0
+    if temperature == 0.0:
+        assert [r.output_ids for r in ahead] == [r.output_ids for r in answers]
+
+
+def test_requests_that_join_and_a_request_that_waits_keep_verifies_from_being_queued_or_taken(target_dir, tmp_path,
+                                                                                             monkeypatch):
+    """Requests joining every third step drop a verify queued for a lone one; with room for one request at a time, no
+    verify is queued for a request while another waits. Outputs stay those of plain decoding."""
+    answers = plain_answers(target_dir, MANY_PROMPTS)
+    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead=True)
+    follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, 0.2)
+    counts = count_ahead(engine, monkeypatch)
+    requests = []
+    for i, prompt in enumerate(MANY_PROMPTS):
+        requests.append(engine.add_request(prompt, params_for(i, 0.0)))
+        for _ in range(3):
+            engine.step()
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert [r.output_ids for r in requests] == [r.output_ids for r in answers]
+    assert counts["dropped"] > 0 and counts["taken"] > 0
+    assert_no_leak(engine)
+
+    one_at_a_time = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead=True, max_num_seqs=1)
+    counts = count_ahead(one_at_a_time, monkeypatch)
+    requests = [one_at_a_time.make_request(p, params_for(i, 0.0)) for i, p in enumerate(MANY_PROMPTS[:3])]
+    one_at_a_time.run(requests)
+    assert [r.output_ids for r in requests] == [r.output_ids for r in answers[:3]]
+    assert counts["queued_for"] and set(map(id, counts["queued_for"])) <= {id(requests[-1].target_pages)}
+    assert_no_leak(one_at_a_time)
+
+
+def test_plain_and_tree_steps_between_drop_a_queued_verify(target_dir, tmp_path, monkeypatch):
+    """auto picking chains of 4 and 2, plain steps and token trees at random for a lone request: a verify queued for
+    a chain step is not used by a later one after a plain or tree step, and outputs equal plain decoding's."""
+    answers = plain_answers(target_dir, MANY_PROMPTS)
+    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead=True, verify="auto")
+    follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, 0.2)
+    rng = random.Random(5)
+    engine.decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True, budgets=True: rng.choice(
+        [4, 2] + ([TREE] if trees else []) + ([PLAIN] if plain else []))
+    counts = count_ahead(engine, monkeypatch)
+    decoding, after_queued = engine.decoding, []  # the kinds of steps that came after a verify was queued
+    step, launch = decoding.step, decoding.launch
+
+    def speculative(*args):
+        queued = decoding.ahead is not None
+        tokens = step(*args)
+        if queued:
+            after_queued.append(TREE if decoding.option == TREE else "chain")
+        return tokens
+
+    def plain(*args):
+        if decoding.ahead is not None:
+            after_queued.append(PLAIN)
+        return launch(*args)
+
+    decoding.step, decoding.launch = speculative, plain
+    requests = lone_runs(engine, MANY_PROMPTS, 0.0)
+    assert [r.output_ids for r in requests] == [r.output_ids for r in answers]
+    assert counts["taken"] > 0 and {TREE, PLAIN, "chain"} <= set(after_queued)
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("point", ["run_block_ahead", "run_block"])
+def test_a_failure_around_a_verify_queued_ahead_leaves_the_engine_clean(target_dir, tmp_path, point):
+    """Queueing the next verify, or a verify after one, fails: the request ends, no page leaks, and the engine then
+    gives what a fresh one gives."""
+    params = SamplingParams(max_new_tokens=14)
+    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead=True)
+    fresh = [r.output_ids for r in dflash_engine(target_dir, tmp_path, overlap_steps=False).generate_ids(
+        MANY_PROMPTS[:1], params)]
+    interrupted = [run_failing(engine, engine.runner, point, after, MANY_PROMPTS[:1], params) for after in (1, 2, 3)]
+    assert any(interrupted)
+    assert [r.output_ids for r in engine.generate_ids(MANY_PROMPTS[:1], params)] == fresh
+
+
+def test_an_abort_after_a_verify_was_queued_ahead_leaves_nothing_held(target_dir, tmp_path, monkeypatch):
+    """A lone request aborted between steps, with the next verify queued for it: it gives everything back, and the
+    next request runs as on a fresh engine."""
+    params = SamplingParams(max_new_tokens=30)
+    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead=True)
+    counts = count_ahead(engine, monkeypatch)
+    request = engine.add_request(MANY_PROMPTS[2], params)
+    for _ in range(20):
+        engine.step()
+        if counts["queued"]:
+            break
+    assert counts["queued"] and not request.finished
+    engine.abort(request.request_id)
+    assert_no_leak(engine)
+    fresh = dflash_engine(target_dir, tmp_path, overlap_steps=False).generate_ids(MANY_PROMPTS[:2], params)
+    assert [r.output_ids for r in engine.generate_ids(MANY_PROMPTS[:2], params)] == [r.output_ids for r in fresh]
