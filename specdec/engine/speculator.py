@@ -195,7 +195,7 @@ class SpeculativeDecoding:
         request = running[0]
         drafts = self.drafter.drafts_ahead(running)
         if (not self.verify_ahead or len(running) != 1 or not self.next_step_known or drafts is None
-                or request.params.adjusts_logits or not request.can_take_more):
+                or request.params.adjusts_logits):
             return None
         length = drafts.shape[1] + 1
         out = self.runner.run_block_ahead(request.target_pages, length, bonus[:1], drafts, accepted[:1], q)
