@@ -1,9 +1,10 @@
-"""A lone request's next verify, queued before its step's tokens reach the host (`SpeculativeDecoding.
-_queue_next_verify`, `TargetRunner.run_block_ahead`): steps that take it commit what steps verifying in order commit
-(greedy and seeded sampling, deep and no acceptance, EOS and length limits); a request that joins, a plain or tree step
-in between, or a request waiting to join, keeps it from being used; failures and aborts leave nothing held. On the
-CPU the queued verify reads the acceptance back and runs at its real start; the GPU's planning for the latest start
-with the real one on the device is tested in tests/attention/test_flashinfer_dispatch.py and tests/gpu."""
+"""A lone request's next verify, queued before its step's tokens reach the host
+(`SpeculativeDecoding._queue_next_verify`, `TargetRunner.run_block_ahead`): steps that take it commit what steps
+verifying in order commit (greedy and seeded sampling, deep and no acceptance, EOS and length limits, an FP8 cache); a
+request that joins, a plain or tree step in between, or a request waiting to join, keeps it from being used; failures
+and aborts leave nothing held. On the CPU the queued verify reads the acceptance back and runs at its real start; the
+GPU's planning for the latest start with the real one on the device is tested in
+tests/attention/test_flashinfer_dispatch.py and tests/gpu."""
 
 import random
 
