@@ -192,10 +192,10 @@ class SpeculativeDecoding:
         host (`TargetRunner.run_block_ahead`): the host then plans it while the GPU verifies this step, and the GPU
         goes from the draft to the verify while the host commits. Only where the next step is known to run this
         request alone, with nothing it must follow on the host (penalties); None where not queued."""
-        request = running[0]
-        drafts = self.drafter.drafts_ahead(running)
-        if (not self.verify_ahead or len(running) != 1 or not self.next_step_known or drafts is None
-                or request.params.adjusts_logits):
+        if not self.verify_ahead or len(running) != 1 or not self.next_step_known or running[0].params.adjusts_logits:
+            return None
+        request, drafts = running[0], self.drafter.drafts_ahead(running)
+        if drafts is None:
             return None
         length = drafts.shape[1] + 1
         out = self.runner.run_block_ahead(request.target_pages, length, bonus[:1], drafts, accepted[:1], q)
