@@ -454,17 +454,13 @@ class FlashInferBackend(AttentionBackend):
         slot = self.slot
         if slot is None or not slot.node_rows:
             return
-        kv_indptr, kv_indices, last_page_len = slot.planned
         context = slot.index["context"].long()
         # the copies read the planned buffers' request pages (`slot.kv_indices`, the step's own), not the ones
         # rewritten below
         self.node_copies = NodeRowCopies(slot.node_masks, context, slot.kv_indices, self.node_pages,
                                          self.layout.page_size, self.scratch_page)
         padding = torch.full_like(context, 1 << 30)  # the padding request keeps its planned length
-        real = real_page_metadata(kv_indptr, last_page_len, kv_indices,
-                                  torch.cat([context + 1 + self.node_copies.depths, padding]), self.layout.page_size)
-        for buffer, values in zip((kv_indptr, last_page_len, kv_indices), real):
-            buffer.copy_(values)
+        self._to_real_lengths(slot.planned, torch.cat([context + 1 + self.node_copies.depths, padding]))
 
     def rows_plan_serves(self, slot: GraphSlot, q: int, kv_lens: tuple[int, int], expected_kv_len: int,
                          page_size: int) -> bool:
@@ -481,12 +477,9 @@ class FlashInferBackend(AttentionBackend):
         if slot is None or not slot.rows or slot.node_rows:
             return
         q = slot.rows
-        kv_indptr, kv_indices, last_page_len = slot.planned
         padding = torch.full_like(kv_len, 1 << 30)  # the padding request keeps its planned length
-        lengths = torch.cat([kv_len - q + 1 + torch.arange(q, device=kv_len.device), padding])
-        real = real_page_metadata(kv_indptr, last_page_len, kv_indices, lengths, self.layout.page_size)
-        for buffer, values in zip((kv_indptr, last_page_len, kv_indices), real):
-            buffer.copy_(values)
+        rows = kv_len - q + 1 + torch.arange(q, device=kv_len.device)  # each row's KV up to its own position
+        self._to_real_lengths(slot.planned, torch.cat([rows, padding]))
 
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
         """A graph rung planned for upper bounds (`device_lengths`): its page metadata becomes the real lengths'
@@ -495,8 +488,14 @@ class FlashInferBackend(AttentionBackend):
         slot = self.slot
         if slot is None or not self.plans_upper_bounds:
             return
-        real = real_page_metadata(slot.kv_indptr, slot.last_page_len, slot.kv_indices, kv_lens, self.layout.page_size)
-        for buffer, values in zip((slot.kv_indptr, slot.last_page_len, slot.kv_indices), real):
+        self._to_real_lengths((slot.kv_indptr, slot.kv_indices, slot.last_page_len), kv_lens)
+
+    def _to_real_lengths(self, planned: tuple[torch.Tensor, torch.Tensor, torch.Tensor], kv_lens: torch.Tensor) -> None:
+        """Page metadata planned for longer KV lengths (`planned`: kv_indptr, kv_indices, last_page_len) rewritten in
+        place for the real lengths `kv_lens`, on the device (`real_page_metadata`)."""
+        kv_indptr, kv_indices, last_page_len = planned
+        real = real_page_metadata(kv_indptr, last_page_len, kv_indices, kv_lens, self.layout.page_size)
+        for buffer, values in zip((kv_indptr, last_page_len, kv_indices), real):
             buffer.copy_(values)
 
     def _plan_wrappers(self, layout: BatchLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,

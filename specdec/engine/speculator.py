@@ -15,9 +15,9 @@ while the verify runs. With `draft_ahead`
 the next step's draft is queued right after the transfer (from the acceptance on the device, see
 `Drafter.propose_next`), so the GPU drafts while the host reads and commits; its length is the policy's choice
 for the next step's batch then, and that step verifies no more drafts than it holds. With `verify_ahead` a lone
-request's chain step also queues the next step's verify right after that draft (`_queue_next_verify`, planned for the latest start it
-may have, the real one written on the device), which that step then takes instead of planning its verify once the
-host has read this step's tokens. The engine commits the tokens;
+request's chain step also queues the next step's verify right after that draft (`_queue_next_verify`, planned for
+the latest start it may have, the real one written on the device), which that step then takes instead of planning
+its verify once the host has read this step's tokens. The engine commits the tokens;
 one it cuts short (EOS, a stop, max_new_tokens) finishes the request, which then gives back its
 target pages and drafter state, so the rollback and the drafter's context need not wait for it.
 """
