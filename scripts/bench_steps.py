@@ -11,7 +11,9 @@ target's exact shape, built locally, so nothing is downloaded; --model takes a r
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import re
 import sys
@@ -66,6 +68,9 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
     p.add_argument("--top-kernels", type=int, default=0, metavar="N",
                    help="also list each row's N largest kernels per step (time and launches, by name)")
+    p.add_argument("--host-functions", type=int, default=0, metavar="N",
+                   help="also list each row's N functions with the most own host time per step (one more generate, "
+                        "under cProfile, which slows Python calls: compare rows, not absolute times)")
     p.add_argument("--out", help="JSON results file")
     args = p.parse_args(argv)
     if args.quick:
@@ -191,6 +196,27 @@ def host_split(llm, prompts, max_new: int) -> dict:
             "other_host_ms": per_step(run["decode_s"] - spent["plan"] - spent["transfer"])}
 
 
+def host_functions(llm, prompts, max_new: int, top: int) -> dict:
+    """Host time per decode step of one generate under cProfile: the `top` functions with the most own time
+    (Python's and the C calls they make, such as a CUDA event's synchronize: blocking calls show as their wait) and
+    the project's `top` functions with the most time inclusive of their calls, each [function, us per step, calls per
+    step]. The profiler's own cost per Python call inflates every row alike: compare rows, not absolute times."""
+    profile = cProfile.Profile()
+    profile.enable()
+    results = llm.generate(prompts, greedy(max_new))
+    profile.disable()
+    steps = longest(results)["steps"]
+    stats = pstats.Stats(profile).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    ours = [item for item in stats.items() if str(ROOT) in item[0][0] and item[0][0] != __file__]  # not this one
+
+    def largest(items, column: int) -> list:
+        items = sorted(items, key=lambda item: -item[1][column])[:top]
+        return [[f"{Path(file).name}:{line}({name})", row[column] / steps * 1e6, row[1] / steps]
+                for (file, line, name), row in items]
+
+    return {"host_functions": largest(stats.items(), 2), "host_functions_inclusive": largest(ours, 3)}
+
+
 def kernel_name(event) -> str:
     """A kernel's name without its template arguments and parameters (`flashinfer::BatchPrefill...Kernel`)."""
     return event.name().split("<")[0].split("(")[0]
@@ -241,7 +267,9 @@ def bench_config(model: str, drafter, batches: list[int], prompts, args, **engin
         rows.append({"batch": b, **step_wall(llm, prompts[:b], args.max_new_tokens, args.repeats),
                      **host_split(llm, prompts[:b], args.max_new_tokens),
                      **step_kernels(llm, prompts[:b], args.profile_tokens, args.device.type == "cuda",
-                                    args.top_kernels)})
+                                    args.top_kernels),
+                     **(host_functions(llm, prompts[:b], args.max_new_tokens, args.host_functions)
+                        if args.host_functions else {})})
         print(f"  batch {b}: {rows[-1]['step_wall_ms']:.2f} ms/step", file=sys.stderr, flush=True)
     capture = getattr(llm.engine, "graph_capture_seconds", None)  # read late: capture may wait for a first step
     del llm
@@ -341,6 +369,14 @@ def report(info: dict) -> str:
             lines += ["", f"{r['system']}, {r['kv']}, {'graphs' if r['graphs'] else 'eager'}, batch {r['batch']}: "
                       "the largest kernels per step", "", "| kernel | us per step | launches per step |", "|---|---|---|"]
             lines += [f"| `{name}` | {us:.1f} | {count:.1f} |" for name, us, count in r["top_kernels"]]
+        if r.get("host_functions"):
+            lines += ["", f"{r['system']}, {r['kv']}, {'graphs' if r['graphs'] else 'eager'}, batch {r['batch']}: "
+                      "the functions with the most own host time per step (under cProfile)", "",
+                      "| function | us per step | calls per step |", "|---|---|---|"]
+            lines += [f"| `{name}` | {us:.1f} | {count:.1f} |" for name, us, count in r["host_functions"]]
+            lines += ["", "the project's functions with the most host time per step, their calls' included", "",
+                      "| function | us per step | calls per step |", "|---|---|---|"]
+            lines += [f"| `{name}` | {us:.1f} | {count:.1f} |" for name, us, count in r["host_functions_inclusive"]]
     return "\n".join(lines)
 
 

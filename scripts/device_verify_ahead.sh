@@ -2,7 +2,8 @@
 # A lone request's verify queued ahead (EngineConfig.verify_ahead) on one GPU machine, as a background job that outlives
 # single device calls: its GPU tests (the bits of every start a plan serves; batch-1 exactness with it on), the whole GPU
 # suite with it on by default there, a chain step at batch 1 with and without it (random weights of the default target's
-# shape), and math500 at batch 1 with the chain and auto, with and without it, each run pinned to one core.
+# shape), and math500 at batch 1 with the chain and auto, with and without it, and with a 15-node tree, each run pinned
+# to one core.
 #   start:  mkdir -p /tmp/ahead && source .gpu/setup.sh && setsid nohup bash scripts/device_verify_ahead.sh \
 #             > /tmp/ahead/run.log 2>&1 &
 #   watch:  tail /tmp/ahead/run.log; results in /tmp/ahead
@@ -45,4 +46,5 @@ if wanted math500; then
   eval_batch1 chain-ahead --verify chain --verify-ahead
   eval_batch1 auto --verify auto
   eval_batch1 auto-ahead --verify auto --verify-ahead
+  eval_batch1 tree --verify tree --tree-nodes 15
 fi

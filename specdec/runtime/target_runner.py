@@ -109,15 +109,18 @@ class PrefillChunks:
 class TargetRunner(ModelRunner):
     def __init__(self, model: CausalLM, *, backend_name: str, kv_dtype: torch.dtype | tuple[torch.dtype, ...],
                  page_size: int, max_batch: int, block_lens: tuple[int, ...], max_prefill_tokens: int,
-                 feature_layers: tuple[int, ...] = (), tree_nodes: int = 0, budgets: tuple[tuple[int, int], ...] = ()):
+                 feature_layers: tuple[int, ...] = (), tree_nodes: int = 0, budgets: tuple[tuple[int, int], ...] = (),
+                 verify_ahead: bool = False):
         """tree_nodes: a token tree's draft nodes per request at small batches (0: no trees). budgets: the budget
         steps, as (q, per): blocks of q (one of `block_lens`) verifying on average per tokens a request
-        (`run_budget`)."""
+        (`run_budget`). verify_ahead: a lone request's verifies may be queued before their start is known
+        (`run_block_ahead`)."""
         dtype = model.model.embed_tokens.weight.dtype
         super().__init__(model, backend_name=backend_name, kv_dtype=kv_dtype, q_dtype=dtype, page_size=page_size,
                          max_batch=max_batch, device=next(model.parameters()).device)
         self.dtype = dtype
         self.feature_layers = feature_layers
+        self.verify_ahead = verify_ahead
         c, q_max = model.config, max(block_lens)
         # a request's KV: its context and the slots a step writes past it
         self.attn.bound_sequence_pages(-(-(c.max_position_embeddings + max(q_max, tree_nodes + 1)) // page_size))
@@ -255,7 +258,7 @@ class TargetRunner(ModelRunner):
         if self.device.type != "cuda":
             table.truncate(base + int(accepted[0]) + 1)
             return self.run_block([table], [int(anchor[0])], rest, q)
-        rung = self.rung_for(q, 1)
+        rung = self.rung_for(q, 1) if self.verify_ahead else None  # only its graphs make the rows' metadata
         starts = (base + 1, table.length)  # none of this step's drafts accepted, all of them
         if (rung is None or not table.can_grow(q) or not self.attn.rows_plan_serves(
                 self.ladders[q].slot(rung), q, (starts[0] + q, starts[1] + q), table.expected_length, self.page_size)):
@@ -264,9 +267,7 @@ class TargetRunner(ModelRunner):
 
         def device_inputs() -> None:
             write_device_tokens(inputs["ids"][:q].view(1, q), rest, Carried(self.arange[:1], anchor.long()))
-            start = inputs["starts"][:1]
-            start.copy_(base + 1 + accepted.long())
-            self.attn.use_device_rows(start + q)
+            inputs["starts"][:1].copy_(base + 1 + accepted.long())  # the rung's graph makes the rows' metadata
 
         self.dispatch(q, 1, layout, inputs, lambda b: self._block_body(q, b), after_upload=device_inputs)
         return self._block_output(q)
@@ -508,7 +509,14 @@ class TargetRunner(ModelRunner):
         mixed.hidden[:size].copy_(hidden)
 
     def _block_body(self, q: int, batch: int) -> None:
-        """The fixed-shape step: reads static inputs and the planned page metadata, writes static outputs."""
+        """The fixed-shape step: reads static inputs and the planned page metadata, writes static outputs.
+        With verifies queued ahead, a lone request's query-rows rung first writes its rows' page metadata for the
+        start in its inputs (`use_device_rows`): a verify queued ahead was planned for a later start than its real one,
+        and this, captured in the graph, costs the host nothing (done eagerly, its ~20 small operations were about a
+        third of the host time of queuing a verify ahead: BENCHMARKS.md); a step planned at its real start gets the
+        same metadata back."""
+        if self.verify_ahead:
+            self.attn.use_device_rows(self.inputs[q]["starts"][:1] + q)
         self._fixed_forward(self.inputs[q], batch, q)
 
     def _fixed_forward(self, inputs: StaticInputs, batch: int, q: int, offsets: torch.Tensor | None = None) -> None:

@@ -173,3 +173,17 @@ def test_an_abort_after_a_verify_was_queued_ahead_leaves_nothing_held(target_dir
     assert_no_leak(engine)
     fresh = dflash_engine(target_dir, tmp_path, overlap_steps=False).generate_ids(MANY_PROMPTS[:2], params)
     assert [r.output_ids for r in engine.generate_ids(MANY_PROMPTS[:2], params)] == [r.output_ids for r in fresh]
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_block_steps_write_a_lone_verifys_rows_from_its_start_only_with_verify_ahead(target_dir, tmp_path, ahead):
+    """With verify_ahead a block step's body (what a graph rung captures) first has the backend make a lone
+    verify's query rows' page metadata from the start in its inputs (`use_device_rows`, a no-op on the torch
+    backend): a verify queued ahead, planned for a later start, gets its real start's there. Without it, never."""
+    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead=ahead)
+    runner, kv_lens = engine.runner, []
+    ends = lambda: {int(inputs["starts"][0]) + q for q, inputs in runner.inputs.items()}  # noqa: E731
+    runner.attn.use_device_rows = lambda kv_len: kv_lens.append((int(kv_len[0]), ends()))
+    engine.generate_ids([MANY_PROMPTS[0]], SamplingParams(max_new_tokens=12))
+    assert runner.verify_ahead is ahead
+    assert bool(kv_lens) is ahead and all(kv_len in step_ends for kv_len, step_ends in kv_lens)

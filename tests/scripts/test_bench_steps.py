@@ -3,6 +3,7 @@ weight-byte count of the default target's shape, how kernel times turn into busy
 profiler events are sorted, and the host timers leaving the engine as they found it."""
 
 import json
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -107,3 +108,28 @@ def test_the_largest_kernels_per_step_are_the_generates_less_the_prefills(monkey
     assert "top_kernels" not in bench_steps.step_kernels(None, [], 8, cuda=True)
     assert kernel_name(SimpleNamespace(name=lambda: "void flashinfer::Kernel<true, 128>(Params)")) == \
         "void flashinfer::Kernel"
+
+
+def busy_for_a_while(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_host_functions_are_the_largest_own_and_inclusive_times_per_step():
+    """One generate under cProfile: the functions with the most own time, and the project's (this file's
+    included) with the most time with their calls', per step of the longest request, largest first."""
+    stats = SimpleNamespace(decode_time=1.0, verify_steps=4, generated_tokens=9)
+
+    def generate(prompts, params):
+        busy_for_a_while(0.02)
+        return [SimpleNamespace(stats=stats)]
+
+    row = bench_steps.host_functions(SimpleNamespace(generate=generate), [[1]], 8, top=3)
+    own, inclusive = row["host_functions"], row["host_functions_inclusive"]
+    assert len(own) == 3 and len(inclusive) == 3
+    assert [us for _, us, _ in own] == sorted((us for _, us, _ in own), reverse=True)
+    assert any(name.endswith("(<built-in method time.perf_counter>)") for name, _, _ in own)  # C calls count
+    name, us, calls = inclusive[0]  # generate's own (this file's) and busy_for_a_while's, which it calls
+    assert name.startswith("test_bench_steps.py:") and us >= 0.02 / 4 * 1e6 * 0.9 and calls == 0.25  # 1 call, 4 steps
+    assert not any(name.startswith("~") for name, _, _ in inclusive)  # the project's functions only
