@@ -69,8 +69,9 @@ def parse_args(argv):
     p.add_argument("--top-kernels", type=int, default=0, metavar="N",
                    help="also list each row's N largest kernels per step (time and launches, by name)")
     p.add_argument("--host-functions", type=int, default=0, metavar="N",
-                   help="also list each row's N functions with the most own host time per step (one more generate, "
-                        "under cProfile, which slows Python calls: compare rows, not absolute times)")
+                   help="also list each row's N functions with the most host time per step, their own and (the "
+                        "project's) with their calls' (one more generate under cProfile, which slows Python calls: "
+                        "compare rows, not absolute times)")
     p.add_argument("--out", help="JSON results file")
     args = p.parse_args(argv)
     if args.quick:
@@ -207,7 +208,8 @@ def host_functions(llm, prompts, max_new: int, top: int) -> dict:
     profile.disable()
     steps = longest(results)["steps"]
     stats = pstats.Stats(profile).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
-    ours = [item for item in stats.items() if str(ROOT) in item[0][0] and item[0][0] != __file__]  # not this one
+    ours = [item for item in stats.items()  # the project's files, not this one's nor a virtual environment's
+            if str(ROOT) in item[0][0] and item[0][0] != __file__ and "site-packages" not in item[0][0]]
 
     def largest(items, column: int) -> list:
         items = sorted(items, key=lambda item: -item[1][column])[:top]

@@ -510,12 +510,12 @@ class TargetRunner(ModelRunner):
 
     def _block_body(self, q: int, batch: int) -> None:
         """The fixed-shape step: reads static inputs and the planned page metadata, writes static outputs.
-        With verifies queued ahead, a lone request's query-rows rung first writes its rows' page metadata for the
-        start in its inputs (`use_device_rows`): a verify queued ahead was planned for a later start than its real one,
-        and this, captured in the graph, costs the host nothing (done eagerly, its ~20 small operations were about a
-        third of the host time of queuing a verify ahead: BENCHMARKS.md); a step planned at its real start gets the
-        same metadata back."""
-        if self.verify_ahead:
+        With verifies queued ahead, a lone request's query-rows rung (batch 1) first writes its rows' page metadata
+        for the start in its inputs (`use_device_rows`): a verify queued ahead was planned for a later start than its
+        real one, and this, captured in the graph, costs the host nothing (done eagerly, its ~20 small operations were
+        about a third of the host time of queuing a verify ahead: BENCHMARKS.md); a step planned at its real start
+        gets the same metadata back; an eager step (no rung) is planned at its real start and leaves it alone."""
+        if self.verify_ahead and batch == 1:
             self.attn.use_device_rows(self.inputs[q]["starts"][:1] + q)
         self._fixed_forward(self.inputs[q], batch, q)
 
