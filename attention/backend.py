@@ -95,8 +95,9 @@ class AttentionBackend(ABC):
 
     def use_device_rows(self, kv_len: torch.Tensor) -> None:
         """The real KV length (one element, on the device, with the step's rows) of a lone request's step planned for
-        a longer one (`rows_plan_serves`): its page metadata becomes the real length's. Queued before the step's
-        replay. A no-op by default."""
+        a longer one (`rows_plan_serves`): its page metadata becomes the real length's. Called by the step itself,
+        inside its CUDA graph, before its layers (with the planned length it leaves the metadata as it is). A no-op by
+        default."""
 
     def use_device_tree(self) -> None:
         """The planned token-tree step's node metadata from its masks on the device (called by the step itself,
