@@ -349,8 +349,9 @@ class Engine:
                 self.drafter.release(request)
             self._adopt_cached_context(plan.admitted)
             self.decoding.room = plan.room  # what a speculative step may write past each request's length
-            # nothing waits to join: the next step runs the same requests unless one ends (or one arrives meanwhile)
-            self.decoding.next_step_known = not self.scheduler.waiting
+            # nothing can join (none waits, or the batch is full): the next step runs the same requests unless one
+            # ends (or one arrives meanwhile)
+            self.decoding.next_step_known = not self.scheduler.can_admit
         if plan.empty and self.scheduler.waiting and self.flight is None:
             raise RuntimeError("scheduler stalled with waiting requests and nothing to run")
         out = StepOutput(preempted=plan.preempted)

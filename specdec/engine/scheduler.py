@@ -90,6 +90,11 @@ class Scheduler:
         not hold (`SpeculativeDecoding.room`)."""
         return max(self.lookahead, self.tree_slots) if batch in self.tree_batches else self.lookahead
 
+    @property
+    def can_admit(self) -> bool:
+        """Whether a waiting request may join the next step: one waits and the batch has a free seat."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+
     def schedule(self) -> StepPlan:
         """Plan the next step. Pages are not taken here (the forwards take them), but the plan fits the pool."""
         plan = StepPlan(room=self.room(len(self.running)))

@@ -62,7 +62,8 @@ class SpeculativeDecoding:
         # slots the next step's plan holds for each request past its committed length (the engine's, from the
         # scheduler; None: as many as any step writes): a tree step that would write more verifies a chain instead
         self.room: int | None = None
-        # the engine's, each step: no request waits to join, so the next step runs these requests unless one ends
+        # the engine's, each step: no request can join (none waits, or the batch is full), so the next step runs
+        # these requests unless one ends
         self.next_step_known = False
         self.ahead: VerifiedAhead | None = None  # the next step's verify, queued by this one (`_queue_next_verify`)
         self.logprobs: list[list[TokenLogprob] | None] | None = None  # the last step's, per request (None: none asked)
