@@ -2,6 +2,14 @@
 # set `out` and `default_stages`: the cache and report directories, the carried GGUFs unpacked once (one tar
 # in pieces in /tmp/xfer, ggufs.tar.part.*), the device recorded, the demo target converted (`target`; the shipped
 # drafter's path: `drafter`); `stage`, `wanted` and `gpu_suite`.
+# The job runs from a copy of the working tree (its GGUF pieces left out): every device call copies the tree there
+# again, and a stage whose Python starts while its files are being replaced can fail to import them
+if [ -z "${SPECDEC_JOB_TREE:-}" ]; then
+  export SPECDEC_JOB_TREE
+  SPECDEC_JOB_TREE=$(mktemp -d /tmp/job-tree.XXXXXX)
+  tar cf - --exclude=./.gpu/xfer --exclude=./.git . | tar xf - -C "$SPECDEC_JOB_TREE"
+  cd "$SPECDEC_JOB_TREE" && source .gpu/setup.sh && exec bash "$0" "$@"
+fi
 mkdir -p "$out"
 export SPECDEC_CACHE=${SPECDEC_CACHE:-/tmp/specdec-cache} PYTHONUNBUFFERED=1 SPECDEC_REPORT_DIR=$out
 target=qwen2.5-coder-1.5b-instruct
