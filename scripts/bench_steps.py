@@ -33,6 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 from drafters import resolve_drafter_path  # noqa: E402
 from drafters.compatibility import check_compatible  # noqa: E402
 from drafters.dflash_model import DFlashDraftModel, read_dflash_config  # noqa: E402
+from scripts.bench.host_profile import per_step, tables as host_tables  # noqa: E402
 from scripts.bench.random_models import TARGET_SHAPE, TINY_SHAPE, random_target, tiny_drafter  # noqa: E402
 from scripts.bench.runner import environment, release_memory  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
@@ -198,25 +199,13 @@ def host_split(llm, prompts, max_new: int) -> dict:
 
 
 def host_functions(llm, prompts, max_new: int, top: int) -> dict:
-    """Host time per decode step of one generate under cProfile: the `top` functions with the most own time
-    (Python's and the C calls they make, such as a CUDA event's synchronize: blocking calls show as their wait) and
-    the project's `top` functions with the most time inclusive of their calls, each [function, us per step, calls per
-    step]. The profiler's own cost per Python call inflates every row alike: compare rows, not absolute times."""
+    """Host time per decode step of one generate under cProfile (`scripts.bench.host_profile.per_step`, this file's
+    functions left out of the project's)."""
     profile = cProfile.Profile()
     profile.enable()
     results = llm.generate(prompts, greedy(max_new))
     profile.disable()
-    steps = longest(results)["steps"]
-    stats = pstats.Stats(profile).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
-    ours = [item for item in stats.items()  # the project's files, not this one's nor a virtual environment's
-            if str(ROOT) in item[0][0] and item[0][0] != __file__ and "site-packages" not in item[0][0]]
-
-    def largest(items, column: int) -> list:
-        items = sorted(items, key=lambda item: -item[1][column])[:top]
-        return [[f"{Path(file).name}:{line}({name})", row[column] / steps * 1e6, row[1] / steps]
-                for (file, line, name), row in items]
-
-    return {"host_functions": largest(stats.items(), 2), "host_functions_inclusive": largest(ours, 3)}
+    return per_step(pstats.Stats(profile).stats, longest(results)["steps"], top, exclude=__file__)
 
 
 def kernel_name(event) -> str:
@@ -372,13 +361,8 @@ def report(info: dict) -> str:
                       "the largest kernels per step", "", "| kernel | us per step | launches per step |", "|---|---|---|"]
             lines += [f"| `{name}` | {us:.1f} | {count:.1f} |" for name, us, count in r["top_kernels"]]
         if r.get("host_functions"):
-            lines += ["", f"{r['system']}, {r['kv']}, {'graphs' if r['graphs'] else 'eager'}, batch {r['batch']}: "
-                      "the functions with the most own host time per step (under cProfile)", "",
-                      "| function | us per step | calls per step |", "|---|---|---|"]
-            lines += [f"| `{name}` | {us:.1f} | {count:.1f} |" for name, us, count in r["host_functions"]]
-            lines += ["", "the project's functions with the most host time per step, their calls' included", "",
-                      "| function | us per step | calls per step |", "|---|---|---|"]
-            lines += [f"| `{name}` | {us:.1f} | {count:.1f} |" for name, us, count in r["host_functions_inclusive"]]
+            lines += ["", f"{r['system']}, {r['kv']}, {'graphs' if r['graphs'] else 'eager'}, batch {r['batch']}:"]
+            lines += host_tables(r)
     return "\n".join(lines)
 
 

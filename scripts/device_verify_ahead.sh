@@ -3,7 +3,8 @@
 # single device calls: its GPU tests (the bits of every start a plan serves; batch-1 exactness with it on), the whole GPU
 # suite with it on by default there, a chain step at batch 1 with and without it (random weights of the default target's
 # shape), and math500 at batch 1 with the chain and auto, with and without it, and with a 15-node tree, each run pinned
-# to one core.
+# to one core; stage "profiles": math500 at batch 1 under cProfile (in order, ahead, 15-node trees), host time per
+# verify step by function (PROFILE_LIMIT problems, default 6).
 #   start:  mkdir -p /tmp/ahead && source .gpu/setup.sh && setsid nohup bash scripts/device_verify_ahead.sh \
 #             > /tmp/ahead/run.log 2>&1 &
 #   watch:  tail /tmp/ahead/run.log; results in /tmp/ahead
@@ -49,4 +50,19 @@ if wanted math500; then
   eval_batch1 auto --verify auto
   eval_batch1 auto-ahead --verify auto --verify-ahead
   eval_batch1 tree --verify tree --tree-nodes 15
+fi
+profile_batch1() {  # profile_batch1 NAME [ARGS...]: math500 at batch 1 under cProfile, host time per verify step
+  local name=$1
+  shift
+  stage "math500, batch 1, $name, under cProfile"
+  taskset -c 4 python3 -m cProfile -o "$out/profile-$name.prof" -m eval.math500 --drafter "$drafter" \
+    --limit "$PROFILE_LIMIT" --max-num-seqs 1 --no-progress --output "$out/profile-b1-$name" "$@" 2>&1 | grep TPOT
+  python3 -m scripts.bench.host_profile "$out/profile-$name.prof" --results "$out/profile-b1-$name/results.json" \
+    --top 60 > "$out/profile-$name.md"
+}
+if wanted profiles; then  # where the host's time goes on real requests: in order, verify ahead, 15-node trees
+  PROFILE_LIMIT=${PROFILE_LIMIT:-6}
+  profile_batch1 chain --verify chain
+  profile_batch1 chain-ahead --verify chain --verify-ahead
+  profile_batch1 tree --verify tree --tree-nodes 15
 fi
