@@ -37,12 +37,18 @@ if wanted all-tests; then  # the whole suite with the setting on wherever an eng
   gpu_suite
   sed -i 's/verify_ahead: bool = _setting(True,/verify_ahead: bool = _setting(False,/' specdec/engine/config.py
 fi
-eval_batch1() {  # eval_batch1 NAME [ARGS...]: math500 one prompt at a time, pinned to one core
+eval_batch1() {  # eval_batch1 NAME [ARGS...]: math500 one prompt at a time, pinned to one core; with PROFILE set,
+  # under cProfile, its host time per verify step by function in $out/NAME.md
   local name=$1
   shift
-  stage "math500, batch 1, $name"
-  taskset -c 4 python3 -m eval.math500 --drafter "$drafter" --limit "$limit" --max-num-seqs 1 --no-progress \
-    --output "$out/math500-b1-$name" "$@" 2>&1 | grep -v "Loading weights" | tail -8
+  stage "math500, batch 1, $name${PROFILE:+, under cProfile}"
+  taskset -c 4 python3 ${PROFILE:+-m cProfile -o "$out/$name.prof"} -m eval.math500 --drafter "$drafter" \
+    --limit "$limit" --max-num-seqs 1 --no-progress --output "$out/math500-b1-$name" "$@" 2>&1 \
+    | grep -v "Loading weights" | tail -8
+  if [ -n "${PROFILE:-}" ]; then
+    python3 -m scripts.bench.host_profile "$out/$name.prof" --results "$out/math500-b1-$name/results.json" \
+      --top 60 > "$out/$name.md"
+  fi
 }
 if wanted math500; then
   eval_batch1 chain --verify chain --baseline
@@ -51,18 +57,9 @@ if wanted math500; then
   eval_batch1 auto-ahead --verify auto --verify-ahead
   eval_batch1 tree --verify tree --tree-nodes 15
 fi
-profile_batch1() {  # profile_batch1 NAME [ARGS...]: math500 at batch 1 under cProfile, host time per verify step
-  local name=$1
-  shift
-  stage "math500, batch 1, $name, under cProfile"
-  taskset -c 4 python3 -m cProfile -o "$out/profile-$name.prof" -m eval.math500 --drafter "$drafter" \
-    --limit "$PROFILE_LIMIT" --max-num-seqs 1 --no-progress --output "$out/profile-b1-$name" "$@" 2>&1 | grep TPOT
-  python3 -m scripts.bench.host_profile "$out/profile-$name.prof" --results "$out/profile-b1-$name/results.json" \
-    --top 60 > "$out/profile-$name.md"
-}
 if wanted profiles; then  # where the host's time goes on real requests: in order, verify ahead, 15-node trees
-  PROFILE_LIMIT=${PROFILE_LIMIT:-6}
-  profile_batch1 chain --verify chain
-  profile_batch1 chain-ahead --verify chain --verify-ahead
-  profile_batch1 tree --verify tree --tree-nodes 15
+  for run in "profiled-chain --verify chain" "profiled-chain-ahead --verify chain --verify-ahead" \
+             "profiled-tree --verify tree --tree-nodes 15"; do
+    PROFILE=1 limit=${PROFILE_LIMIT:-6} eval_batch1 $run
+  done
 fi

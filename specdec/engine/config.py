@@ -99,7 +99,7 @@ class EngineConfig:
                                           "draft is queued before this step's tokens are read")
     # with overlap_steps, a lone request's chain step also queues the next step's verify before this step's tokens are
     # read (planned for the latest start it may have, the real one written on the device: docs/gpu.md). Off: on the
-    # real target at batch 1 it was no faster than verifying in order (BENCHMARKS.md, 2026-12-05)
+    # real target at batch 1 it was ~4% slower than verifying in order (BENCHMARKS.md, 2026-12-05)
     verify_ahead: bool = _setting(False, "speculative decoding of a lone request: the next step's verify is queued "
                                          "with its draft, before this step's tokens are read (needs overlap_steps)")
     # speculative steps (specdec/engine/verify_policy.py): chain = every draft of the block every step;

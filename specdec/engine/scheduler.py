@@ -141,7 +141,7 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, planned: int, budget: int, room: int) -> None:
         """Waiting requests join while their whole prefill (and one step after it) fits beside the plan."""
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.can_admit and budget > 0:
             request = self.waiting[0]
             if request.in_flight:  # preempted with a token on its way back: it recomputes once that has landed
                 break
