@@ -98,8 +98,9 @@ class EngineConfig:
                                           "waiting for this one's tokens; speculative decoding: the next step's "
                                           "draft is queued before this step's tokens are read")
     # with overlap_steps, a lone request's chain step also queues the next step's verify before this step's tokens are
-    # read (planned for the latest start it may have, the real one written on the device: docs/gpu.md). Off: on the
-    # real target at batch 1 it was ~4% slower than verifying in order (BENCHMARKS.md, 2026-12-05)
+    # read (planned for the latest start it may have, the real one written on the device: docs/gpu.md). Off: on real
+    # requests at batch 1 drafting ahead already hides the host, so it only adds its metadata kernels (steps 2.8%
+    # slower than verifying in order; BENCHMARKS.md, 2026-12-05)
     verify_ahead: bool = _setting(False, "speculative decoding of a lone request: the next step's verify is queued "
                                          "with its draft, before this step's tokens are read (needs overlap_steps)")
     # speculative steps (specdec/engine/verify_policy.py): chain = every draft of the block every step;
