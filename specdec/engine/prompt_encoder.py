@@ -96,7 +96,7 @@ def added_token_splitter(tokenizer) -> re.Pattern | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if not added or backend is None or getattr(tokenizer, "split_special_tokens", False):
         return None
-    if _treats_first_piece_apart(json.loads(backend.to_str())):
+    if any(_treats_first_piece_apart(json.loads(component.__getstate__())) for component in _pipeline_steps(backend)):
         return None
     has_normalizer = backend.normalizer is not None
     for token in added.values():
@@ -104,6 +104,13 @@ def added_token_splitter(tokenizer) -> re.Pattern | None:
             return None
     contents = sorted({token.content for token in added.values() if token.content}, key=len, reverse=True)
     return re.compile("(" + "|".join(map(re.escape, contents)) + ")")
+
+
+def _pipeline_steps(backend) -> list:
+    """The tokenizer's normalizer, pre-tokenizer, post-processor and decoder, those it has: its pipeline without the
+    model, whose vocabulary and merges (hundreds of thousands of entries) serializing the whole tokenizer would walk."""
+    return [step for step in (backend.normalizer, backend.pre_tokenizer, backend.post_processor, backend.decoder)
+            if step is not None]
 
 
 def _treats_first_piece_apart(spec) -> bool:

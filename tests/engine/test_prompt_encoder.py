@@ -3,6 +3,8 @@ added tokens; where a tokenizer's added tokens split text otherwise, it encodes 
 
 import re
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -71,11 +73,13 @@ def test_added_tokens_that_strip_whitespace_turn_splitting_off():
     assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_a_pre_tokenizer_that_treats_the_first_piece_apart_turns_splitting_off():
+@pytest.mark.parametrize("nested", [False, True], ids=["alone", "in-a-sequence"])
+def test_a_pre_tokenizer_that_treats_the_first_piece_apart_turns_splitting_off(nested):
     """Metaspace with prepend_scheme "first" (Llama 2 / Mistral style) marks only the text's first piece: a piece
     encoded alone is marked where the whole text's is not, so such tokenizers encode texts whole."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    metaspace = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(), metaspace]) if nested else metaspace
     tok.decoder = decoders.Metaspace(prepend_scheme="first")
     tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
                                                         show_progress=False))
