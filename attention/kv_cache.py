@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -151,7 +152,7 @@ class KVCache:
         shape = (num_pages + 1 + spare_pages, 2, page_size, num_kv_heads, head_dim)
         # the layers of one dtype are views of one tensor [layers, *shape]: a row moves in all of them with one
         # indexed copy (`move_rows`) instead of one per layer
-        self.stacked = {d: torch.zeros(self.layer_dtypes.count(d), *shape, dtype=d, device=device)
+        self.stacked = {d: zeroed((self.layer_dtypes.count(d), *shape), d, device)
                         for d in dict.fromkeys(self.layer_dtypes)}
         views = {d: iter(stacked) for d, stacked in self.stacked.items()}  # each dtype's layers in order
         # per dtype, the row (`move_rows`) of each (layer, K or V) at slot 0 of page 0: [layers, K or V], made once
@@ -200,3 +201,13 @@ class KVCache:
     def set_scales(self, k_scales: list[float], v_scales: list[float]) -> None:
         for layer, ks, vs in zip(self.layers, k_scales, v_scales, strict=True):
             layer.k_scale, layer.v_scale = float(ks), float(vs)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed tensor; on the CPU made of the operating system's zero pages (numpy's calloc), which take memory only
+    where first written: a pool of 2 GiB was 1 s of zeroing at start-up and all of it resident from the start."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = int(np.prod(shape, dtype=np.int64))
+    return torch.from_numpy(np.zeros(count * itemsize, dtype=np.uint8)).view(dtype).view(shape)

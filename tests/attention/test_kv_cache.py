@@ -2,7 +2,7 @@
 
 import torch
 
-from attention.kv_cache import FP8_DTYPE, KVCache
+from attention.kv_cache import FP8_DTYPE, KVCache, zeroed
 
 
 def test_rows_move_in_every_layer_of_every_dtype_and_nothing_else_changes():
@@ -25,3 +25,15 @@ def test_rows_move_in_every_layer_of_every_dtype_and_nothing_else_changes():
         untouched = torch.ones(7, 4, dtype=torch.bool)
         untouched[1, :2] = False
         assert torch.equal(new.transpose(1, 2)[untouched], old.transpose(1, 2)[untouched])
+
+
+def test_a_cpu_pool_starts_zeroed_in_every_dtype_and_takes_writes():
+    """On the CPU the pool is made of the operating system's zero pages (resident only once written): it must still
+    read as zeros everywhere, in each dtype, with the shape asked, and hold what is written."""
+    cache = KVCache(3, 6, 4, 2, 8, (torch.float32, FP8_DTYPE, torch.bfloat16), "cpu")
+    for layer, dtype in zip(cache.layers, (torch.float32, FP8_DTYPE, torch.bfloat16)):
+        assert layer.data.dtype == dtype and layer.data.shape == (7, 2, 4, 2, 8)
+        assert not layer.data.float().any()
+    cache.layers[2].data[3, 1, 2] = 1.5
+    assert cache.layers[2].data.float().sum() == 1.5 * 2 * 8 and not cache.layers[0].data.float().any()
+    assert zeroed((2, 3), torch.float32, "cpu").tolist() == [[0.0] * 3] * 2
