@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+
+from attention.zero_pages import zeroed
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448: values beyond it saturate
@@ -202,12 +203,3 @@ class KVCache:
         for layer, ks, vs in zip(self.layers, k_scales, v_scales, strict=True):
             layer.k_scale, layer.v_scale = float(ks), float(vs)
 
-
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zeroed tensor; on the CPU made of the operating system's zero pages (numpy's calloc), which take memory only
-    where first written: a pool of 2 GiB was 1 s of zeroing at start-up and all of it resident from the start."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    count = int(np.prod(shape, dtype=np.int64))
-    return torch.from_numpy(np.zeros(count * itemsize, dtype=np.uint8)).view(dtype).view(shape)

@@ -43,6 +43,7 @@ from torch import nn
 from attention.batch_layout import BatchLayout, slots_on_device
 from attention.page_pool import PagePool, PageTable, grow_tables, pages_for, table_lengths
 from attention.transfer import upload
+from attention.zero_pages import zeroed
 from drafters.dflash_model import DFlashDraftModel
 from drafters.token_ranking import draft_vocabulary
 from specdec.engine.drafter import DraftContext, Drafter, DraftRequest
@@ -109,8 +110,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         self._draft_head(context)
         # a prompt chunk's context rows: at most the target's features buffer; plain steps' held rows: HELD_ROWS
         features = context.features
-        self.held_features = torch.zeros(max(HELD_ROWS, batch), features.shape[1], dtype=features.dtype,
-                                         device=self.device)
+        self.held_features = zeroed((max(HELD_ROWS, batch), features.shape[1]), features.dtype, self.device)
         held = self.held_features.shape[0]
         rows = max(features.shape[0], held)
         self.context_inputs = StaticInputs({name: rows for name in ("rows", "positions", "pages", "offsets")},

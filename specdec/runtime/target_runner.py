@@ -27,6 +27,7 @@ import torch
 from attention.batch_layout import BatchLayout, slots_on_device
 from attention.page_pool import PageTable, table_lengths
 from attention.transfer import upload
+from attention.zero_pages import zeroed
 from specdec.models.decoder import Attention, CausalLM, ForwardOutput
 from specdec.runtime.cuda_graphs import StaticInputs
 from specdec.runtime.model_runner import FixedStep, ModelRunner, TokenStep
@@ -131,7 +132,7 @@ class TargetRunner(ModelRunner):
         rows = max(max_batch * q_max, tree_nodes + 1 if tree_nodes else 0)  # a tree at batch 1 always fits
         self.tree_nodes = tree_nodes
         self.inputs = {q: StaticInputs({"ids": max_batch * q, "starts": max_batch}, self.device) for q in block_lens}
-        self.logits_out = torch.zeros(rows, c.vocab_size, dtype=dtype, device=self.device)
+        self.logits_out = zeroed((rows, c.vocab_size), dtype, self.device)
         self.greedy_out = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.arange = torch.arange(rows, device=self.device)
         # a mixed step's tokens: every request's block and the prefill budget (a multiple of the block, so
@@ -139,8 +140,7 @@ class TargetRunner(ModelRunner):
         self.max_step_tokens = -(-(rows + max_prefill_tokens) // q_max) * q_max
         self.attn.reserve_write_rows(self.max_step_tokens)
         feature_dim = len(feature_layers) * c.hidden_size
-        self.features_out = (torch.zeros(self.max_step_tokens, feature_dim, dtype=dtype, device=self.device)
-                             if feature_layers else None)
+        self.features_out = zeroed((self.max_step_tokens, feature_dim), dtype, self.device) if feature_layers else None
         self.mixed = MixedStepBuffers(self.max_step_tokens, model, self.device)
         self.mixed_step = TokenStep("mixed", "target mixed", self.max_step_tokens, self.mixed.inputs, self._mixed_body)
         if tree_nodes:  # token-tree verify steps, captured up to TREE_GRAPH_MAX_BATCH requests
@@ -550,6 +550,6 @@ class MixedStepBuffers:
     def __init__(self, max_tokens: int, model: CausalLM, device: torch.device):
         c, dtype = model.config, model.model.embed_tokens.weight.dtype
         self.inputs = StaticInputs({name: max_tokens for name in ("ids", "positions", "pages", "offsets")}, device)
-        self.query = torch.zeros(max_tokens, c.num_attention_heads, model.head_dim, dtype=dtype, device=device)
-        self.attention = torch.zeros_like(self.query)
-        self.hidden = torch.zeros(max_tokens, c.hidden_size, dtype=dtype, device=device)
+        self.query, self.attention = (zeroed((max_tokens, c.num_attention_heads, model.head_dim), dtype, device)
+                                      for _ in range(2))
+        self.hidden = zeroed((max_tokens, c.hidden_size), dtype, device)
