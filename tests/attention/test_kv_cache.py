@@ -2,7 +2,8 @@
 
 import torch
 
-from attention.kv_cache import FP8_DTYPE, KVCache, zeroed
+from attention.kv_cache import FP8_DTYPE, KVCache
+from attention.zero_pages import zeroed
 
 
 def test_rows_move_in_every_layer_of_every_dtype_and_nothing_else_changes():
