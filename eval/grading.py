@@ -125,8 +125,7 @@ class Grader:
     version: str | None
     match: Callable[[str, str], bool]  # (predicted, gold) -> equal
     metric: ClassVar[str] = "accuracy"
-    # on the calling thread as each request finishes: math-verify's timeout is a SIGALRM handler, which only
-    # the main thread may install
+    # on the calling thread: math-verify's timeout is a SIGALRM handler, which only the main thread may install
     grading_threads: ClassVar[int | None] = None
 
     def is_correct(self, predicted: str | None, gold: str) -> bool:

@@ -27,8 +27,8 @@ class Graded:
 class Grader(Protocol):
     name: str  # recorded in results.json
     metric: str  # what the fraction of correct problems is called in reports: "accuracy", "pass@1"
-    # None: grade each response as its request finishes, on the calling thread; N: grade after generation on
-    # N threads (for graders that run programs, which would otherwise stall and slow the timed generation)
+    # graded after generation: None on the calling thread (math-verify's timeout is a SIGALRM handler, which only the
+    # main thread may install), N on N threads (graders that run programs, each waiting on its subprocess)
     grading_threads: int | None
 
     def grade(self, problem, text: str) -> Graded: ...

@@ -54,9 +54,14 @@ def grade_result(grader: Grader, problem, result) -> Graded:
 
 
 def grade_all(grader: Grader, problems: list, results: list, progress_bar) -> list[Graded]:
-    """Grade every result on `grader.grading_threads` threads (each grading may wait on a subprocess)."""
-    with ThreadPoolExecutor(max_workers=grader.grading_threads, thread_name_prefix="grading") as pool:
-        graded = list(pool.map(lambda pr: grade_result(grader, *pr), zip(problems, results)))
+    """Grade every result: on `grader.grading_threads` threads (each grading may wait on a subprocess), or on the
+    calling thread where the grader asks for none."""
+    pairs = list(zip(problems, results))
+    if grader.grading_threads is None:
+        graded = [grade_result(grader, *pair) for pair in pairs]
+    else:
+        with ThreadPoolExecutor(max_workers=grader.grading_threads, thread_name_prefix="grading") as pool:
+            graded = list(pool.map(lambda pair: grade_result(grader, *pair), pairs))
     progress_bar.set_postfix({grader.metric: f"{sum(g.correct for g in graded) / max(len(graded), 1):.3f}"})
     return graded
 
@@ -64,28 +69,16 @@ def grade_all(grader: Grader, problems: list, results: list, progress_bar) -> li
 def run_problems(llm, problems: list, prompts: list[list[int]], params: SamplingParams, concurrency: int,
                  grader: Grader, label: str, progress: bool = True, title: str = "") -> Run:
     """Generate for every prompt with at most `concurrency` requests in flight (the engine's
-    max_num_seqs; a finished request's slot is refilled at once) and grade each response: as it
-    finishes, or after generation when the grader asks for threads. With concurrency 1 this is
-    exactly the batch-1 protocol. `title` (the problem set's name) prefixes the progress bar."""
+    max_num_seqs; a finished request's slot is refilled at once), then grade every response. With concurrency 1
+    this is exactly the batch-1 protocol. Grading waits for the generation's end: graded as each request
+    finished, on the engine's thread, it paused every request in flight and counted in the timed generation.
+    `title` (the problem set's name) prefixes the progress bar."""
     from tqdm import tqdm
 
-    graded: list[Graded | None] = [None] * len(prompts)
-    done = 0
-    inline = grader.grading_threads is None
     with tqdm(total=len(prompts), desc=f"{title} {label}".strip(), unit="problem", disable=not progress) as bar:
-
-        def on_finish(i, result):
-            nonlocal done
-            done += 1
-            bar.update(1)
-            if inline:
-                graded[i] = grade_result(grader, problems[i], result)
-                bar.set_postfix({grader.metric: f"{sum(g.correct for g in graded if g) / done:.3f}"})
-
         began = time.perf_counter()
-        results = llm.generate(prompts, params, on_finish=on_finish)
+        results = llm.generate(prompts, params, on_finish=lambda i, result: bar.update(1))
         wall = time.perf_counter() - began
-        if not inline:
-            graded = grade_all(grader, problems, results, bar)
+        graded = grade_all(grader, problems, results, bar)
     summary = summarize([r.stats for r in results if r.finish_reason != "error"], wall)
     return Run(label, grader.metric, results, graded, summary, wall)

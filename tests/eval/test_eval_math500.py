@@ -193,6 +193,35 @@ def test_accuracy_counts_failed_requests_as_wrong():
     assert run.errors == 1 and run.summary.requests == 2 and run.accuracy == pytest.approx(1 / 3)
 
 
+def test_grading_waits_for_the_end_of_the_timed_generation():
+    """A grader called as each request finished ran on the engine's thread: it paused every request in flight and
+    counted in the generation's wall time (and the TPOT of the requests it paused)."""
+    phase = ["before"]
+
+    class FakeLLM:
+        def generate(self, prompts, params, on_finish):
+            phase[0] = "generating"
+            results = [SimpleNamespace(text=f"\\boxed{{{p[0]}}}", token_ids=[5], stats=RequestStats(generated_tokens=1),
+                                       finish_reason="stop") for p in prompts]
+            for i, result in enumerate(results):
+                on_finish(i, result)
+            phase[0] = "generated"
+            return results
+
+    class RecordingGrader:
+        name, metric, grading_threads = "recording", "accuracy", None
+        seen: list[str] = []
+
+        def grade(self, problem, text):
+            self.seen.append(phase[0])
+            return select_grader().grade(problem, text)
+
+    grader = RecordingGrader()
+    problems = [Problem(i, str(i), "q", "2") for i in range(3)]
+    run = run_problems(FakeLLM(), problems, [[1], [2], [3]], SamplingParams(), 2, grader, "fake", progress=False)
+    assert grader.seen == ["generated"] * 3 and run.correct == [False, True, False]
+
+
 def test_local_jsonl_loads_without_datasets(tmp_path, monkeypatch):
     """A bare GPU image has no `datasets`: a local jsonl still loads, the same as through datasets."""
     rows = [{"problem": "1+1?", "answer": "2", "unique_id": "a"}, {"problem": "2+2?", "answer": "4", "level": 1}]
