@@ -202,4 +202,3 @@ class KVCache:
     def set_scales(self, k_scales: list[float], v_scales: list[float]) -> None:
         for layer, ks, vs in zip(self.layers, k_scales, v_scales, strict=True):
             layer.k_scale, layer.v_scale = float(ks), float(vs)
-

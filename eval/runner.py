@@ -69,10 +69,9 @@ def grade_all(grader: Grader, problems: list, results: list, progress_bar) -> li
 def run_problems(llm, problems: list, prompts: list[list[int]], params: SamplingParams, concurrency: int,
                  grader: Grader, label: str, progress: bool = True, title: str = "") -> Run:
     """Generate for every prompt with at most `concurrency` requests in flight (the engine's
-    max_num_seqs; a finished request's slot is refilled at once), then grade every response. With concurrency 1
-    this is exactly the batch-1 protocol. Grading waits for the generation's end: graded as each request
-    finished, on the engine's thread, it paused every request in flight and counted in the timed generation.
-    `title` (the problem set's name) prefixes the progress bar."""
+    max_num_seqs; a finished request's slot is refilled at once), then grade every response: grading a request as
+    it finished would run on the engine's thread, pausing every request in flight inside the timed generation. With
+    concurrency 1 this is exactly the batch-1 protocol. `title` (the problem set's name) prefixes the progress bar."""
     from tqdm import tqdm
 
     with tqdm(total=len(prompts), desc=f"{title} {label}".strip(), unit="problem", disable=not progress) as bar:
