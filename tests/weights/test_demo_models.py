@@ -362,6 +362,24 @@ def test_gguf_path_is_converted_once(tiny_gguf, tmp_path, monkeypatch):
     assert not [e for e in cache_entries(cache) if ".tmp-" in e]
 
 
+def test_a_conversion_parses_its_gguf_once(tiny_gguf, tmp_path, monkeypatch):
+    """Each parse of a real GGUF's metadata (a vocabulary as arrays) takes seconds: the token metadata and
+    transformers' config, weights and tokenizer all read one parse, and the reader is gguf's own again after."""
+    import gguf
+
+    parses = []
+    counting = gguf.GGUFReader
+
+    def counted(*args, **kwargs):
+        parses.append(args[0])
+        return counting(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    gguf_conversion.convert_gguf_to_hf(tiny_gguf, tmp_path / "out")
+    assert len(parses) == 1 and gguf.GGUFReader is counted
+    assert (tmp_path / "out" / "config.json").is_file()
+
+
 def test_failed_conversion_caches_nothing(tiny_gguf, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
 
