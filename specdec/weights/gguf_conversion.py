@@ -156,7 +156,8 @@ def _convert(gguf_path: pathlib.Path, out_dir: pathlib.Path, dtype) -> dict:
     state = gguf_model.state_dict()
     with _no_init_context():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    # the loaded tensors are adopted, not copied: they already have the dtype asked for
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     del state, gguf_model
     # The only keys allowed to be missing are ones tied to a loaded weight.
     tied = set()
