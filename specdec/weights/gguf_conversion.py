@@ -71,7 +71,8 @@ def one_parse_per_file():
     """Within it, `gguf.GGUFReader` parses each file once and hands the same reader to every later call. A
     conversion reads a GGUF four times (its token metadata here; transformers' config, weights and tokenizer), and a
     parse of the default target's file (its 151,936 tokens and merges as metadata arrays) takes ~6 s of Python on a
-    2-core machine; the readers are read-only views of the file, so one serves them all."""
+    2-core machine; the readers are read-only views of the file, so one serves them all. transformers imports
+    `GGUFReader` from gguf at each call, so it gets this one; the test of one parse per conversion notices if not."""
     import gguf
 
     parse = gguf.GGUFReader
