@@ -17,7 +17,7 @@ SMALL_BYTES = 1 << 20  # below this, zeroing costs nothing worth saving
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A zeroed tensor; on the CPU made of the operating system's zero pages (numpy's calloc), which take memory only
     where first written: a pool of 2 GiB was 1 s of zeroing at start-up and all of it resident from the start."""
-    size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if torch.device(device).type != "cpu" or size < SMALL_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.from_numpy(np.zeros(size, dtype=np.uint8)).view(dtype).view(shape)

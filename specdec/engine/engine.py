@@ -106,7 +106,6 @@ class Engine:
         # auto's budget steps: chains' rows shared out by the drafts' confidence
         budgets = verify_budgets(chain_lengths, config.budget_steps and config.verify == "auto" and drafter is not None
                                  and drafter.proposes_confidence)
-        verify_ahead = config.overlap_steps and config.verify_ahead  # queued with the draft queued ahead
         lookahead = max(block, tree_nodes + 1)  # slots a step may write past the committed length
         self.model.rotary.max_positions = self.max_context + lookahead  # RoPE table size on the fused path
         # the runners' static buffers exist before the KV pool is sized from what memory is left
@@ -114,7 +113,8 @@ class Engine:
                                    page_size=config.page_size, max_batch=config.max_num_seqs,
                                    block_lens=chain_lengths or (block,), max_prefill_tokens=config.max_prefill_tokens,
                                    feature_layers=drafter.target_layer_ids if drafter is not None else (),
-                                   tree_nodes=tree_nodes, budgets=budgets, verify_ahead=verify_ahead)
+                                   tree_nodes=tree_nodes, budgets=budgets,
+                                   verify_ahead=config.overlap_steps and config.verify_ahead)  # with the draft ahead
         if drafter is not None:
             drafter.attach(DraftContext(self.device, self.dtype, self.drafter_kv_dtype, config.page_size, self.backend_name,
                                         config.max_num_seqs, self.max_context, self.model.model.embed_tokens,
@@ -139,7 +139,7 @@ class Engine:
             self.decoding: DecodePhase = SpeculativeDecoding(
                 self.runner, drafter, VerifyPolicy(block, chain_lengths, tree=trees, budgets=budgets),
                 TreeDecoding(self.runner, drafter, draft_ahead=config.overlap_steps) if trees else None,
-                draft_ahead=config.overlap_steps, verify_ahead=verify_ahead)
+                draft_ahead=config.overlap_steps)
         else:
             self.decoding = PlainDecoding(self.runner)
         # one entry per cached page: the target's KV page and, when the drafter keeps a context cache, its page

@@ -44,12 +44,13 @@ from specdec.runtime.target_runner import BlockOutput, Carried, PrefillChunks, T
 
 class SpeculativeDecoding:
     def __init__(self, runner: TargetRunner, drafter: Drafter, policy: VerifyPolicy | None = None,
-                 tree: TreeDecoding | None = None, draft_ahead: bool = True, verify_ahead: bool = False):
+                 tree: TreeDecoding | None = None, draft_ahead: bool = True):
         self.runner = runner
         self.drafter = drafter
         # queue each chain step's next draft before reading its tokens (not with trees only: they draft candidates)
         self.draft_ahead = draft_ahead
-        self.verify_ahead = verify_ahead  # and a lone request's next verify with it (`_queue_next_verify`)
+        # and a lone request's next verify with it (`_queue_next_verify`), where the runner's graphs can take one
+        self.verify_ahead = runner.verify_ahead
         self.tokens_per_step = drafter.block_size  # the most a step commits per request
         self.policy = policy or VerifyPolicy(drafter.block_size, (drafter.block_size,))
         if self.policy.tree and tree is None:
