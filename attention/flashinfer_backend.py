@@ -86,7 +86,9 @@ import numpy as np
 import torch
 
 from attention.backend import AttentionBackend
-from attention.batch_layout import BatchLayout, real_page_metadata, slots_on_device
+from attention.batch_layout import (BatchLayout, slots_on_device, write_node_row_metadata, write_query_row_metadata,
+                                    write_real_page_metadata)
+from attention.fused import fused, fusing
 from attention.kv_cache import FP8_DTYPE, LayerKV
 from attention.node_rows import NodeRowCopies, chunks_agree, node_pages_per_row, node_rows_layout
 from attention.transfer import CopyFence, StagedIndices, pinned, upload
@@ -191,6 +193,8 @@ class FlashInferBackend(AttentionBackend):
                  device_lengths: bool = False, window_left: int = -1):
         super().__init__(num_qo_heads, num_kv_heads, head_dim, sm_scale, window_left)
         self.device = device
+        # a lone request's per-step metadata and node-row copies as a few fused kernels (`attention.fused`)
+        self.fuse = fusing(device)
         self.plans_upper_bounds = device_lengths
         self.slot: GraphSlot | None = None  # the planned step's graph rung (None: an eager plan)
         self.kv_dtypes = tuple(dict.fromkeys(kv_dtypes))  # a cache whose layers mix dtypes plans once per dtype
@@ -379,7 +383,7 @@ class FlashInferBackend(AttentionBackend):
         page is)."""
         context = upload(np.int64([layout.kv_lens[0] - layout.q_lens[0]]), self.device)
         return NodeRowCopies(layout.query_masks[0], context, self.kv_indices, self.node_pages, layout.page_size,
-                             parking_page)
+                             parking_page, fuse=self.fuse)
 
     def graph_slot(self, batch_size: int, max_pages: int, example: BatchLayout | None = None) -> GraphSlot:
         """The buffers and wrappers of one rung; `example` (a layout of the steps it will replay, padded to
@@ -458,9 +462,10 @@ class FlashInferBackend(AttentionBackend):
         # the copies read the planned buffers' request pages (`slot.kv_indices`, the step's own), not the ones
         # rewritten below
         self.node_copies = NodeRowCopies(slot.node_masks, context, slot.kv_indices, self.node_pages,
-                                         self.layout.page_size, self.scratch_page)
-        padding = torch.full_like(context, 1 << 30)  # the padding request keeps its planned length
-        self._to_real_lengths(slot.planned, torch.cat([context + 1 + self.node_copies.depths, padding]))
+                                         self.layout.page_size, self.scratch_page, fuse=self.fuse)
+        write = fused(write_node_row_metadata) if self.fuse else write_node_row_metadata
+        kv_indptr, kv_indices, last_page_len = slot.planned
+        write(kv_indptr, last_page_len, kv_indices, context, self.node_copies.depths, self.layout.page_size)
 
     def rows_plan_serves(self, slot: GraphSlot, q: int, kv_lens: tuple[int, int], expected_kv_len: int,
                          page_size: int) -> bool:
@@ -476,10 +481,9 @@ class FlashInferBackend(AttentionBackend):
         slot = self.slot
         if slot is None or not slot.rows or slot.node_rows:
             return
-        q = slot.rows
-        padding = torch.full_like(kv_len, 1 << 30)  # the padding request keeps its planned length
-        rows = kv_len - q + 1 + torch.arange(q, device=kv_len.device)  # each row's KV up to its own position
-        self._to_real_lengths(slot.planned, torch.cat([rows, padding]))
+        kv_indptr, kv_indices, last_page_len = slot.planned
+        write = fused(write_query_row_metadata) if self.fuse else write_query_row_metadata
+        write(kv_indptr, last_page_len, kv_indices, kv_len, slot.rows, self.layout.page_size)
 
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
         """A graph rung planned for upper bounds (`device_lengths`): its page metadata becomes the real lengths'
@@ -488,15 +492,7 @@ class FlashInferBackend(AttentionBackend):
         slot = self.slot
         if slot is None or not self.plans_upper_bounds:
             return
-        self._to_real_lengths((slot.kv_indptr, slot.kv_indices, slot.last_page_len), kv_lens)
-
-    def _to_real_lengths(self, planned: tuple[torch.Tensor, torch.Tensor, torch.Tensor], kv_lens: torch.Tensor) -> None:
-        """Page metadata planned for longer KV lengths (`planned`: kv_indptr, kv_indices, last_page_len) rewritten in
-        place for the real lengths `kv_lens`, on the device (`real_page_metadata`)."""
-        kv_indptr, kv_indices, last_page_len = planned
-        real = real_page_metadata(kv_indptr, last_page_len, kv_indices, kv_lens, self.layout.page_size)
-        for buffer, values in zip((kv_indptr, last_page_len, kv_indices), real):
-            buffer.copy_(values)
+        write_real_page_metadata(slot.kv_indptr, slot.last_page_len, slot.kv_indices, kv_lens, self.layout.page_size)
 
     def _plan_wrappers(self, layout: BatchLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                        kv_indices_gpu: torch.Tensor, last_page_len: torch.Tensor, kv_lens: torch.Tensor,

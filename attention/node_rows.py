@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from attention.batch_layout import BatchLayout
+from attention.fused import fused
 from attention.kv_cache import LayerKV
 
 
@@ -68,33 +69,45 @@ class NodeRowCopies:
     Tensor operations of fixed shapes only (no host sync: a CUDA graph captures them). `context`: the tokens
     before the step (a device tensor of one element); `request_pages`: the request's pages (the step's page
     metadata); `node_pages` [q or more, pages per node]; rows a node does not use copy the scratch page's first
-    row onto itself."""
+    row onto itself. `fuse`: their small kernels compiled into a few (`attention.fused`; fixed shapes only)."""
 
     def __init__(self, masks: torch.Tensor, context: torch.Tensor, request_pages: torch.Tensor,
-                 node_pages: torch.Tensor, page_size: int, scratch_page: int):
-        q, device = masks.shape[0], masks.device
-        self.depths = depths = masks.sum(dim=1) - 1  # [q]: a node sees itself and one ancestor per depth
-        nodes = torch.arange(q, device=device)
-        # ancestors[i, d]: node i's ancestor at depth d (itself at its own depth); past its depth, column q
-        columns = torch.where(masks, depths[None, :], q)
-        ancestors = torch.zeros(q, q + 1, dtype=torch.long, device=device).scatter_(1, columns, nodes.expand(q, q))
-        width = page_size - 1 + q  # a node's rows: the context's last partial page, then its path
-        row = torch.arange(width, device=device)
-        context = context.reshape(1).long()
-        tail = context % page_size
-        step_in_path = (row - tail)[None, :]  # [1, width]: the depth a row holds (< 0: a context row)
-        used = step_in_path <= depths[:, None]
-        path_node = ancestors.gather(1, step_in_path.clamp(0, q - 1).expand(q, width))
-        position = torch.where(step_in_path < 0, context - tail + row[None, :], context + path_node)
-        source = request_pages[position // page_size].long() * page_size + position % page_size
-        destination = node_pages[:q, row // page_size].long() * page_size + row % page_size
-        parked = torch.full_like(source, scratch_page * page_size)
-        self.source_slots = torch.where(used, source, parked).flatten()
-        self.destination_slots = torch.where(used, destination, parked).flatten()
-        self.source_rows, self.destination_rows = (LayerKV.kv_rows(s, page_size)
-                                                   for s in (self.source_slots, self.destination_slots))
+                 node_pages: torch.Tensor, page_size: int, scratch_page: int, fuse: bool = False):
+        slots = fused(node_copy_rows) if fuse else node_copy_rows
+        self.depths, self.source_rows, self.destination_rows = slots(masks, context, request_pages, node_pages,
+                                                                     page_size, scratch_page)
+        self.copy_rows = fused(copy_rows) if fuse else copy_rows
 
     def copy(self, layer: LayerKV) -> None:
         """The rows into the node pages of one layer, as stored (after the step's K/V are written there)."""
-        rows = layer.rows()
-        rows.index_copy_(0, self.destination_rows, rows.index_select(0, self.source_rows))
+        self.copy_rows(layer.rows(), self.source_rows, self.destination_rows)
+
+
+def node_copy_rows(masks: torch.Tensor, context: torch.Tensor, request_pages: torch.Tensor, node_pages: torch.Tensor,
+                   page_size: int, scratch_page: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`NodeRowCopies`' nodes' depths [q], and the `LayerKV.rows()` each layer copies from and to."""
+    q, device = masks.shape[0], masks.device
+    depths = masks.sum(dim=1) - 1  # [q]: a node sees itself and one ancestor per depth
+    nodes = torch.arange(q, device=device)
+    # ancestors[i, d]: node i's ancestor at depth d (itself at its own depth); past its depth, column q
+    columns = torch.where(masks, depths[None, :], q)
+    ancestors = torch.zeros(q, q + 1, dtype=torch.long, device=device).scatter_(1, columns, nodes.expand(q, q))
+    width = page_size - 1 + q  # a node's rows: the context's last partial page, then its path
+    row = torch.arange(width, device=device)
+    context = context.reshape(1).long()
+    tail = context % page_size
+    step_in_path = (row - tail)[None, :]  # [1, width]: the depth a row holds (< 0: a context row)
+    used = step_in_path <= depths[:, None]
+    path_node = ancestors.gather(1, step_in_path.clamp(0, q - 1).expand(q, width))
+    position = torch.where(step_in_path < 0, context - tail + row[None, :], context + path_node)
+    source = request_pages[position // page_size].long() * page_size + position % page_size
+    destination = node_pages[:q, row // page_size].long() * page_size + row % page_size
+    parked = torch.full_like(source, scratch_page * page_size)
+    source_slots = torch.where(used, source, parked).flatten()
+    destination_slots = torch.where(used, destination, parked).flatten()
+    return depths, LayerKV.kv_rows(source_slots, page_size), LayerKV.kv_rows(destination_slots, page_size)
+
+
+def copy_rows(rows: torch.Tensor, source: torch.Tensor, destination: torch.Tensor) -> None:
+    """rows[destination] = rows[source], every source read first (a gather and a scatter; one kernel fused)."""
+    rows.index_copy_(0, destination, rows.index_select(0, source))

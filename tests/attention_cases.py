@@ -82,3 +82,17 @@ CASES = {
     "noncausal_context_plus_block": ([20, 4, 0], [11, 9, 24], [8, 8, 8], False),
 }
 FP8 = FP8_DTYPE
+
+
+def random_tree(q: int, generator: torch.Generator) -> torch.Tensor:
+    """Masks [q, q] of a random tree whose parents precede their children (node 0 the anchor): each row its
+    ancestors and itself."""
+    parents = [0] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, q)]
+    masks = torch.zeros(q, q, dtype=torch.bool)
+    for i in range(q):
+        node = i
+        masks[i, node] = True
+        while node:
+            node = parents[node]
+            masks[i, node] = True
+    return masks

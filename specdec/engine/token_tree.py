@@ -16,7 +16,7 @@ Which nodes can be among the best is known before any score: replacing a node's 
 with that position's first candidate gives a node scoring at least as much, so a node whose path leaves the first
 candidates at m positions comes with the 2^m - 1 nodes of the other choices there, and all their ancestors. A node
 whose union of such paths has more than `budget` nodes is never chosen. For the small trees of a lone request (15
-nodes: 633 possible nodes of the 4^1 + ... + 4^15) the step scores every possible node at once (`_possible_nodes`,
+nodes: 633 possible nodes of the 4^1 + ... + 4^15) the step scores every possible node at once (`possible_nodes`,
 a table made once per shape) and takes the best: ~23 kernels, where building it depth by depth takes ~60, among them
 a top-k per depth (~9 us each on an H200 at 63 nodes). Larger trees keep the best `budget` of each depth, depth by
 depth (a node of the overall best has its parent among its depth's best).
@@ -51,15 +51,17 @@ class TokenTree:
     max_depth: int  # n, the block's draft positions
 
     @classmethod
-    def build(cls, logprobs: torch.Tensor, tokens: torch.Tensor, budget: int, at_once: bool = True) -> TokenTree:
+    def build(cls, logprobs: torch.Tensor, tokens: torch.Tensor, budget: int, at_once: bool = True,
+              possible: PossibleNodes | None = None) -> TokenTree:
         """logprobs, tokens: [B, n, k], each position's top-k candidates (logprobs descending). A fixed
         number of kernels (a step replays them from a CUDA graph, where each costs a launch). `at_once`: among every
-        possible node where their tables are small enough (see the module's doc), else depth by depth; the same
-        tree either way."""
+        possible node where their tables are small enough (see the module's doc; `possible`: the tables, if made
+        already), else depth by depth; the same tree either way."""
         batch, n, k = logprobs.shape
         if budget < 1:
             raise ValueError(f"a tree needs at least one node, got a budget of {budget}")
-        possible = _possible_nodes(n, k, budget, logprobs.device) if at_once else None
+        if possible is None and at_once:
+            possible = possible_nodes(n, k, budget, logprobs.device)
         key, depths, ranks, places, parents = (_scored_possible_nodes(logprobs, possible) if possible is not None
                                                else _beam_nodes(logprobs, budget))
         size = min(budget, key.shape[1])
@@ -116,7 +118,7 @@ class TokenTree:
         return path[:, :self.max_depth], accepted, bonus
 
 
-# the most possible nodes a request's tree is built from at once (`_possible_nodes`); larger trees go depth by depth.
+# the most possible nodes a request's tree is built from at once (`possible_nodes`); larger trees go depth by depth.
 # A block of 16, 4 candidates a position: 633 for 15 nodes (a lone request's), 9,609 for 31, 122,865 for 63
 POSSIBLE_NODES_MAX = 16384
 
@@ -135,7 +137,7 @@ class PossibleNodes(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def _possible_nodes(n: int, k: int, budget: int, device: torch.device) -> PossibleNodes | None:
+def possible_nodes(n: int, k: int, budget: int, device: torch.device) -> PossibleNodes | None:
     """The nodes of depth <= n, k candidates a position, that a tree of `budget` nodes may hold, parents before
     children; None where there are more than POSSIBLE_NODES_MAX. Made once per shape, before a CUDA graph is captured
     (its warm-up run builds the same tree): no host-to-device copy runs inside the capture."""

@@ -33,11 +33,12 @@ from __future__ import annotations
 import torch
 
 from attention.batch_layout import pack_tree_masks
+from attention.fused import fused, fusing
 from specdec.engine.decoding import StepTransfer
 from specdec.engine.drafter import Drafter
 from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
-from specdec.engine.token_tree import TokenTree
+from specdec.engine.token_tree import PossibleNodes, TokenTree, possible_nodes
 from specdec.runtime.cuda_graphs import BatchGraphs, ladder_sizes
 from specdec.runtime.target_runner import PrefillChunks, TargetRunner, TreeRows
 
@@ -47,16 +48,31 @@ CANDIDATES_PER_POSITION = 4
 NOT_A_CANDIDATE = -1e9
 
 
-def build_trees(logprobs: torch.Tensor, tokens: torch.Tensor, nodes: int, at_once: bool = True
-                ) -> tuple[torch.Tensor, ...]:
+def build_trees(logprobs: torch.Tensor, tokens: torch.Tensor, nodes: int, at_once: bool = True,
+                possible: PossibleNodes | None = None) -> tuple[torch.Tensor, ...]:
     """What a tree step's building graph makes from each request's candidates [B, n, k]: the trees' tokens, parents,
     depths, scores and ranks (`TokenTree.build`), their ancestor masks, and the masks packed for the verify's
     attention, here in the graph, where packing them per step took ~0.2 ms of host time (its launches) on the step's
     path."""
-    tree = TokenTree.build(logprobs, tokens, nodes, at_once=at_once)
+    tree = TokenTree.build(logprobs, tokens, nodes, at_once=at_once, possible=possible)
     mask = tree.attention_mask()
     return (tree.tokens, tree.parents, tree.depths, tree.scores, tree.ranks, mask,
             pack_tree_masks(mask).view(logprobs.shape[0], -1))
+
+
+def accept_trees(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
+                 ranks: torch.Tensor, mask: torch.Tensor, chosen: torch.Tensor, depth: int) -> tuple[torch.Tensor, ...]:
+    """What a tree step's acceptance graph makes from its trees (`TokenTree` fields and masks) and the target's token
+    after each node `chosen` [B, N+1]: the accepted path (`TokenTree.accept`), its length and the bonus, the path's
+    tokens, how many drafts the chain (each position's first candidate) would have had accepted (the leading path
+    nodes of rank 0), and which of the block's `depth` positions the path holds."""
+    tree = TokenTree(tokens, parents, depths, scores, ranks, depth)
+    path, accepted, bonus = tree.accept(chosen, mask)
+    accepted_steps = torch.arange(depth, device=path.device) < accepted[:, None]
+    on_path = (path - 1).clamp(min=0)
+    first_choice = (ranks.gather(1, on_path) == 0) & accepted_steps
+    chain = first_choice.long().cumprod(dim=1).sum(dim=1)
+    return path, accepted, bonus, tokens.gather(1, on_path), chain, accepted_steps
 
 
 class TreeDecoding:
@@ -98,24 +114,34 @@ class TreeDecoding:
         return self.building.capture() + self.acceptance.capture()
 
     # ---- the graphed pieces ------------------------------------------------------------------
+    def _fuses(self, size: int) -> bool:
+        """Whether the graphed pieces of `size` requests run fused kernels (`attention.fused`): a lone request's, the
+        one shape whose compile start-up pays for, where a tree step's small kernels weigh most."""
+        return size == 1 and fusing(self.runner.device)
+
     def _build(self, size: int) -> tuple[torch.Tensor, ...]:
-        self._eager_tree = build_trees(*(c[:size] for c in self.candidates), self.nodes_at(size))
+        logprobs, tokens = (c[:size] for c in self.candidates)
+        nodes = self.nodes_at(size)
+        # compiled, the trees are built among every possible node, whose tables are made here (their copies to the
+        # device run outside the compiled kernels and before the graph's capture)
+        possible = possible_nodes(*logprobs.shape[1:], nodes, logprobs.device) if self._fuses(size) else None
+        if possible is None:
+            self._eager_tree = build_trees(logprobs, tokens, nodes)
+        else:
+            self._eager_tree = fused(build_trees)(logprobs, tokens, nodes, possible=possible)
         return self._eager_tree
 
     def _accept(self, size: int) -> tuple[torch.Tensor, ...]:
         """The accepted path, its length and the bonus, the path's tokens, and how many drafts the chain (each
-        position's first candidate) would have had accepted: the leading path nodes of rank 0. The path's K/V
-        move into place on the way."""
+        position's first candidate) would have had accepted (`accept_trees`). The path's K/V move into place on
+        the way."""
         *fields, mask, _ = (t[:size] for t in self.building.outputs.get(size, self._eager_tree))
-        tree = TokenTree(*fields, self.depth)
-        path, accepted, bonus = tree.accept(self.chosen[:size * (tree.size + 1)].view(size, tree.size + 1), mask)
-        steps = torch.arange(self.depth, device=path.device)
-        accepted_steps = steps < accepted[:, None]
-        self._move_into_place(path, accepted_steps, tree.size + 1)
-        on_path = (path - 1).clamp(min=0)
-        first_choice = (tree.ranks.gather(1, on_path) == 0) & accepted_steps
-        chain = first_choice.long().cumprod(dim=1).sum(dim=1)
-        return path, accepted, bonus, tree.tokens.gather(1, on_path), chain
+        nodes = fields[0].shape[1] + 1
+        accept = fused(accept_trees) if self._fuses(size) else accept_trees
+        path, accepted, bonus, path_tokens, chain, accepted_steps = accept(
+            *fields, mask, self.chosen[:size * nodes].view(size, nodes), self.depth)
+        self._move_into_place(path, accepted_steps, nodes)
+        return path, accepted, bonus, path_tokens, chain
 
     def _move_into_place(self, path: torch.Tensor, accepted_steps: torch.Tensor, nodes: int) -> None:
         """The accepted nodes' K/V from their slots (start + node id) to the path's (start + depth), for every

@@ -11,23 +11,9 @@ from attention.batch_layout import BatchLayout, real_page_metadata
 from attention.kv_cache import KVCache
 from attention.node_rows import NodeRowCopies, chunks_agree, node_pages_per_row, node_rows_layout
 from attention.torch_backend import TorchBackend
-from tests.attention_cases import HKV, HQ, D
+from tests.attention_cases import HKV, HQ, D, random_tree
 
 PAGE = 4
-
-
-def random_tree(q: int, generator: torch.Generator) -> torch.Tensor:
-    """Masks [q, q] of a random tree whose parents precede their children (node 0 the anchor): each row its
-    ancestors and itself."""
-    parents = [0] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, q)]
-    masks = torch.zeros(q, q, dtype=torch.bool)
-    for i in range(q):
-        node = i
-        masks[i, node] = True
-        while node:
-            node = parents[node]
-            masks[i, node] = True
-    return masks
 
 
 def tree_case(context: int, q: int, seed: int):

@@ -74,7 +74,7 @@ def test_trees_from_every_possible_node_equal_trees_built_depth_by_depth(n, k, b
         logprobs, tokens = candidates(3, n, k, seed=budget)
         if sure:  # deep paths, branching on the way
             logprobs = logprobs - logprobs[:, :, :1] - torch.linspace(0.01, 0.2, n)[None, :, None]
-    assert token_tree._possible_nodes(n, k, budget, torch.device("cpu")) is not None
+    assert token_tree.possible_nodes(n, k, budget, torch.device("cpu")) is not None
     at_once = TokenTree.build(logprobs, tokens, budget)
     by_depth = TokenTree.build(logprobs, tokens, budget, at_once=False)
     for b in range(3):
@@ -87,8 +87,8 @@ def test_trees_from_every_possible_node_equal_trees_built_depth_by_depth(n, k, b
 def test_only_small_trees_are_chosen_among_every_possible_node():
     """15 nodes of a block of 16 with 4 candidates a position may be any of 633 nodes; 63 nodes go depth by depth."""
     cpu = torch.device("cpu")
-    assert token_tree._possible_nodes(15, 4, 15, cpu).depths.shape == (633,)
-    assert token_tree._possible_nodes(15, 4, 63, cpu) is None
+    assert token_tree.possible_nodes(15, 4, 15, cpu).depths.shape == (633,)
+    assert token_tree.possible_nodes(15, 4, 63, cpu) is None
 
 
 def test_a_certain_draft_still_comes_after_its_parent():
