@@ -167,3 +167,32 @@ def test_a_step_whose_plan_held_a_chains_slots_verifies_a_chain(target_dir, tmp_
     assert [r.output_ids for r in got] == ar_outputs(target_dir, MANY_PROMPTS[:5], params)
     assert {q for r in got for q in r.stats.verify_lengths} == {4}
     assert_no_leak(engine)
+
+
+def test_a_lone_trees_fused_building_and_acceptance_equal_autoregressive(target_dir, tmp_path, monkeypatch):
+    """A lone request's tree building and acceptance through their fused functions (attention/fused.py; here traced by
+    torch.compile with its eager backend, on the GPU compiled into Triton kernels): the engine hands them the same
+    arguments and reads the same results as the functions as written, so outputs stay plain decoding's."""
+    from attention import fused as fused_module
+    from specdec.engine import tree_speculator
+
+    compiled = []
+
+    def traced(fn):
+        compiled.append(fn.__name__)
+        return fused_module.fused(fn, backend="aot_eager")
+
+    monkeypatch.setattr(tree_speculator, "fusing", lambda device: True)
+    monkeypatch.setattr(tree_speculator, "fused", traced)
+    prompts, params = MANY_PROMPTS[:1], SamplingParams(max_new_tokens=40)
+    expected = ar_outputs(target_dir, prompts, SamplingParams(max_new_tokens=48))
+    engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 8), verify="tree", tree_nodes=15,
+                         num_kv_pages=256)
+    follow_the_target(engine.drafter, {tuple(p): e for p, e in zip(prompts, expected)}, 0.3)
+    got = engine.generate_ids(prompts, params)
+    assert {"build_trees", "accept_trees"} <= set(compiled)
+    assert not any(fused_module.fused(fn, backend="aot_eager").failed
+                   for fn in (tree_speculator.build_trees, tree_speculator.accept_trees))  # none fell back
+    assert [r.output_ids for r in got] == [e[:40] for e in expected]
+    assert max(n for r in got for n in r.stats.acceptance_lengths) >= 5
+    assert_no_leak(engine)
