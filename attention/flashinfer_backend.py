@@ -193,7 +193,7 @@ class FlashInferBackend(AttentionBackend):
                  device_lengths: bool = False, window_left: int = -1):
         super().__init__(num_qo_heads, num_kv_heads, head_dim, sm_scale, window_left)
         self.device = device
-        # a lone request's per-step metadata and node-row copies as a few fused kernels (`attention.fused`)
+        # a lone request's graphed node-row metadata and copies as a few fused kernels (`attention.fused`)
         self.fuse = fusing(device)
         self.plans_upper_bounds = device_lengths
         self.slot: GraphSlot | None = None  # the planned step's graph rung (None: an eager plan)
@@ -380,10 +380,10 @@ class FlashInferBackend(AttentionBackend):
 
     def _node_copies(self, layout: BatchLayout, parking_page: int) -> NodeRowCopies:
         """An eager node-rows step's copies into its node pages (unused ones parked on `parking_page`, which no node
-        page is)."""
+        page is). Not fused: a first eager step would compile them mid-run."""
         context = upload(np.int64([layout.kv_lens[0] - layout.q_lens[0]]), self.device)
         return NodeRowCopies(layout.query_masks[0], context, self.kv_indices, self.node_pages, layout.page_size,
-                             parking_page, fuse=self.fuse)
+                             parking_page)
 
     def graph_slot(self, batch_size: int, max_pages: int, example: BatchLayout | None = None) -> GraphSlot:
         """The buffers and wrappers of one rung; `example` (a layout of the steps it will replay, padded to

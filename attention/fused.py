@@ -9,8 +9,8 @@ same float sums), and the CPU always runs them as they are written.
     build = fused(build_trees) if fusing(device) else build_trees
 
 A compiled function is specialized to the shapes and Python values it is called with: a new shape compiles again
-(seconds). So only calls of a few fixed shapes use it (a graph rung's body, a lone request's node rows), and the
-compile happens at start-up, in the warm-up call before a graph's capture.
+(seconds). So only the bodies of a lone request's CUDA graphs use it: a few fixed shapes, compiled at start-up in
+the warm-up call before each graph's capture; steps without graphs run the functions as written.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def fused(fn: F, backend: str = "inductor") -> F:
 
 
 class Fused:
+    """A function and its compiled form: calls go to the compiled one until it fails to compile, then to the function."""
+
     def __init__(self, fn: Callable, compiled: Callable):
         self.fn, self.compiled = fn, compiled
         self.failed = False

@@ -76,11 +76,11 @@ class NodeRowCopies:
         slots = fused(node_copy_rows) if fuse else node_copy_rows
         self.depths, self.source_rows, self.destination_rows = slots(masks, context, request_pages, node_pages,
                                                                      page_size, scratch_page)
-        self.copy_rows = fused(copy_rows) if fuse else copy_rows
+        self._copy_rows = fused(copy_rows) if fuse else copy_rows
 
     def copy(self, layer: LayerKV) -> None:
         """The rows into the node pages of one layer, as stored (after the step's K/V are written there)."""
-        self.copy_rows(layer.rows(), self.source_rows, self.destination_rows)
+        self._copy_rows(layer.rows(), self.source_rows, self.destination_rows)
 
 
 def node_copy_rows(masks: torch.Tensor, context: torch.Tensor, request_pages: torch.Tensor, node_pages: torch.Tensor,

@@ -94,6 +94,7 @@ class TreeDecoding:
         self.building = BatchGraphs("tree", sizes, self._build)
         self.acceptance = BatchGraphs("tree acceptance", sizes, self._accept)
         self._eager_tree: tuple[torch.Tensor, ...] | None = None
+        self.fuse = False  # a lone request's graphed pieces compiled (`attention.fused`; set by `capture`)
 
     def nodes_at(self, size: int) -> int:
         """Draft nodes per request of a tree step of `size` requests (a captured rung, or the batch)."""
@@ -108,6 +109,8 @@ class TreeDecoding:
         return sum(graphs.replay_seconds(rung) for graphs in (self.building, self.acceptance))
 
     def capture(self) -> float:
+        # compiled in the warm-ups of the captures below, never mid-run: steps without graphs run as written
+        self.fuse = fusing(self.runner.device)
         # capturing (and measuring) the acceptance runs its K/V moves: from slots of the scratch page alone
         self.runner.tree_slots[0] = self.runner.kv.scratch_page
         self.runner.tree_slots[1] = 0
@@ -117,7 +120,7 @@ class TreeDecoding:
     def _fuses(self, size: int) -> bool:
         """Whether the graphed pieces of `size` requests run fused kernels (`attention.fused`): a lone request's, the
         one shape whose compile start-up pays for, where a tree step's small kernels weigh most."""
-        return size == 1 and fusing(self.runner.device)
+        return size == 1 and self.fuse
 
     def _build(self, size: int) -> tuple[torch.Tensor, ...]:
         logprobs, tokens = (c[:size] for c in self.candidates)
