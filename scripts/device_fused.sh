@@ -2,17 +2,17 @@
 # A lone request's tree and chain steps with their small tensor work fused (attention/fused.py) on one GPU machine, as
 # a background job that outlives single device calls: a step at batch 1 (chain and 15-node tree, random weights of
 # the default target's shape) fused, unfused and fused again (the first fused run compiles cold, the second finds
-# inductor's cache), the GPU tests of lone trees and query rows, the whole GPU suite, and math500 at batch 1 on the real
+# inductor's cache), each fused piece alone (scripts/bench/tree_fusion_probe.py), the GPU tests of lone trees and query rows, the whole GPU suite, and math500 at batch 1 on the real
 # target (chain, tree, auto; tree and auto also unfused), each run pinned to one core.
 #   start:  mkdir -p /tmp/fused && source .gpu/setup.sh && setsid nohup bash scripts/device_fused.sh \
 #             > /tmp/fused/run.log 2>&1 &
 #   watch:  tail /tmp/fused/run.log; results in /tmp/fused
-# Env: STAGES (default "tests steps all-tests math500"), LIMIT (problems per batch-1 eval, default 20), STEP_RUNS
+# Env: STAGES (default "steps probe tests all-tests math500"), LIMIT (problems per batch-1 eval, default 20), STEP_RUNS
 # (default "fused-cold:1 unfused:0 fused:1": name:SPECDEC_FUSED_KERNELS), STEP_TOKENS (default 512).
 set -uo pipefail
 out=${FUSED_OUT:-/tmp/fused}
-default_stages="tests steps all-tests math500"
-no_target_stages="tests steps all-tests"
+default_stages="steps probe tests all-tests math500"
+no_target_stages="steps probe tests all-tests"
 source scripts/device_job.sh
 limit=${LIMIT:-20}
 export SPECDEC_FUSED_KERNELS=${SPECDEC_FUSED_KERNELS:-1}  # the tests' engines fused
@@ -26,6 +26,10 @@ if wanted steps; then
     sed -n '/^| system/,/^$/p' "$out/steps-$name.md"
     grep -i "capture" "$out/steps-$name.md" | tail -1
   done
+fi
+if wanted probe; then  # each fused piece alone, as written and compiled (kernels, GPU us, same values)
+  stage "the fused pieces alone"
+  python3 scripts/bench/tree_fusion_probe.py 2>&1 | grep "^|" | tee "$out/probe.md"
 fi
 if wanted tests; then
   stage "GPU tests of lone trees and query rows, fused"
