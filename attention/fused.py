@@ -46,7 +46,8 @@ def fused(fn: F, backend: str = "inductor") -> F:
 
 
 class Fused:
-    """A function and its compiled form: calls go to the compiled one until it fails to compile, then to the function."""
+    """A function and its compiled form: calls go to the compiled one until it fails to compile, then to the
+    function."""
 
     def __init__(self, fn: Callable, compiled: Callable):
         self.fn, self.compiled = fn, compiled

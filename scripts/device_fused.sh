@@ -2,7 +2,8 @@
 # A lone request's tree and chain steps with their small tensor work fused (attention/fused.py) on one GPU machine, as
 # a background job that outlives single device calls: a step at batch 1 (chain and 15-node tree, random weights of
 # the default target's shape) fused, unfused and fused again (the first fused run compiles cold, the second finds
-# inductor's cache), each fused piece alone (scripts/bench/tree_fusion_probe.py), the GPU tests of lone trees and query rows, the whole GPU suite, and math500 at batch 1 on the real
+# inductor's cache), each fused piece alone (scripts/bench/tree_fusion_probe.py), the GPU tests of lone trees and
+# query rows, the whole GPU suite, and math500 at batch 1 on the real
 # target (chain, tree, auto; tree and auto also unfused), each run pinned to one core.
 #   start:  mkdir -p /tmp/fused && source .gpu/setup.sh && setsid nohup bash scripts/device_fused.sh \
 #             > /tmp/fused/run.log 2>&1 &

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from attention.batch_layout import (BatchLayout, write_node_row_metadata, write_query_row_metadata,
-                                    write_real_page_metadata)
+from attention.batch_layout import BatchLayout, write_node_row_metadata, write_query_row_metadata
 from attention.fused import ENV_SWITCH, fused, fusing
 from attention.node_rows import copy_rows, node_copy_rows
 from specdec.engine.token_tree import possible_nodes
