@@ -225,29 +225,25 @@ def write_real_page_metadata(kv_indptr: torch.Tensor, last_page_len: torch.Tenso
         buffer.copy_(values)
 
 
-def query_row_lengths(kv_len: torch.Tensor, q: int) -> torch.Tensor:
-    """A lone request's q query rows' KV lengths (each row's KV up to its own position, `kv_len` the request's after
-    the step), and the padding request's, which keeps its planned length."""
-    rows = kv_len - q + 1 + torch.arange(q, device=kv_len.device)
-    return torch.cat([rows, torch.full_like(kv_len, 1 << 30)])
-
-
 def write_query_row_metadata(kv_indptr: torch.Tensor, last_page_len: torch.Tensor, kv_indices: torch.Tensor,
                              kv_len: torch.Tensor, q: int, page_size: int) -> None:
-    """A query-rows plan made at a longer length, rewritten for the request's real one (`query_row_lengths`)."""
-    write_real_page_metadata(kv_indptr, last_page_len, kv_indices, query_row_lengths(kv_len, q), page_size)
-
-
-def node_row_lengths(context: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-    """A lone tree's node rows' KV lengths (the context, the anchor, then each node's path), and the padding
-    request's, which keeps its planned length."""
-    return torch.cat([context + 1 + depths, torch.full_like(context, 1 << 30)])
+    """A lone request's query-rows plan made at a longer length, rewritten for its real one (`kv_len`, after the
+    step): each of the q rows' KV up to its own position."""
+    rows = kv_len - q + 1 + torch.arange(q, device=kv_len.device)
+    write_real_page_metadata(kv_indptr, last_page_len, kv_indices, _with_padding_request(rows), page_size)
 
 
 def write_node_row_metadata(kv_indptr: torch.Tensor, last_page_len: torch.Tensor, kv_indices: torch.Tensor,
                             context: torch.Tensor, depths: torch.Tensor, page_size: int) -> None:
-    """A node-rows plan made at the deepest node's length, rewritten for each node's own (`node_row_lengths`)."""
-    write_real_page_metadata(kv_indptr, last_page_len, kv_indices, node_row_lengths(context, depths), page_size)
+    """A lone tree's node-rows plan made at the deepest node's length, rewritten for each node's own: the context,
+    the anchor, then the node's path."""
+    write_real_page_metadata(kv_indptr, last_page_len, kv_indices, _with_padding_request(context + 1 + depths),
+                             page_size)
+
+
+def _with_padding_request(lengths: torch.Tensor) -> torch.Tensor:
+    """A lone request's rows' KV lengths, then the padding request's, which keeps its planned length."""
+    return torch.cat([lengths, lengths.new_full((1,), 1 << 30)])
 
 
 def slots_on_device(kv_indices: torch.Tensor, kv_indptr: torch.Tensor, requests: torch.Tensor,

@@ -41,18 +41,11 @@ fi
 if wanted all-tests; then
   gpu_suite
 fi
-eval_batch1() {  # eval_batch1 NAME FUSED [ARGS...]: math500 one prompt at a time, pinned to one core
-  local name=$1 fuse=$2
-  shift 2
-  stage "math500, batch 1, $name"
-  SPECDEC_FUSED_KERNELS=$fuse taskset -c 4 python3 -m eval.math500 --drafter "$drafter" --limit "$limit" \
-    --max-num-seqs 1 --no-progress --output "$out/math500-b1-$name" "$@" 2>&1 | grep -v "Loading weights" | tail -8
-}
 if wanted math500; then
-  eval_batch1 chain 1 --verify chain --baseline
-  eval_batch1 tree 1 --verify tree --tree-nodes 15
-  eval_batch1 tree-unfused 0 --verify tree --tree-nodes 15
-  eval_batch1 auto 1 --verify auto
-  eval_batch1 auto-unfused 0 --verify auto
-  eval_batch1 chain-unfused 0 --verify chain
+  eval_batch1 chain --verify chain --baseline
+  eval_batch1 tree --verify tree --tree-nodes 15
+  SPECDEC_FUSED_KERNELS=0 eval_batch1 tree-unfused --verify tree --tree-nodes 15
+  eval_batch1 auto --verify auto
+  SPECDEC_FUSED_KERNELS=0 eval_batch1 auto-unfused --verify auto
+  SPECDEC_FUSED_KERNELS=0 eval_batch1 chain-unfused --verify chain
 fi

@@ -1,7 +1,7 @@
 # Sourced by the device job scripts (device_trees.sh, device_features.sh) after they
 # set `out` and `default_stages`: the cache and report directories, the carried GGUFs unpacked once (one tar
 # in pieces in /tmp/xfer, ggufs.tar.part.*), the device recorded, the demo target converted (`target`; the shipped
-# drafter's path: `drafter`); `stage`, `wanted` and `gpu_suite`.
+# drafter's path: `drafter`); `stage`, `wanted`, `gpu_suite` and `eval_batch1`.
 # The job runs from a copy of the working tree (its GGUF pieces left out): every device call copies the tree there
 # again, and a stage whose Python starts while its files are being replaced can fail to import them
 if [ -z "${SPECDEC_JOB_TREE:-}" ]; then
@@ -62,4 +62,18 @@ gpu_suite() {  # the whole GPU test suite on the small demo model, log in $out/g
   stage "the whole GPU suite"
   SPECDEC_GPU_MODEL=smollm2-135m-instruct python3 -m pytest -q tests/gpu -rA > "$out/gpu-all.log" 2>&1
   tail -3 "$out/gpu-all.log"
+}
+eval_batch1() {  # eval_batch1 NAME [ARGS...]: math500 one prompt at a time (`limit` problems, the shipped drafter),
+  # pinned to one core, results in $out/math500-b1-NAME; with PROFILE set, under cProfile, its host time per verify
+  # step by function in $out/NAME.md
+  local name=$1
+  shift
+  stage "math500, batch 1, $name${PROFILE:+, under cProfile}"
+  taskset -c 4 python3 ${PROFILE:+-m cProfile -o "$out/$name.prof"} -m eval.math500 --drafter "$drafter" \
+    --limit "$limit" --max-num-seqs 1 --no-progress --output "$out/math500-b1-$name" "$@" 2>&1 \
+    | grep -v "Loading weights" | tail -8
+  if [ -n "${PROFILE:-}" ]; then
+    python3 -m scripts.bench.host_profile "$out/$name.prof" --results "$out/math500-b1-$name/results.json" \
+      --top 60 > "$out/$name.md"
+  fi
 }

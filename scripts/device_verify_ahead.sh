@@ -37,19 +37,6 @@ if wanted all-tests; then  # the whole suite with the setting on wherever an eng
   gpu_suite
   sed -i 's/verify_ahead: bool = _setting(True,/verify_ahead: bool = _setting(False,/' specdec/engine/config.py
 fi
-eval_batch1() {  # eval_batch1 NAME [ARGS...]: math500 one prompt at a time, pinned to one core; with PROFILE set,
-  # under cProfile, its host time per verify step by function in $out/NAME.md
-  local name=$1
-  shift
-  stage "math500, batch 1, $name${PROFILE:+, under cProfile}"
-  taskset -c 4 python3 ${PROFILE:+-m cProfile -o "$out/$name.prof"} -m eval.math500 --drafter "$drafter" \
-    --limit "$limit" --max-num-seqs 1 --no-progress --output "$out/math500-b1-$name" "$@" 2>&1 \
-    | grep -v "Loading weights" | tail -8
-  if [ -n "${PROFILE:-}" ]; then
-    python3 -m scripts.bench.host_profile "$out/$name.prof" --results "$out/math500-b1-$name/results.json" \
-      --top 60 > "$out/$name.md"
-  fi
-}
 if wanted math500; then
   eval_batch1 chain --verify chain --baseline
   eval_batch1 chain-ahead --verify chain --verify-ahead

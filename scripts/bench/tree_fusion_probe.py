@@ -1,6 +1,6 @@
 """A lone request's tree building, acceptance, node-row metadata and node-row copies (28 layers), each replayed from a
 CUDA graph, as written against compiled (attention/fused.py): kernels per call, GPU microseconds per replay (CUDA
-events, median of 30 x 200 replays), whether both give the same values. A 15-node tree over a block of 16, 4
+events over 200 replays, median of 30), whether both give the same values. A 15-node tree over a block of 16, 4
 candidates a position, the default target's page size. GPU only.
 
     python scripts/bench/tree_fusion_probe.py
@@ -8,7 +8,6 @@ candidates a position, the default target's page size. GPU only.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
@@ -19,28 +18,20 @@ from attention.fused import fused
 from attention.node_rows import copy_rows, node_copy_rows
 from specdec.engine.token_tree import possible_nodes
 from specdec.engine.tree_speculator import accept_trees, build_trees
+from specdec.runtime.cuda_graphs import BatchGraphs, gpu_seconds
 
 
 def graph_us(fn, repeats: int = 30, replays: int = 200) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    """GPU microseconds of one replay of `fn` captured as a step's small work is (`BatchGraphs`)."""
+    graphs = BatchGraphs("probe", (1,), lambda size: fn())
+    graphs.capture()
+    graph = graphs.graphs[1]
+
+    def replay_many() -> None:
         for _ in range(replays):
             graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / replays * 1000)
-    return statistics.median(times)
+
+    return gpu_seconds(replay_many, repeats) / replays * 1e6
 
 
 def kernels(fn) -> int:
