@@ -125,13 +125,11 @@ class TreeDecoding:
     def _build(self, size: int) -> tuple[torch.Tensor, ...]:
         logprobs, tokens = (c[:size] for c in self.candidates)
         nodes = self.nodes_at(size)
-        # compiled, the trees are built among every possible node, whose tables are made here (their copies to the
-        # device run outside the compiled kernels and before the graph's capture)
-        possible = possible_nodes(*logprobs.shape[1:], nodes, logprobs.device) if self._fuses(size) else None
-        if possible is None:
-            self._eager_tree = build_trees(logprobs, tokens, nodes)
-        else:
-            self._eager_tree = fused(build_trees)(logprobs, tokens, nodes, possible=possible)
+        # the possible nodes' tables (cached per shape) made here, outside a compiled building: their copies to the
+        # device run before the graph's capture, not in it. Trees too large for them go depth by depth, as written
+        possible = possible_nodes(*logprobs.shape[1:], nodes, logprobs.device)
+        build = fused(build_trees) if self._fuses(size) and possible is not None else build_trees
+        self._eager_tree = build(logprobs, tokens, nodes, possible=possible)
         return self._eager_tree
 
     def _accept(self, size: int) -> tuple[torch.Tensor, ...]:
