@@ -88,7 +88,7 @@ import torch
 from attention.backend import AttentionBackend
 from attention.batch_layout import (BatchLayout, slots_on_device, write_node_row_metadata, write_query_row_metadata,
                                     write_real_page_metadata)
-from attention.fused import fused, fusing
+from attention.fused import fused_if, fusing
 from attention.kv_cache import FP8_DTYPE, LayerKV
 from attention.node_rows import NodeRowCopies, chunks_agree, node_pages_per_row, node_rows_layout
 from attention.transfer import CopyFence, StagedIndices, pinned, upload
@@ -463,7 +463,7 @@ class FlashInferBackend(AttentionBackend):
         # rewritten below
         self.node_copies = NodeRowCopies(slot.node_masks, context, slot.kv_indices, self.node_pages,
                                          self.layout.page_size, self.scratch_page, fuse=self.fuse)
-        write = fused(write_node_row_metadata) if self.fuse else write_node_row_metadata
+        write = fused_if(write_node_row_metadata, self.fuse)
         kv_indptr, kv_indices, last_page_len = slot.planned
         write(kv_indptr, last_page_len, kv_indices, context, self.node_copies.depths, self.layout.page_size)
 
@@ -482,7 +482,7 @@ class FlashInferBackend(AttentionBackend):
         if slot is None or not slot.rows or slot.node_rows:
             return
         kv_indptr, kv_indices, last_page_len = slot.planned
-        write = fused(write_query_row_metadata) if self.fuse else write_query_row_metadata
+        write = fused_if(write_query_row_metadata, self.fuse)
         write(kv_indptr, last_page_len, kv_indices, kv_len, slot.rows, self.layout.page_size)
 
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:

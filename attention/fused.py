@@ -46,6 +46,11 @@ def fused(fn: F, backend: str = "inductor") -> F:
     return Fused(fn, torch.compile(fn, fullgraph=True, backend=backend))
 
 
+def fused_if(fn: F, fuse: bool) -> F:
+    """`fn` compiled where `fuse` (a caller's `fusing` of its device), else `fn` as written."""
+    return fused(fn) if fuse else fn
+
+
 class Fused:
     """A function and its compiled form: calls go to the compiled one until it fails to compile, then to the
     function."""

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from attention.batch_layout import BatchLayout
-from attention.fused import fused
+from attention.fused import fused_if
 from attention.kv_cache import LayerKV
 
 
@@ -73,10 +73,10 @@ class NodeRowCopies:
 
     def __init__(self, masks: torch.Tensor, context: torch.Tensor, request_pages: torch.Tensor,
                  node_pages: torch.Tensor, page_size: int, scratch_page: int, fuse: bool = False):
-        slots = fused(node_copy_rows) if fuse else node_copy_rows
+        slots = fused_if(node_copy_rows, fuse)
         self.depths, self.source_rows, self.destination_rows = slots(masks, context, request_pages, node_pages,
                                                                      page_size, scratch_page)
-        self._copy_rows = fused(copy_rows) if fuse else copy_rows
+        self._copy_rows = fused_if(copy_rows, fuse)
 
     def copy(self, layer: LayerKV) -> None:
         """The rows into the node pages of one layer, as stored (after the step's K/V are written there)."""

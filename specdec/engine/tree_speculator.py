@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from attention.batch_layout import pack_tree_masks
-from attention.fused import fused, fusing
+from attention.fused import fused_if, fusing
 from specdec.engine.decoding import StepTransfer
 from specdec.engine.drafter import Drafter
 from specdec.engine.request import Request
@@ -128,7 +128,7 @@ class TreeDecoding:
         # the possible nodes' tables (cached per shape) made here, outside a compiled building: their copies to the
         # device run before the graph's capture, not in it. Trees too large for them go depth by depth, as written
         possible = possible_nodes(*logprobs.shape[1:], nodes, logprobs.device)
-        build = fused(build_trees) if self._fuses(size) and possible is not None else build_trees
+        build = fused_if(build_trees, self._fuses(size) and possible is not None)
         self._eager_tree = build(logprobs, tokens, nodes, possible=possible)
         return self._eager_tree
 
@@ -138,7 +138,7 @@ class TreeDecoding:
         the way."""
         *fields, mask, _ = (t[:size] for t in self.building.outputs.get(size, self._eager_tree))
         nodes = fields[0].shape[1] + 1
-        accept = fused(accept_trees) if self._fuses(size) else accept_trees
+        accept = fused_if(accept_trees, self._fuses(size))
         path, accepted, bonus, path_tokens, chain, accepted_steps = accept(
             *fields, mask, self.chosen[:size * nodes].view(size, nodes), self.depth)
         self._move_into_place(path, accepted_steps, nodes)

@@ -176,13 +176,13 @@ def test_a_lone_trees_fused_building_and_acceptance_equal_autoregressive(target_
     from attention import fused as fused_module
     from specdec.engine import tree_speculator
 
-    compiled = []
+    compiled, fused = [], fused_module.fused
 
     def traced(fn):
         compiled.append(fn.__name__)
-        return fused_module.fused(fn, backend="aot_eager")
+        return fused(fn, backend="aot_eager")
 
-    monkeypatch.setattr(tree_speculator, "fused", traced)
+    monkeypatch.setattr(fused_module, "fused", traced)
     prompts, params = MANY_PROMPTS[:1], SamplingParams(max_new_tokens=40)
     expected = ar_outputs(target_dir, prompts, SamplingParams(max_new_tokens=48))
     engine = spec_engine(target_dir, dflash_drafter(target_dir, tmp_path, 8), verify="tree", tree_nodes=15,
@@ -191,7 +191,7 @@ def test_a_lone_trees_fused_building_and_acceptance_equal_autoregressive(target_
     follow_the_target(engine.drafter, {tuple(p): e for p, e in zip(prompts, expected)}, 0.3)
     got = engine.generate_ids(prompts, params)
     assert {"build_trees", "accept_trees"} <= set(compiled)
-    assert not any(fused_module.fused(fn, backend="aot_eager").failed
+    assert not any(fused(fn, backend="aot_eager").failed
                    for fn in (tree_speculator.build_trees, tree_speculator.accept_trees))  # none fell back
     assert [r.output_ids for r in got] == [e[:40] for e in expected]
     assert max(n for r in got for n in r.stats.acceptance_lengths) >= 5
