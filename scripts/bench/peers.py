@@ -89,6 +89,8 @@ def run_worker(command: list[str], env: dict, timeout_s: float) -> tuple[int | s
         proc.wait()
         rc = f"killed after {timeout_s:.0f} s"
     reader.join(timeout=10)
+    if not reader.is_alive():  # else a peer's leftover subprocess still holds the pipe: closing it under the reader
+        proc.stdout.close()   # would raise in its thread
     return rc, list(tail)
 
 
