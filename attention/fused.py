@@ -27,7 +27,7 @@ F = TypeVar("F", bound=Callable)
 
 # 1 compiles these functions on the GPU (start-up: their compile, ~12 s on a fresh machine, ~4 s once inductor's
 # cache holds them); 0 runs them as written. Off by default: they speed up tree steps only (~4% of a lone request's
-# TPOT on math500, BENCHMARKS), and `auto` runs chains there
+# TPOT on math500, BENCHMARKS), and `auto` ran chains for a lone request on that run
 ENV_SWITCH = "SPECDEC_FUSED_KERNELS"
 DEFAULT = "0"
 
