@@ -6,7 +6,7 @@ on an H100, ~0.4 ms a step where the whole chain step takes ~3 ms. torch.compile
 into a few Triton kernels; the same functions give the same values either way (integer and boolean work, and the
 same float sums), and the CPU always runs them as they are written.
 
-    build = fused(build_trees) if fusing(device) else build_trees
+    build = fused_if(build_trees, fusing(device))
 
 A compiled function is specialized to the shapes and Python values it is called with: a new shape compiles again
 (seconds). So only the bodies of a lone request's CUDA graphs use it: a few fixed shapes, compiled at start-up in

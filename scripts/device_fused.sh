@@ -4,7 +4,7 @@
 # the default target's shape) fused, unfused and fused again (the first fused run compiles cold, the second finds
 # inductor's cache), each fused piece alone (scripts/bench/tree_fusion_probe.py), the GPU tests of lone trees and
 # query rows, the whole GPU suite, and math500 at batch 1 on the real
-# target (chain, tree, auto; tree and auto also unfused), each run pinned to one core.
+# target (chain, tree, auto, each also unfused), each run pinned to one core.
 #   start:  mkdir -p /tmp/fused && source .gpu/setup.sh && setsid nohup bash scripts/device_fused.sh \
 #             > /tmp/fused/run.log 2>&1 &
 #   watch:  tail /tmp/fused/run.log; results in /tmp/fused
@@ -33,7 +33,7 @@ if wanted probe; then  # each fused piece alone, as written and compiled (kernel
   python3 scripts/bench/tree_fusion_probe.py 2>&1 | grep "^|" | tee "$out/probe.md"
 fi
 if wanted tests; then
-  stage "GPU tests of lone trees and query rows, fused"
+  stage "GPU tests of lone trees and query rows, SPECDEC_FUSED_KERNELS=$SPECDEC_FUSED_KERNELS"
   SPECDEC_GPU_MODEL=smollm2-135m-instruct python3 -m pytest -q tests/gpu/test_end_to_end.py \
     tests/gpu/test_flashinfer_backend.py -k "tree or batch_one or lone or rows" -rA > "$out/gpu-lone.log" 2>&1
   tail -3 "$out/gpu-lone.log"
