@@ -23,7 +23,9 @@ whole. A shared machine also has slow periods of seconds
 that slow every system alike (plain decoding's steps too), so systems run one after the other do not compare:
 --interleave builds every system's engine first (the GPU memory split between them) and runs each level's rounds
 system after system (A B A B ...); each row then also gives its tokens/s over the first system's in each round, whose
-median compares the systems within the same seconds.
+median compares the systems within the same seconds, and what its decode-only steps of at least half the concurrency
+delivered a request a ms over the first system's (`step_trace.load_rate`): a level's tokens/s also counts the tail its
+last requests decode in fewer company, where speculation gains most, and long answers lengthen that tail.
 
 --profile C adds one level at concurrency C under the torch profiler (not counted in the table above):
 for steps with prefill and decode-only ones (a drafter's split into plain and speculative steps), the median wall
@@ -52,7 +54,7 @@ import torch  # noqa: E402
 from scripts.bench.chat_prompts import load_prompts, system_prompt, take  # noqa: E402
 from scripts.bench.random_models import TINY_SHAPE, random_target, tiny_drafter  # noqa: E402
 from scripts.bench.runner import environment, release_memory  # noqa: E402
-from scripts.bench.step_trace import trace_bins, trace_table  # noqa: E402
+from scripts.bench.step_trace import load_rate, trace_bins, trace_table  # noqa: E402
 from scripts.bench.gpu_profile import range_activity, top_kernels  # noqa: E402
 from scripts.bench.host_waits import HostWaits  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
@@ -374,7 +376,7 @@ def main(argv=None) -> int:
         rows, profiles, engines = runner(args, model, systems, device)
     print(table(rows))
     if args.interleave:
-        print("\nTokens/s over the first system's, round by round (--interleave):\n")
+        print("\nTokens/s over the first system's, round by round (--interleave), and at the level's own load:\n")
         print(paired_table(rows))
     print("\nDecode-only steps by batch and kind (scripts/bench/step_trace.py):\n")
     print(trace_table([(r.system, r.concurrency, trace_bins(r.steps)) for r in rows]))
@@ -467,11 +469,21 @@ def run_interleaved(args, model: str, systems: list[tuple], device: torch.device
 
 
 def paired_table(rows: list[LoadRow]) -> str:
-    lines = ["| system | concurrency | median | each round |", "|---|---|---|---|"]
+    """Each round's tokens/s over the first system's, and (`load_rate`, the median round) what the decode-only steps
+    of at least half the concurrency delivered a request a ms over the first system's: a level's tokens/s also counts
+    the tail its last requests decode in fewer company, where speculation gains most."""
+    lines = ["| system | concurrency | median | each round | at half the concurrency or more: tokens a request a ms "
+             "(share of decode-step time) | over the first system's |", "|---|---|---|---|---|---|"]
+    firsts = {}
     for r in rows:
-        if r.paired is not None:
-            lines.append(f"| {r.system} | {r.concurrency} | {statistics.median(r.paired):.3f}x | "
-                         f"{' '.join(f'{x:.3f}' for x in r.paired)} |")
+        if r.paired is None:
+            continue
+        rate = load_rate(r.steps or [], r.concurrency)
+        first = firsts.setdefault(r.concurrency, rate)
+        at_load = "-" if rate is None else f"{rate[0]:.3f} ({100 * rate[1]:.0f}%)"
+        over = "-" if rate is None or first is None else f"{rate[0] / first[0]:.3f}x"
+        lines.append(f"| {r.system} | {r.concurrency} | {statistics.median(r.paired):.3f}x | "
+                     f"{' '.join(f'{x:.3f}' for x in r.paired)} | {at_load} | {over} |")
     return "\n".join(lines)
 
 

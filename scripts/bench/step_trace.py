@@ -3,6 +3,7 @@ and what each kind of step delivered per request at that batch, the comparison `
 
     rows = trace_bins(row.steps)     # one TraceBin per (batch range, kind) that ran
     print(trace_table([(row.system, row.concurrency, trace_bins(row.steps)) for row in rows]))
+    load_rate(row.steps, row.concurrency)   # (tokens a request a ms, share of time) at the level's own load
 
 Budget steps (auto's rows shared by the drafts' confidence) are a kind of their own where the trace names each step's
 kind, so that a run with them sets their rate against its chains' at the same batch.
@@ -59,6 +60,20 @@ def trace_bins(steps: list[list]) -> list[TraceBin]:
                                  statistics.median(s[2] for s in picked), requests / len(picked), tokens / requests,
                                  tokens / requests / (wall / len(picked)), statistics.median(waits) if waits else None))
     return bins
+
+
+def load_rate(steps: list[list], concurrency: int) -> tuple[float, float] | None:
+    """Tokens a request a ms over the decode-only steps of at least half the level's concurrency, every kind together
+    (tokens / the sum of batch x wall ms), and those steps' share of the decode-only steps' wall time; None where no
+    such step ran. A level's tokens/s also counts the tail its last requests decode in fewer company (where
+    speculation gains most, and the longer the answers the longer the tail): this is the rate at the level's own
+    load."""
+    decode = [s for s in steps if not s[0] and s[1]]
+    loaded = [s for s in decode if 2 * s[1] >= concurrency]
+    if not loaded:
+        return None
+    tokens = sum(s[1] if step_kind(s) == "plain" else s[6] for s in loaded)
+    return tokens / sum(s[1] * s[2] for s in loaded), sum(s[2] for s in loaded) / sum(s[2] for s in decode)
 
 
 def trace_table(levels: list[tuple[str, int, list[TraceBin]]]) -> str:

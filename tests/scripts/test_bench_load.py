@@ -3,7 +3,7 @@
 import json
 
 from scripts.bench.chat_prompts import load_prompts
-from scripts.bench_load import chat_prompts, main
+from scripts.bench_load import LoadRow, chat_prompts, main, paired_table
 
 IN_ORDER = ["--verify", "chain", "--overlap-steps", "off"]  # rows "AR" and "DFlash": chains, steps in order
 
@@ -152,3 +152,17 @@ def test_interleave_runs_the_systems_in_turn_and_pairs_each_round_with_the_first
     for ar, dflash in zip(rows[0::2], rows[1::2]):  # each round's ratio is of the runs of that round
         assert dflash["paired"] == [d / a for d, a in zip(dflash["runs_tokens_per_s"], ar["runs_tokens_per_s"])]
     assert "Tokens/s over the first system's, round by round" in capsys.readouterr().out
+
+
+def test_the_paired_table_sets_each_system_against_the_first_at_the_levels_own_load():
+    def row(system, steps, paired):  # steps: (batch, wall ms, tokens committed; 1 token a request: a plain step)
+        trace = [[0, b, ms, 1 if tokens is None else 4, 0.0, 0.0, tokens or 0, 0.0, 0.0, 0.5]
+                 for b, ms, tokens in steps]
+        return LoadRow(system, 64, 128, 0, 1.0, 1.0, len(steps), 0.0, 0.0, 0, 0.0, 0.0, None, paired=paired,
+                       steps=trace)
+
+    plain = row("AR", [(64, 2.0, None), (10, 2.0, None)], [1.0])
+    dflash = row("DFlash", [(64, 4.0, 192), (10, 3.0, 40)], [1.9])  # 3 tokens a request in 4 ms at 64
+    table = paired_table([plain, dflash])
+    assert "| AR | 64 | 1.000x | 1.000 | 0.500 (50%) | 1.000x |" in table
+    assert "| DFlash | 64 | 1.900x | 1.900 | 0.750 (57%) | 1.500x |" in table

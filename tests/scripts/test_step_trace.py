@@ -2,7 +2,7 @@
 
 import pytest
 
-from scripts.bench.step_trace import step_kind, trace_bins, trace_table
+from scripts.bench.step_trace import load_rate, step_kind, trace_bins, trace_table
 
 
 def test_decode_only_steps_are_summed_by_batch_range_and_kind():
@@ -46,3 +46,17 @@ def test_budget_steps_are_a_kind_of_their_own_where_the_trace_names_kinds():
     bins = {b.kind: b for b in trace_bins([chain, budget, plain])}
     assert bins["budget"].steps == 1 and bins["budget"].tokens_per_request == pytest.approx(240 / 64)
     assert bins["speculative"].tokens_per_request_ms == pytest.approx(200 / 64 / 4.0)
+
+
+def test_the_rate_at_the_levels_load_counts_only_steps_of_half_the_concurrency_or_more():
+    # [prefilled, batch, wall ms, verified per request, overheads (2), committed, switch costs (2), host's wait]
+    steps = [[1, 64, 9.0, 4, 0.0, 0.0, 200, 0.0, 0.0, 1.0],  # with a prompt chunk: left out
+             [0, 64, 4.0, 1, 0.0, 0.0, 0, 0.0, 0.0, 0.5],  # plain: one token a request (overlapped: commits later)
+             [0, 40, 5.0, 4, 0.0, 0.0, 120, 0.0, 0.0, 1.0],  # a chain: its committed tokens
+             [0, 31, 4.0, 4, 0.0, 0.0, 100, 0.0, 0.0, 1.0],  # fewer than half of 64: the tail
+             [0, 0, 1.0, None, None, None, 0, None, None, 0.0]]  # nothing decoding
+    rate, share = load_rate(steps, 64)
+    assert rate == pytest.approx((64 + 120) / (64 * 4.0 + 40 * 5.0))
+    assert share == pytest.approx(9.0 / 13.0)
+    assert load_rate(steps, 1)[1] == 1.0  # at concurrency 1 every decoding step counts
+    assert load_rate(steps, 256) is None  # no step ran 128 requests or more
