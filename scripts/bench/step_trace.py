@@ -43,6 +43,11 @@ def step_kind(step: list) -> str:
     return "budget" if len(step) > 10 and (step[10] or "").startswith("budget") else "speculative"
 
 
+def delivered(step: list) -> int:
+    """Tokens a decode-only step delivered (the module's "Tokens per request", summed over its requests)."""
+    return step[1] if step_kind(step) == "plain" else step[6]
+
+
 def trace_bins(steps: list[list]) -> list[TraceBin]:
     """Decode-only steps (no prompt chunk) summed by batch range and kind (`step_kind`)."""
     bins = []
@@ -53,7 +58,7 @@ def trace_bins(steps: list[list]) -> list[TraceBin]:
             if not picked:
                 continue
             requests = sum(s[1] for s in picked)
-            tokens = requests if kind == "plain" else sum(s[6] for s in picked)
+            tokens = sum(map(delivered, picked))
             wall = sum(s[2] for s in picked)
             waits = [s[9] for s in picked if len(s) > 9]  # (traces written before waits were recorded lack them)
             bins.append(TraceBin(f">= {low}" if high is None else f"{low}-{high}", kind, len(picked), wall,
@@ -72,8 +77,8 @@ def load_rate(steps: list[list], concurrency: int) -> tuple[float, float] | None
     loaded = [s for s in decode if 2 * s[1] >= concurrency]
     if not loaded:
         return None
-    tokens = sum(s[1] if step_kind(s) == "plain" else s[6] for s in loaded)
-    return tokens / sum(s[1] * s[2] for s in loaded), sum(s[2] for s in loaded) / sum(s[2] for s in decode)
+    rate = sum(map(delivered, loaded)) / sum(s[1] * s[2] for s in loaded)
+    return rate, sum(s[2] for s in loaded) / sum(s[2] for s in decode)
 
 
 def trace_table(levels: list[tuple[str, int, list[TraceBin]]]) -> str:
