@@ -62,8 +62,12 @@ from specdec.engine.verify_policy import TREE, Budget  # noqa: E402
 
 
 OVERLAPPED = "AR overlapped"  # plain decoding with overlapped steps (--overlap-steps)
-# by verify policy (--verify); "budget": auto with its budget steps (`budget_steps`)
-DFLASH = {"chain": "DFlash", "auto": "DFlash auto", "tree": "DFlash tree", "budget": "DFlash auto+budgets"}
+# by verify policy (--verify); "budget": auto with its budget steps (`budget_steps`); "ahead": auto with batches'
+# verifies queued ahead (`verify_ahead_batches`)
+DFLASH = {"chain": "DFlash", "auto": "DFlash auto", "tree": "DFlash tree", "budget": "DFlash auto+budgets",
+          "ahead": "DFlash auto+verify ahead"}
+SETTINGS = {"budget": {"verify": "auto", "budget_steps": True},
+            "ahead": {"verify": "auto", "verify_ahead_batches": True}}
 AHEAD = ", drafted ahead"  # a DFlash row's suffix with --overlap-steps: each step's next draft queued early
 
 
@@ -117,7 +121,7 @@ def parse_args(argv):
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="the target's KV cache")
     p.add_argument("--verify", nargs="+", choices=tuple(DFLASH), default=["auto"],
                    help="the DFlash rows' verify policies (a row each; default: auto, the engine's; budget: auto "
-                        "with budget steps)")
+                        "with budget steps; ahead: auto with batches' verifies queued ahead)")
     p.add_argument("--dataset", default="chat", choices=("chat", "mixed", "math500", "code"),
                    help="chat: math500 and coding requests alternating; the others: bench_serve.py's prompts")
     p.add_argument("--system-repeat", type=int, default=0,
@@ -394,7 +398,7 @@ def load_system(args, model: str, system: tuple, device: torch.device, **options
     name, draft, verify, overlap = system
     llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency), kv_cache_dtype=args.kv_cache_dtype,
               overlap_steps=overlap, enable_prefix_caching=not args.no_prefix_caching,
-              **({"verify": "auto", "budget_steps": True} if verify == "budget" else {"verify": verify}),
+              **SETTINGS.get(verify, {"verify": verify}),
               **({setting: value for setting, value in (("draft_window", args.draft_window),
                                                         ("draft_vocab", args.draft_vocab))
                   if draft and value is not None}),

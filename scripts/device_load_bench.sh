@@ -5,7 +5,8 @@
 #   sweep    DFlash and plain decoding on bench_serve's math500 and coding requests at concurrency 1-256 (LEVELS),
 #            each level REPEATS times (the median run reported), at most ROUNDS x concurrency requests a level; the
 #            two run round by round in one process (--interleave), each round's ratio reported; MAX_NEW_TOKENS
-#            caps each answer (bench_load.py's default, 512, where unset; math500's protocol allows 2048)
+#            caps each answer (bench_load.py's default, 512, where unset; math500's protocol allows 2048); VERIFY
+#            the DFlash rows' policies (bench_load.py's --verify, default auto)
 #   profile  where a step's time goes (wall against GPU busy time, the largest kernels): steps with and without
 #            arrivals at 64 on the mixed set, and at 256 on the coding requests
 #   profile-batch1  the same for one request: chain and tree steps on math500, and turns whose ~6k-token system
@@ -38,7 +39,7 @@ if wanted sweep; then
     # shellcheck disable=SC2086
     load "sweep-$dataset" "$here" --dataset "$dataset" --concurrency ${LEVELS:-1 8 32 64 128 256} \
       --repeats "${REPEATS:-3}" --rounds "${ROUNDS:-8}" --interleave \
-      ${MAX_NEW_TOKENS:+--max-new-tokens "$MAX_NEW_TOKENS"}
+      ${MAX_NEW_TOKENS:+--max-new-tokens "$MAX_NEW_TOKENS"} ${VERIFY:+--verify $VERIFY}
   done
 fi
 if wanted profile; then

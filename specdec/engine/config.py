@@ -103,6 +103,12 @@ class EngineConfig:
     # slower than verifying in order; BENCHMARKS.md, 2026-12-05)
     verify_ahead: bool = _setting(False, "speculative decoding of a lone request: the next step's verify is queued "
                                          "with its draft, before this step's tokens are read (needs overlap_steps)")
+    # the same for a batch whose verify graph keeps each request's KV in one piece (64+ requests: FlashInfer's plan
+    # then depends on the query counts alone, so one made for the latest starts serves the real ones, whose page
+    # metadata the graph writes). Only steps after which no request ends or joins take it
+    verify_ahead_batches: bool = _setting(False, "speculative decoding of 64+ requests: the next step's verify is "
+                                                 "queued with its draft, before this step's tokens are read (needs "
+                                                 "overlap_steps)")
     # speculative steps (specdec/engine/verify_policy.py): chain = every draft of the block every step;
     # auto = per step the chain length (the block, a half, a quarter, an eighth) with the most committed tokens per
     # second, from running acceptance and step times measured after graph capture (without CUDA graphs:

@@ -114,7 +114,9 @@ class Engine:
                                    block_lens=chain_lengths or (block,), max_prefill_tokens=config.max_prefill_tokens,
                                    feature_layers=drafter.target_layer_ids if drafter is not None else (),
                                    tree_nodes=tree_nodes, budgets=budgets,
-                                   verify_ahead=config.overlap_steps and config.verify_ahead)  # with the draft ahead
+                                   # with the draft ahead
+                                   verify_ahead=config.overlap_steps and config.verify_ahead,
+                                   verify_ahead_batches=config.overlap_steps and config.verify_ahead_batches)
         if drafter is not None:
             drafter.attach(DraftContext(self.device, self.dtype, self.drafter_kv_dtype, config.page_size, self.backend_name,
                                         config.max_num_seqs, self.max_context, self.model.model.embed_tokens,

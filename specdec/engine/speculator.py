@@ -14,10 +14,11 @@ own tokens); a step with a grammar (structured output) adds one, of the drafts, 
 while the verify runs. With `draft_ahead`
 the next step's draft is queued right after the transfer (from the acceptance on the device, see
 `Drafter.propose_next`), so the GPU drafts while the host reads and commits; its length is the policy's choice
-for the next step's batch then, and that step verifies no more drafts than it holds. With `verify_ahead` a lone
-request's chain step also queues the next step's verify right after that draft (`_queue_next_verify`, planned for
-the latest start it may have, the real one written on the device), which that step then takes instead of planning
-its verify once the host has read this step's tokens. The engine commits the tokens;
+for the next step's batch then, and that step verifies no more drafts than it holds. With `verify_ahead` (a lone
+request) or `verify_ahead_batches` (a batch whose graph rung keeps each request's KV in one piece) a chain step also
+queues the next step's verify right after that draft (`_queue_next_verify`, planned for the latest starts it may
+have, the real ones written on the device), which that step then takes instead of planning its verify once the host
+has read this step's tokens. The engine commits the tokens;
 one it cuts short (EOS, a stop, max_new_tokens) finishes the request, which then gives back its
 target pages and drafter state, so the rollback and the drafter's context need not wait for it.
 """
@@ -49,8 +50,6 @@ class SpeculativeDecoding:
         self.drafter = drafter
         # queue each chain step's next draft before reading its tokens (not with trees only: they draft candidates)
         self.draft_ahead = draft_ahead
-        # and a lone request's next verify with it (`_queue_next_verify`), where the runner's graphs can take one
-        self.verify_ahead = runner.verify_ahead
         self.tokens_per_step = drafter.block_size  # the most a step commits per request
         self.policy = policy or VerifyPolicy(drafter.block_size, (drafter.block_size,))
         if self.policy.tree and tree is None:
@@ -124,7 +123,8 @@ class SpeculativeDecoding:
         drafts_host = HostCopy(drafts) if any(r.matcher is not None for r in running) else None
         anchors = [r.pending_token for r in running]
         if verified is not None:
-            tables[0].grow(q)  # the slots the verify queued ahead wrote
+            for table in tables:  # the slots the verify queued ahead wrote
+                table.grow(q)
             out = verified.out
         elif budget is None:
             out = self.runner.run_block(tables, anchors, drafts, q, prefill)
@@ -190,18 +190,20 @@ class SpeculativeDecoding:
 
     def _queue_next_verify(self, running: list[Request], bonus: torch.Tensor, accepted: torch.Tensor,
                            q: int) -> "VerifiedAhead | None":
-        """A lone request's next verify, queued right after its next draft and before this step's tokens reach the
-        host (`TargetRunner.run_block_ahead`): the host then plans it while the GPU verifies this step, and the GPU
-        goes from the draft to the verify while the host commits. Only where the next step is known to run this
-        request alone, with nothing it must follow on the host (penalties); None where not queued."""
-        if not self.verify_ahead or len(running) != 1 or not self.next_step_known or running[0].params.adjusts_logits:
+        """The next step's verify, queued right after its draft and before this step's tokens reach the host
+        (`TargetRunner.run_block_ahead`): the host then plans it while the GPU verifies this step, and the GPU goes
+        from the draft to the verify while the host commits. Only where the next step is known to run these requests
+        (none can join), with nothing they must follow on the host (penalties); None where not queued. A request that
+        ends in this step drops it (the next step runs the others in order)."""
+        if (not self.runner.queues_verify_ahead(len(running)) or not self.next_step_known
+                or any(r.params.adjusts_logits for r in running)):
             return None
-        request, drafts = running[0], self.drafter.drafts_ahead(running)
+        drafts = self.drafter.drafts_ahead(running)
         if drafts is None:
             return None
-        length = drafts.shape[1] + 1
-        out = self.runner.run_block_ahead(request.target_pages, length, bonus[:1], drafts, accepted[:1], q)
-        return VerifiedAhead(request, request.target_pages, length, out) if out is not None else None
+        length, tables = drafts.shape[1] + 1, [r.target_pages for r in running]
+        out = self.runner.run_block_ahead(tables, length, bonus, drafts, accepted, q)
+        return VerifiedAhead(running, tables, length, out) if out is not None else None
 
     def plain_pays(self, batch: int) -> bool:
         """Whether the policy runs a step of `batch` requests as a plain decoding step (PLAIN): no draft pays at this
@@ -232,16 +234,17 @@ class SpeculativeDecoding:
 
 @dataclass
 class VerifiedAhead:
-    """A verify queued by the step before (`SpeculativeDecoding._queue_next_verify`): q rows of `request`, after the
-    tokens that step committed, their outputs in `out`."""
+    """A verify queued by the step before (`SpeculativeDecoding._queue_next_verify`): q rows of each of `requests`,
+    after the tokens that step committed, their outputs in `out`."""
 
-    request: Request
-    table: PageTable
+    requests: list[Request]
+    tables: list[PageTable]
     q: int
     out: BlockOutput
 
     def serves(self, running: list[Request], prefill: PrefillChunks | None, budget: Budget | None) -> bool:
-        """Whether this step is the one it was queued for: the same request alone (its same table), a chain, no
-        prompt chunks."""
-        return (len(running) == 1 and running[0] is self.request and self.request.target_pages is self.table
-                and prefill is None and budget is None and not self.request.finished)
+        """Whether this step is the one it was queued for: the same requests in the same order (their same tables),
+        none finished, a chain, no prompt chunks."""
+        return (prefill is None and budget is None and len(running) == len(self.requests)
+                and all(r is s and r.target_pages is t and not r.finished
+                        for r, s, t in zip(running, self.requests, self.tables)))

@@ -111,17 +111,19 @@ class TargetRunner(ModelRunner):
     def __init__(self, model: CausalLM, *, backend_name: str, kv_dtype: torch.dtype | tuple[torch.dtype, ...],
                  page_size: int, max_batch: int, block_lens: tuple[int, ...], max_prefill_tokens: int,
                  feature_layers: tuple[int, ...] = (), tree_nodes: int = 0, budgets: tuple[tuple[int, int], ...] = (),
-                 verify_ahead: bool = False):
+                 verify_ahead: bool = False, verify_ahead_batches: bool = False):
         """tree_nodes: a token tree's draft nodes per request at small batches (0: no trees). budgets: the budget
         steps, as (q, per): blocks of q (one of `block_lens`) verifying on average per tokens a request
         (`run_budget`). verify_ahead: a lone request's verifies may be queued before their start is known
-        (`run_block_ahead`)."""
+        (`run_block_ahead`); verify_ahead_batches: those of batches too, where their rung keeps each request's KV in
+        one piece."""
         dtype = model.model.embed_tokens.weight.dtype
         super().__init__(model, backend_name=backend_name, kv_dtype=kv_dtype, q_dtype=dtype, page_size=page_size,
                          max_batch=max_batch, device=next(model.parameters()).device)
         self.dtype = dtype
         self.feature_layers = feature_layers
         self.verify_ahead = verify_ahead
+        self.verify_ahead_batches = verify_ahead_batches
         c, q_max = model.config, max(block_lens)
         # a request's KV: its context and the slots a step writes past it
         self.attn.bound_sequence_pages(-(-(c.max_position_embeddings + max(q_max, tree_nodes + 1)) // page_size))
@@ -243,34 +245,57 @@ class TargetRunner(ModelRunner):
                       after_upload=device_tokens_into_ids if rest is not None or carried is not None else None)
         return self._block_output(batch * q)
 
-    def run_block_ahead(self, table: PageTable, q: int, anchor: torch.Tensor, rest: torch.Tensor,
+    def queues_verify_ahead(self, batch: int) -> bool:
+        """Whether a verify of `batch` requests may be queued before their starts are known (`run_block_ahead`): a
+        lone request's with `verify_ahead`, a batch's with `verify_ahead_batches`."""
+        return self.verify_ahead if batch == 1 else self.verify_ahead_batches
+
+    def run_block_ahead(self, tables: list[PageTable], q: int, anchors: torch.Tensor, rest: torch.Tensor,
                         accepted: torch.Tensor, most: int) -> BlockOutput | None:
-        """A lone request's next verify of q rows, queued before this step's acceptance reaches the host: its first
-        token `anchor` [1] and drafts `rest` [1, q - 1] are on the device, and so is `accepted` [1], the drafts this
-        step accepts (fewer than `most`, the rows it verified, the last of the table's length). The verify starts after
-        them and the bonus; the host knows only that start's range. Where the graph rung planned for the latest start
-        serves every start of the range (`AttentionBackend.rows_plan_serves`), the step is planned there, its start
-        and page metadata are written on the device, and it is replayed. The table then holds the pages of the latest
-        start's verify (the caller rolls it back to the real length as after any verify; the next step grows it by q
-        again). None where that is not so: not queued. On the CPU the acceptance is read back (at no cost there) and
-        the verify runs at its real start."""
-        base = table.length - most  # the step's anchor's position
+        """The next verify of q rows per request, queued before this step's acceptance reaches the host: the first
+        tokens `anchors` [B] and drafts `rest` [B, q - 1] are on the device, and so is `accepted` [B], the drafts this
+        step accepts (fewer than `most`, the rows it verified, the last of each table's length). Each verify starts
+        after them and the bonus; the host knows only that start's range. The step is planned at the latest start of
+        every request, its starts are written on the device, and its graph writes the real page metadata from them,
+        where a plan there serves every start of the range: a lone request's query-rows rung whose rows keep their KV
+        chunks over it (`AttentionBackend.rows_plan_serves`), a batch's rung that keeps each request's KV in one
+        piece (its plan depends on the query counts alone: `use_device_lengths`). The tables then hold the pages of
+        the latest starts' verify (the caller rolls them back to the real lengths as after any verify; the next step
+        grows them by q again). None where that is not so: not queued. On the CPU the acceptance is read back (at no
+        cost there) and the verify runs at its real starts."""
+        batch = len(tables)
+        latest = table_lengths(tables)  # every draft of this step accepted
         if self.device.type != "cuda":
-            table.truncate(base + int(accepted[0]) + 1)
-            return self.run_block([table], [int(anchor[0])], rest, q)
-        rung = self.rung_for(q, 1) if self.verify_ahead else None  # only its graphs make the rows' metadata
-        starts = (base + 1, table.length)  # none of this step's drafts accepted, all of them
-        if (rung is None or not table.can_grow(q) or not self.attn.rows_plan_serves(
-                self.ladders[q].slot(rung), q, (starts[0] + q, starts[1] + q), table.expected_length, self.page_size)):
+            for table, count in zip(tables, accepted.tolist()):
+                table.truncate(table.length - most + count + 1)
+            return self.run_block(tables, anchors.tolist(), rest, q)
+        if not self.queues_verify_ahead(batch) or not self._plan_serves_ahead(tables, q, latest, most):
             return None
-        layout, inputs = self._stage_block([table], [0], q, np.array([table.length]))
+        layout, inputs = self._stage_block(tables, [0] * batch, q, latest)
 
         def device_inputs() -> None:
-            write_device_tokens(inputs["ids"][:q].view(1, q), rest, Carried(self.arange[:1], anchor.long()))
-            inputs["starts"][:1].copy_(base + 1 + accepted.long())  # the rung's graph makes the rows' metadata
+            write_device_tokens(inputs["ids"][:batch * q].view(batch, q), rest,
+                                Carried(self.arange[:batch], anchors.long()))
+            inputs["starts"][:batch].add_(accepted.long() + 1 - most)  # the graph makes the page metadata from them
 
-        self.dispatch(q, 1, layout, inputs, lambda b: self._block_body(q, b), after_upload=device_inputs)
-        return self._block_output(q)
+        self.dispatch(q, batch, layout, inputs, lambda b: self._block_body(q, b), after_upload=device_inputs)
+        return self._block_output(batch * q)
+
+    def _plan_serves_ahead(self, tables: list[PageTable], q: int, latest: np.ndarray, most: int) -> bool:
+        """Whether a verify of q rows planned at the latest starts `latest` serves every start down to `most` - 1
+        before them (see `run_block_ahead`), with room in the pool for the latest."""
+        rung = self.rung_for(q, len(tables))
+        if rung is None:  # only a rung's graph makes the page metadata
+            return False
+        slot = self.ladders[q].slot(rung)
+        if len(tables) == 1:
+            table = tables[0]
+            return table.can_grow(q) and self.attn.rows_plan_serves(
+                slot, q, (int(latest[0]) - most + 1 + q, int(latest[0]) + q), table.expected_length, self.page_size)
+        held = np.fromiter((t.num_pages for t in tables), dtype=np.int64, count=len(tables))
+        needed = int(np.clip(-(-(latest + q) // self.page_size) - held, 0, None).sum())
+        return (getattr(slot, "one_piece", False) and needed <= tables[0].pool.num_free
+                and self.attn.graph_fits(slot, lambda: latest + q))
 
     def _stage_block(self, tables: list[PageTable], first_tokens: list[int], q: int,
                      starts: np.ndarray) -> tuple[BatchLayout, StaticInputs]:
@@ -514,9 +539,13 @@ class TargetRunner(ModelRunner):
         for the start in its inputs (`use_device_rows`): a verify queued ahead was planned for a later start than its
         real one, and this, captured in the graph, costs the host nothing (done eagerly, its ~20 small operations were
         about a third of the host time of queuing a verify ahead: BENCHMARKS.md); a step planned at its real start
-        gets the same metadata back; an eager step (no rung) is planned at its real start and leaves it alone."""
+        gets the same metadata back; an eager step (no rung) is planned at its real start and leaves it alone. With
+        batches' verifies queued ahead, a batch's rung that keeps each request's KV in one piece does the same with
+        every request's length (`use_device_lengths`; a no-op on other rungs)."""
         if self.verify_ahead and batch == 1:
             self.attn.use_device_rows(self.inputs[q]["starts"][:1] + q)
+        elif self.verify_ahead_batches and batch > 1:  # padding requests: start 0, their planned length q
+            self.attn.use_device_lengths(self.inputs[q]["starts"][:batch] + q)
         self._fixed_forward(self.inputs[q], batch, q)
 
     def _fixed_forward(self, inputs: StaticInputs, batch: int, q: int, offsets: torch.Tensor | None = None) -> None:

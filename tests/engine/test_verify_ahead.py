@@ -33,10 +33,10 @@ def count_ahead(engine, monkeypatch) -> dict:
     counts = {"queued": 0, "taken": 0, "dropped": 0, "queued_for": []}
     run_block_ahead = engine.runner.run_block_ahead
 
-    def queue(table, *args):
-        out = run_block_ahead(table, *args)
+    def queue(tables, *args):
+        out = run_block_ahead(tables, *args)
         counts["queued"] += out is not None
-        counts["queued_for"].append(table)
+        counts["queued_for"].extend(tables)
         return out
 
     serves = speculator.VerifiedAhead.serves
@@ -191,3 +191,99 @@ def test_block_steps_write_a_lone_verifys_rows_from_its_start_only_with_verify_a
     engine.generate_ids([MANY_PROMPTS[0]], SamplingParams(max_new_tokens=12))
     assert runner.verify_ahead is ahead
     assert bool(kv_lens) is ahead and all(kv_len in step_ends for kv_len, step_ends in kv_lens)
+
+
+def batch_run(engine, prompts, temperature: float) -> list:
+    """All prompts at once (request i ending after 6 + 5i tokens, or at EOS)."""
+    requests = [engine.make_request(p, params_for(i, temperature)) for i, p in enumerate(prompts)]
+    engine.run(requests)
+    return requests
+
+
+@pytest.mark.parametrize("temperature,error_rate,kv", [(0.0, 0.0, "auto"), (0.0, 0.3, "auto"), (0.0, 1.0, "auto"),
+                                                       (0.8, 0.3, "auto"), (0.0, 0.3, "fp8")])
+def test_a_batchs_verifies_queued_ahead_commit_what_verifies_in_order_commit(target_dir, tmp_path, monkeypatch,
+                                                                            temperature, error_rate, kv):
+    """Every prompt at once, each request ending at its own step (length limits, EOS), drafts from the target's own
+    answers (none to all accepted), the cache in the model's dtype or FP8: with `verify_ahead_batches` a batch's
+    steps take verifies queued ahead, a step after which a request ends drops the one queued for it, and every step
+    commits what it commits when each verify is planned after its step's tokens are read; at T=0 in the model's
+    dtype, outputs equal plain decoding's. No page leaks."""
+    answers = batch_run(spec_engine(target_dir, None, eos=(2, 9)), MANY_PROMPTS, 0.0)
+
+    def run(ahead: bool):
+        engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches=ahead, kv_cache_dtype=kv)
+        follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, error_rate)
+        counts = count_ahead(engine, monkeypatch)
+        requests = batch_run(engine, MANY_PROMPTS, temperature)
+        assert_no_leak(engine)
+        return requests, counts
+
+    ahead, counts = run(True)
+    in_order, in_order_counts = run(False)
+    assert [r.output_ids for r in ahead] == [r.output_ids for r in in_order]
+    assert [r.stats.acceptance_lengths for r in ahead] == [r.stats.acceptance_lengths for r in in_order]
+    assert [r.finish_reason for r in ahead] == [r.finish_reason for r in in_order]
+    assert counts["taken"] > 1 and counts["dropped"] > 0 and in_order_counts["queued"] == 0
+    assert len(counts["queued_for"]) > len(MANY_PROMPTS)  # whole batches
+    if temperature == 0.0 and kv == "auto":
+        assert [r.output_ids for r in ahead] == [r.output_ids for r in answers]
+
+
+def test_a_batch_joined_by_a_request_drops_its_queued_verify_and_aborts_leave_nothing_held(target_dir, tmp_path,
+                                                                                          monkeypatch):
+    """Requests joining a running batch every third step drop the verify queued for it, and a request aborted between
+    steps with a verify queued for its batch gives everything back; the others' outputs are plain decoding's."""
+    answers = batch_run(spec_engine(target_dir, None, eos=(2, 9)), MANY_PROMPTS, 0.0)
+    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches=True)
+    follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, 0.2)
+    counts = count_ahead(engine, monkeypatch)
+    requests = []
+    for i, prompt in enumerate(MANY_PROMPTS):
+        requests.append(engine.add_request(prompt, params_for(i, 0.0)))
+        for _ in range(3):
+            engine.step()
+    aborted = requests[-1]
+    for _ in range(20):
+        if engine.decoding.ahead is not None and not aborted.finished:
+            break
+        engine.step()
+    assert engine.decoding.ahead is not None and aborted in engine.decoding.ahead.requests
+    engine.abort(aborted.request_id)
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert [r.output_ids for r in requests[:-1]] == [r.output_ids for r in answers[:-1]]
+    assert aborted.output_ids == answers[-1].output_ids[:len(aborted.output_ids)]
+    assert counts["dropped"] > 0 and counts["taken"] > 0
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("point", ["run_block_ahead", "run_block"])
+def test_a_failure_around_a_batchs_verify_queued_ahead_leaves_the_engine_clean(target_dir, tmp_path, point):
+    """Queueing a batch's next verify, or a verify after one, fails: every request ends, no page leaks, and the engine
+    then gives what a fresh one gives."""
+    params = SamplingParams(max_new_tokens=14)
+    prompts = MANY_PROMPTS[:4]
+    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches=True)
+    fresh = [r.output_ids for r in dflash_engine(target_dir, tmp_path, overlap_steps=False).generate_ids(prompts,
+                                                                                                          params)]
+    interrupted = [run_failing(engine, engine.runner, point, after, prompts, params) for after in (1, 2, 3)]
+    assert any(interrupted)
+    assert [r.output_ids for r in engine.generate_ids(prompts, params)] == fresh
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_block_steps_of_a_batch_write_its_real_page_metadata_only_with_verify_ahead_batches(target_dir, tmp_path,
+                                                                                          ahead):
+    """With verify_ahead_batches a batch's block step body (what a graph rung captures) has the backend make the
+    page metadata of every request's length after the step from the starts in its inputs (`use_device_lengths`, a
+    no-op on the torch backend and on rungs that split the KV); a lone request's steps never do. Without it, never."""
+    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches=ahead)
+    runner, seen = engine.runner, []
+    ends = lambda: {q: (inputs["starts"][:8] + q).tolist() for q, inputs in runner.inputs.items()}  # noqa: E731
+    runner.attn.use_device_lengths = lambda kv_lens: seen.append((kv_lens.tolist(), ends()))
+    engine.generate_ids(MANY_PROMPTS[:3], SamplingParams(max_new_tokens=12))
+    engine.generate_ids(MANY_PROMPTS[:1], SamplingParams(max_new_tokens=12))
+    assert bool(seen) is ahead
+    assert all(len(kv_lens) > 1 and any(kv_lens == step_ends[:len(kv_lens)] for step_ends in by_q.values())
+               for kv_lens, by_q in seen)

@@ -255,6 +255,43 @@ def test_drafting_ahead_equals_drafting_in_order(model_dirs, kv):
     assert ahead.pool.num_free == ahead.pool.num_pages and ahead.drafter.pool.num_free == ahead.drafter.pool.num_pages
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_batches_verifies_queued_ahead_equal_verifies_in_order(model_dirs, kv, monkeypatch):
+    """A batch's next verify queued with its draft (`verify_ahead_batches`): a rung that keeps each request's KV in one
+    piece (57+ requests) is planned for every request's latest start, the real starts and page metadata made on the
+    device, and it commits what verifies planned in order commit, token for token (the same plan and kernels), with
+    requests ending at different steps; smaller batches' rungs split the KV and never queue one. Pools free after."""
+    from specdec.engine import speculator
+
+    ordered = make_engine(model_dirs, True, kv, False, overlap_steps=True, verify="chain")
+    ahead = make_engine(model_dirs, True, kv, False, overlap_steps=True, verify="chain", verify_ahead_batches=True)
+    taken, serves = [], speculator.VerifiedAhead.serves
+
+    def recorded(self, *args):
+        served = serves(self, *args)
+        if served:
+            taken.append(len(self.requests))
+        return served
+
+    monkeypatch.setattr(speculator.VerifiedAhead, "serves", recorded)
+    for batch in (17, 64, 100):
+        ids = prompts(batch)
+        runs = []
+        for engine in (ordered, ahead):
+            requests = [engine.add_request(p, SamplingParams(max_new_tokens=24 + i % 17, ignore_eos=True))
+                        for i, p in enumerate(ids)]
+            while engine.has_unfinished_requests:
+                engine.step()
+            runs.append(requests)
+            assert engine.pool.num_free == engine.pool.num_pages
+            assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
+        assert [r.output_ids for r in runs[1]] == [r.output_ids for r in runs[0]], batch
+        assert [r.stats.acceptance_lengths for r in runs[1]] == [r.stats.acceptance_lengths for r in runs[0]]
+        if batch == 17:
+            assert not taken
+    assert len(taken) > 10 and min(taken) >= 57
+
+
 def test_held_context_rows_of_plain_steps_draft_as_rows_written_at_once(model_dirs):
     """Plain steps' context rows, held and written together from the graphs of the held step before the next
     draft, give that draft the logits it gets when each plain step writes its row at once (the same target
