@@ -95,8 +95,9 @@ class Scheduler:
         """Whether a waiting request may join the next step: one waits and the batch has a free seat."""
         return bool(self.waiting) and len(self.running) < self.max_num_seqs
 
-    def schedule(self) -> StepPlan:
-        """Plan the next step. Pages are not taken here (the forwards take them), but the plan fits the pool."""
+    def schedule(self, admit: bool = True) -> StepPlan:
+        """Plan the next step. Pages are not taken here (the forwards take them), but the plan fits the pool.
+        admit=False: no waiting request joins a step that decodes some (they may join the next)."""
         plan = StepPlan(room=self.room(len(self.running)))
         room = plan.room
         planned = 0  # pages the planned work will take from the pool
@@ -136,7 +137,8 @@ class Scheduler:
                 plan.prefill.append((request, tokens))
                 budget -= tokens
             i += 1
-        self._admit(plan, planned, budget, room)
+        if admit or not plan.decode:
+            self._admit(plan, planned, budget, room)
         return plan
 
     def _admit(self, plan: StepPlan, planned: int, budget: int, room: int) -> None:

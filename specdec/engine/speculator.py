@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from attention.page_pool import PageTable
-from attention.transfer import HostCopy
+from attention.transfer import HostCopy, upload
 from specdec.engine.acceptance import accept
 from specdec.engine.decoding import Launched, PlainDecoding, StepTransfer
 from specdec.engine.drafter import Drafter
@@ -109,9 +109,11 @@ class SpeculativeDecoding:
         queued = self.drafter.queued_length  # a draft queued ahead, chosen for the batch of its time
         if queued is not None and queued + 1 < q:  # the chain of what it holds
             budget, q = None, queued + 1
-        if verified is not None and not verified.serves(running, prefill, budget):
-            verified = None
-        if verified is not None:  # its rows are verified already: the chain of all of them
+        # where each request's verify rows start, in blocks of q: its place in the batch, or in a verify queued ahead
+        blocks = verified.blocks_of(running, prefill, budget) if verified is not None else None
+        if blocks is None:
+            verified, blocks = None, list(range(batch))
+        else:  # its rows are verified already: the chain of all of them
             q = verified.q
         # what runs: its wall time is weighed against its cost
         self.option, self.verify_length = budget or q, budget.per if budget is not None else q
@@ -125,7 +127,7 @@ class SpeculativeDecoding:
         if verified is not None:
             for table in tables:  # the slots the verify queued ahead wrote
                 table.grow(q)
-            out = verified.out
+            out = verified.output(blocks, running)
         elif budget is None:
             out = self.runner.run_block(tables, anchors, drafts, q, prefill)
         else:  # a request accepts drafts only as far as its rows ran
@@ -142,7 +144,8 @@ class SpeculativeDecoding:
         transfer = StepTransfer(torch.cat(read, dim=1), prefill, first_tokens)
         starting = prefill.starting if first_tokens is not None else []
         drafting = running + starting
-        ahead = self._queue_next_draft(running, starting, bonus, accepted, first_tokens, q)
+        feature_rows = [block * q for block in blocks]
+        ahead = self._queue_next_draft(running, starting, bonus, accepted, first_tokens, q, feature_rows)
         if ahead and budget is None and rows is None and drafts_host is None and prefill is None:
             self.ahead = self._queue_next_verify(running, bonus, accepted, q)
         host = transfer.read()
@@ -164,14 +167,15 @@ class SpeculativeDecoding:
             self.policy.observe(np.subtract(counts, 1), q)
         if ahead:
             self.drafter.settle(drafting, counts + [0] * len(starting))
-        else:  # request i's verify features start at row i * q
-            self.drafter.extend(running, out.features, [i * q for i in range(batch)], counts)
+        else:
+            self.drafter.extend(running, out.features, feature_rows, counts)
         return tokens
 
     def _queue_next_draft(self, running: list[Request], starting: list[Request], bonus: torch.Tensor,
-                          accepted: torch.Tensor, first_tokens: torch.Tensor | None, q: int) -> bool:
+                          accepted: torch.Tensor, first_tokens: torch.Tensor | None, q: int,
+                          feature_rows: list[int]) -> bool:
         """The next step's draft, queued before this step's tokens reach the host (`Drafter.propose_next`): for the
-        verified requests (anchor: the bonus; a + 1 context rows from row i * q of the verify's features) and those
+        verified requests (anchor: the bonus; a + 1 context rows from `feature_rows` of the verify's features) and those
         whose prompts this step completed (anchor: the first token; no rows, their chunks' context is added).
         Not with trees only (a tree step drafts its own candidates). True when queued."""
         if not (self.draft_ahead and self.policy.lengths):
@@ -185,8 +189,8 @@ class SpeculativeDecoding:
             anchors = torch.cat([bonus.long(), first_tokens.long()])
             counts = torch.cat([counts.long(), torch.zeros_like(first_tokens, dtype=torch.long)])
         batch = len(running)
-        return self.drafter.propose_next(running + starting, anchors, counts, [i * q for i in range(batch)]
-                                         + [0] * len(starting), [q] * batch + [0] * len(starting), length)
+        return self.drafter.propose_next(running + starting, anchors, counts, feature_rows + [0] * len(starting),
+                                         [q] * batch + [0] * len(starting), length)
 
     def _queue_next_verify(self, running: list[Request], bonus: torch.Tensor, accepted: torch.Tensor,
                            q: int) -> "VerifiedAhead | None":
@@ -242,9 +246,30 @@ class VerifiedAhead:
     q: int
     out: BlockOutput
 
-    def serves(self, running: list[Request], prefill: PrefillChunks | None, budget: Budget | None) -> bool:
-        """Whether this step is the one it was queued for: the same requests in the same order (their same tables),
-        none finished, a chain, no prompt chunks."""
-        return (prefill is None and budget is None and len(running) == len(self.requests)
-                and all(r is s and r.target_pages is t and not r.finished
-                        for r, s, t in zip(running, self.requests, self.tables)))
+    def blocks_of(self, running: list[Request], prefill: PrefillChunks | None, budget: Budget | None
+                  ) -> list[int] | None:
+        """Where this step finds each request's rows (block i: rows i * q ..), if it is the step the verify was queued
+        for: a chain step of the same requests in the same order (their same tables), less any that ended or left
+        meanwhile (their rows are not read), with no prompt chunks. None where it is not."""
+        if prefill is not None or budget is not None or len(running) > len(self.requests):
+            return None
+        blocks, block = [], 0
+        for request in running:
+            while block < len(self.requests) and self.requests[block] is not request:
+                block += 1
+            if block == len(self.requests) or request.target_pages is not self.tables[block] or request.finished:
+                return None
+            blocks.append(block)
+            block += 1
+        return blocks
+
+    def output(self, blocks: list[int], running: list[Request]) -> BlockOutput:
+        """The rows of `running` (`blocks_of`), request by request: the outputs as they are where none ended, else
+        their tokens (and logits, where a request samples) gathered; the features stay in place (read by block)."""
+        if blocks == list(range(len(self.requests))):
+            return self.out
+        q, device = self.q, self.out.greedy.device
+        rows = upload((np.asarray(blocks)[:, None] * q + np.arange(q)).reshape(-1).astype(np.int64), device)
+        sampled = not all(r.params.greedy for r in running)
+        return BlockOutput(self.out.logits[rows] if sampled else self.out.logits, self.out.greedy[rows],
+                           self.out.features)

@@ -82,8 +82,8 @@ def test_the_policy_learns_overheads_only_from_steady_steps_and_switch_costs_fro
     policy.costs = StepCosts(draft={q: {4: 1e-6} for q in (2, 4, 16)}, verify={q: {4: 1e-6} for q in (PLAIN, 2, 4, 16)})
     observe, plans = policy.observe_seconds, []
 
-    def recording_schedule():
-        plans.append(schedule())
+    def recording_schedule(**kwargs):
+        plans.append(schedule(**kwargs))
         return plans[-1]
 
     def recording_step(*args, **kwargs):

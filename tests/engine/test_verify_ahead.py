@@ -1,10 +1,11 @@
-"""A lone request's next verify, queued before its step's tokens reach the host
-(`SpeculativeDecoding._queue_next_verify`, `TargetRunner.run_block_ahead`): steps that take it commit what steps
-verifying in order commit (greedy and seeded sampling, deep and no acceptance, EOS and length limits, an FP8 cache); a
-request that joins, or a plain or tree step in between, keeps it from being used, and requests waiting for a full
-batch do not keep it from being queued; failures and aborts leave nothing held. On the CPU the queued verify reads the
-acceptance back and runs at its real start; the GPU's planning for the latest start with the real one on the device is
-tested in tests/attention/test_flashinfer_dispatch.py and tests/gpu."""
+"""The next verify, queued before its step's tokens reach the host (`SpeculativeDecoding._queue_next_verify`,
+`TargetRunner.run_block_ahead`), for a lone request (`verify_ahead`) and for a batch (`verify_ahead_batches`): steps
+that take it commit what steps verifying in order commit (greedy and seeded sampling, deep and no acceptance, EOS and
+length limits, an FP8 cache); a step after which requests of a batch ended takes it without their rows; requests that
+arrive wait one step rather than drop it, a plain or tree step in between keeps it from being used, and requests
+waiting for a full batch do not keep it from being queued; failures and aborts leave nothing held. On the CPU the
+queued verify reads the acceptance back and runs at its real starts; the GPU's planning for the latest starts with the
+real ones on the device is tested in tests/attention/test_flashinfer_dispatch.py and tests/gpu."""
 
 import random
 
@@ -29,8 +30,9 @@ def plain_answers(target_dir, prompts) -> list:
 
 
 def count_ahead(engine, monkeypatch) -> dict:
-    """Counts of verifies queued ahead and of steps that took one (or found one and dropped it)."""
-    counts = {"queued": 0, "taken": 0, "dropped": 0, "queued_for": []}
+    """Counts of verifies queued ahead, of steps that took one (or found one and dropped it) and of those that took one
+    with rows of requests that had ended."""
+    counts = {"queued": 0, "taken": 0, "dropped": 0, "rows_left": 0, "queued_for": []}
     run_block_ahead = engine.runner.run_block_ahead
 
     def queue(tables, *args):
@@ -39,16 +41,30 @@ def count_ahead(engine, monkeypatch) -> dict:
         counts["queued_for"].extend(tables)
         return out
 
-    serves = speculator.VerifiedAhead.serves
+    blocks_of = speculator.VerifiedAhead.blocks_of
 
-    def recorded(self, *args):
-        served = serves(self, *args)
-        counts["taken" if served else "dropped"] += 1
-        return served
+    def recorded(self, running, *args):
+        blocks = blocks_of(self, running, *args)
+        counts["taken" if blocks is not None else "dropped"] += 1
+        counts["rows_left"] += blocks is not None and len(running) < len(self.requests)
+        return blocks
 
     engine.runner.run_block_ahead = queue
-    monkeypatch.setattr(speculator.VerifiedAhead, "serves", recorded)
+    monkeypatch.setattr(speculator.VerifiedAhead, "blocks_of", recorded)
     return counts
+
+
+def count_deferred_admissions(engine) -> list[bool]:
+    """For each step: whether a request that could have joined it waited for the next (a verify queued ahead)."""
+    deferred, schedule = [], engine.scheduler.schedule
+
+    def recorded(admit=True):
+        plan = schedule(admit)
+        deferred.append(bool(plan.decode) and engine.scheduler.can_admit and not admit)
+        return plan
+
+    engine.scheduler.schedule = recorded
+    return deferred
 
 
 def lone_runs(engine, prompts, temperature: float) -> list:
@@ -84,17 +100,17 @@ def test_a_lone_requests_verifies_queued_ahead_commit_what_verifies_in_order_com
         assert [r.output_ids for r in ahead] == [r.output_ids for r in answers]
 
 
-def test_requests_that_join_drop_a_queued_verify_and_a_full_batch_queues_them_for_its_lone_request(target_dir,
-                                                                                                  tmp_path,
-                                                                                                  monkeypatch):
-    """Requests joining every third step drop a verify queued for a lone one. With room for one request at a time the
-    others wait without being able to join, so each request in turn gets its verifies queued ahead, and only a
-    request's last step queues one that is dropped (the next request's prompt comes instead). Outputs stay those of
-    plain decoding."""
+def test_requests_that_join_wait_a_step_for_a_queued_verify_and_a_full_batch_queues_them_for_its_lone_request(
+        target_dir, tmp_path, monkeypatch):
+    """Requests arriving every third step while a verify is queued for a lone one join the step after the one that takes
+    it (none is dropped). With room for one request at a time the others wait without being able to join, so each
+    request in turn gets its verifies queued ahead, and only a request's last step queues one that is dropped (the next
+    request's prompt comes instead). Outputs stay those of plain decoding."""
     answers = plain_answers(target_dir, MANY_PROMPTS)
     engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead=True)
     follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, 0.2)
     counts = count_ahead(engine, monkeypatch)
+    deferred = count_deferred_admissions(engine)
     requests = []
     for i, prompt in enumerate(MANY_PROMPTS):
         requests.append(engine.add_request(prompt, params_for(i, 0.0)))
@@ -103,7 +119,7 @@ def test_requests_that_join_drop_a_queued_verify_and_a_full_batch_queues_them_fo
     while engine.has_unfinished_requests:
         engine.step()
     assert [r.output_ids for r in requests] == [r.output_ids for r in answers]
-    assert counts["dropped"] > 0 and counts["taken"] > 0
+    assert counts["dropped"] == 0 and counts["taken"] > 0 and sum(deferred) > 0
     assert_no_leak(engine)
 
     one_at_a_time = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead=True, max_num_seqs=1)
@@ -206,7 +222,7 @@ def test_a_batchs_verifies_queued_ahead_commit_what_verifies_in_order_commit(tar
                                                                             temperature, error_rate, kv):
     """Every prompt at once, each request ending at its own step (length limits, EOS), drafts from the target's own
     answers (none to all accepted), the cache in the model's dtype or FP8: with `verify_ahead_batches` a batch's
-    steps take verifies queued ahead, a step after which a request ends drops the one queued for it, and every step
+    steps take verifies queued ahead, those after which a request ended without its rows, and every step
     commits what it commits when each verify is planned after its step's tokens are read; at T=0 in the model's
     dtype, outputs equal plain decoding's. No page leaks."""
     answers = batch_run(spec_engine(target_dir, None, eos=(2, 9)), MANY_PROMPTS, 0.0)
@@ -224,20 +240,23 @@ def test_a_batchs_verifies_queued_ahead_commit_what_verifies_in_order_commit(tar
     assert [r.output_ids for r in ahead] == [r.output_ids for r in in_order]
     assert [r.stats.acceptance_lengths for r in ahead] == [r.stats.acceptance_lengths for r in in_order]
     assert [r.finish_reason for r in ahead] == [r.finish_reason for r in in_order]
-    assert counts["taken"] > 1 and counts["dropped"] > 0 and in_order_counts["queued"] == 0
+    assert counts["taken"] > 1 and counts["rows_left"] > 0 and in_order_counts["queued"] == 0
     assert len(counts["queued_for"]) > len(MANY_PROMPTS)  # whole batches
     if temperature == 0.0 and kv == "auto":
         assert [r.output_ids for r in ahead] == [r.output_ids for r in answers]
 
 
-def test_a_batch_joined_by_a_request_drops_its_queued_verify_and_aborts_leave_nothing_held(target_dir, tmp_path,
-                                                                                          monkeypatch):
-    """Requests joining a running batch every third step drop the verify queued for it, and a request aborted between
-    steps with a verify queued for its batch gives everything back; the others' outputs are plain decoding's."""
+def test_requests_joining_a_batch_wait_a_step_for_its_queued_verify_and_aborts_leave_nothing_held(target_dir,
+                                                                                                  tmp_path,
+                                                                                                  monkeypatch):
+    """Requests arriving every third step while a verify is queued for the running batch join the step after the one
+    that takes it, and a request aborted between steps with a verify queued for its batch gives everything back; the
+    others' outputs are plain decoding's."""
     answers = batch_run(spec_engine(target_dir, None, eos=(2, 9)), MANY_PROMPTS, 0.0)
     engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches=True)
     follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, 0.2)
     counts = count_ahead(engine, monkeypatch)
+    deferred = count_deferred_admissions(engine)
     requests = []
     for i, prompt in enumerate(MANY_PROMPTS):
         requests.append(engine.add_request(prompt, params_for(i, 0.0)))
@@ -254,7 +273,7 @@ def test_a_batch_joined_by_a_request_drops_its_queued_verify_and_aborts_leave_no
         engine.step()
     assert [r.output_ids for r in requests[:-1]] == [r.output_ids for r in answers[:-1]]
     assert aborted.output_ids == answers[-1].output_ids[:len(aborted.output_ids)]
-    assert counts["dropped"] > 0 and counts["taken"] > 0
+    assert counts["taken"] > 0 and sum(deferred) > 0
     assert_no_leak(engine)
 
 

@@ -265,15 +265,15 @@ def test_batches_verifies_queued_ahead_equal_verifies_in_order(model_dirs, kv, m
 
     ordered = make_engine(model_dirs, True, kv, False, overlap_steps=True, verify="chain")
     ahead = make_engine(model_dirs, True, kv, False, overlap_steps=True, verify="chain", verify_ahead_batches=True)
-    taken, serves = [], speculator.VerifiedAhead.serves
+    taken, blocks_of = [], speculator.VerifiedAhead.blocks_of
 
     def recorded(self, *args):
-        served = serves(self, *args)
-        if served:
+        blocks = blocks_of(self, *args)
+        if blocks is not None:
             taken.append(len(self.requests))
-        return served
+        return blocks
 
-    monkeypatch.setattr(speculator.VerifiedAhead, "serves", recorded)
+    monkeypatch.setattr(speculator.VerifiedAhead, "blocks_of", recorded)
     for batch in (17, 64, 100):
         ids = prompts(batch)
         runs = []
