@@ -62,12 +62,12 @@ from specdec.engine.verify_policy import TREE, Budget  # noqa: E402
 
 
 OVERLAPPED = "AR overlapped"  # plain decoding with overlapped steps (--overlap-steps)
-# by verify policy (--verify); "budget": auto with its budget steps (`budget_steps`); "ahead": auto with batches'
-# verifies queued ahead (`verify_ahead_batches`)
+# by verify policy (--verify); "budget": auto with its budget steps (`budget_steps`); "in-order": auto with every
+# batch's verify planned after its step's tokens are read (no `verify_ahead_batches`)
 DFLASH = {"chain": "DFlash", "auto": "DFlash auto", "tree": "DFlash tree", "budget": "DFlash auto+budgets",
-          "ahead": "DFlash auto+verify ahead"}
+          "in-order": "DFlash auto, verifies in order"}
 SETTINGS = {"budget": {"verify": "auto", "budget_steps": True},
-            "ahead": {"verify": "auto", "verify_ahead_batches": True}}
+            "in-order": {"verify": "auto", "verify_ahead_batches": False}}
 AHEAD = ", drafted ahead"  # a DFlash row's suffix with --overlap-steps: each step's next draft queued early
 
 
@@ -121,7 +121,7 @@ def parse_args(argv):
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="the target's KV cache")
     p.add_argument("--verify", nargs="+", choices=tuple(DFLASH), default=["auto"],
                    help="the DFlash rows' verify policies (a row each; default: auto, the engine's; budget: auto "
-                        "with budget steps; ahead: auto with batches' verifies queued ahead)")
+                        "with budget steps; in-order: auto without batches' verifies queued ahead)")
     p.add_argument("--dataset", default="chat", choices=("chat", "mixed", "math500", "code"),
                    help="chat: math500 and coding requests alternating; the others: bench_serve.py's prompts")
     p.add_argument("--system-repeat", type=int, default=0,
@@ -185,8 +185,8 @@ def timed_steps(engine, waits: HostWaits) -> list[tuple]:
     plans = []
     decoding = engine.decoding if engine.drafter is not None else None
 
-    def recording_schedule():
-        plans.append(schedule())
+    def recording_schedule(**kwargs):
+        plans.append(schedule(**kwargs))
         return plans[-1]
 
     def timed_step(*args, **kwargs):

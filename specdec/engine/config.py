@@ -103,12 +103,16 @@ class EngineConfig:
     # slower than verifying in order; BENCHMARKS.md, 2026-12-05)
     verify_ahead: bool = _setting(False, "speculative decoding of a lone request: the next step's verify is queued "
                                          "with its draft, before this step's tokens are read (needs overlap_steps)")
-    # the same for a batch whose verify graph keeps each request's KV in one piece (64+ requests: FlashInfer's plan
-    # then depends on the query counts alone, so one made for the latest starts serves the real ones, whose page
-    # metadata the graph writes). Only steps after which no request ends or joins take it
-    verify_ahead_batches: bool = _setting(False, "speculative decoding of 64+ requests: the next step's verify is "
-                                                 "queued with its draft, before this step's tokens are read (needs "
-                                                 "overlap_steps)")
+    # the same for a batch whose verify graph keeps each request's KV in one piece (rungs of 64 and up, 49+ requests:
+    # FlashInfer's plan then depends on the query counts alone, so one made for the latest starts serves the real
+    # ones, whose page metadata the graph writes). Steps after which requests ended take it without their rows;
+    # requests that could join wait one step. On one H100 it gave 1.12-1.18x DFlash's throughput on math500 and
+    # 1.04-1.13x on the coding requests at concurrency 64-256 (BENCHMARKS.md, 2026-12-06). On the CPU every batch
+    # takes it, its acceptance read back (what the tests exercise)
+    verify_ahead_batches: bool = _setting(True, "speculative decoding of batches whose verify graph keeps each "
+                                                "request's KV in one piece (49+ requests): the next step's verify is "
+                                                "queued with its draft, before this step's tokens are read (needs "
+                                                "overlap_steps)")
     # speculative steps (specdec/engine/verify_policy.py): chain = every draft of the block every step;
     # auto = per step the chain length (the block, a half, a quarter, an eighth) with the most committed tokens per
     # second, from running acceptance and step times measured after graph capture (without CUDA graphs:

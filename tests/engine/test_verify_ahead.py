@@ -67,6 +67,45 @@ def count_deferred_admissions(engine) -> list[bool]:
     return deferred
 
 
+def ahead_against_in_order(target_dir, tmp_path, monkeypatch, setting: str, run_prompts, answers, temperature: float,
+                           error_rate: float, kv: str) -> dict:
+    """MANY_PROMPTS through `run_prompts` (`lone_runs` or `batch_run`) on an engine with `setting` on and one with it
+    off, drafts from `answers` (plain decoding's) with `error_rate` wrong: both commit the same tokens step by step and
+    end alike, the one with it off queues nothing, outputs equal plain decoding's at T=0 in the model's dtype, and no
+    page leaks. Returns the counts of the engine with it on (`count_ahead`)."""
+    def run(ahead: bool):
+        engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, kv_cache_dtype=kv, **{setting: ahead})
+        follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, error_rate)
+        counts = count_ahead(engine, monkeypatch)
+        requests = run_prompts(engine, MANY_PROMPTS, temperature)
+        assert_no_leak(engine)
+        return requests, counts
+
+    ahead, counts = run(True)
+    in_order, in_order_counts = run(False)
+    assert [r.output_ids for r in ahead] == [r.output_ids for r in in_order]
+    assert [r.stats.acceptance_lengths for r in ahead] == [r.stats.acceptance_lengths for r in in_order]
+    assert [r.finish_reason for r in ahead] == [r.finish_reason for r in in_order]
+    assert in_order_counts["queued"] == 0
+    if temperature == 0.0 and kv == "auto":
+        assert [r.output_ids for r in ahead] == [r.output_ids for r in answers]
+    return counts
+
+
+def arriving_every_third_step(engine, answers, monkeypatch) -> tuple[list, dict, list[bool]]:
+    """MANY_PROMPTS added one every third step (greedy, request i ending after 6 + 5i tokens), drafts from `answers`
+    with a fifth wrong; returns the requests, the verifies queued ahead (`count_ahead`) and the admissions deferred
+    (`count_deferred_admissions`), counted from the start."""
+    follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, 0.2)
+    counts, deferred = count_ahead(engine, monkeypatch), count_deferred_admissions(engine)
+    requests = []
+    for i, prompt in enumerate(MANY_PROMPTS):
+        requests.append(engine.add_request(prompt, params_for(i, 0.0)))
+        for _ in range(3):
+            engine.step()
+    return requests, counts, deferred
+
+
 def lone_runs(engine, prompts, temperature: float) -> list:
     """Each prompt alone, one after another (request i ending after 6 + 5i tokens, or at EOS)."""
     return [engine.generate_ids([prompt], params_for(i, temperature))[0] for i, prompt in enumerate(prompts)]
@@ -79,25 +118,9 @@ def test_a_lone_requests_verifies_queued_ahead_commit_what_verifies_in_order_com
     """Requests alone, drafts from the target's own answers (none to all of them accepted), drafted ahead, the cache
     in the model's dtype or FP8: every step commits what it commits when each verify is planned after its step's
     tokens are read, outputs equal plain decoding's (at T=0, the model's dtype), and no page leaks."""
-    answers = plain_answers(target_dir, MANY_PROMPTS)
-
-    def run(ahead: bool):
-        engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead=ahead, kv_cache_dtype=kv)
-        follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, error_rate)
-        counts = count_ahead(engine, monkeypatch)
-        requests = lone_runs(engine, MANY_PROMPTS, temperature)
-        assert_no_leak(engine)
-        return requests, counts
-
-    ahead, counts = run(True)
-    in_order, in_order_counts = run(False)
-    assert [r.output_ids for r in ahead] == [r.output_ids for r in in_order]
-    assert [r.stats.acceptance_lengths for r in ahead] == [r.stats.acceptance_lengths for r in in_order]
-    assert [r.finish_reason for r in ahead] == [r.finish_reason for r in in_order]
+    counts = ahead_against_in_order(target_dir, tmp_path, monkeypatch, "verify_ahead", lone_runs,
+                                    plain_answers(target_dir, MANY_PROMPTS), temperature, error_rate, kv)
     assert counts["taken"] > 5 and counts["taken"] >= counts["queued"] - len(MANY_PROMPTS)
-    assert in_order_counts["queued"] == 0
-    if temperature == 0.0 and kv == "auto":
-        assert [r.output_ids for r in ahead] == [r.output_ids for r in answers]
 
 
 def test_requests_that_join_wait_a_step_for_a_queued_verify_and_a_full_batch_queues_them_for_its_lone_request(
@@ -108,14 +131,7 @@ def test_requests_that_join_wait_a_step_for_a_queued_verify_and_a_full_batch_que
     request's prompt comes instead). Outputs stay those of plain decoding."""
     answers = plain_answers(target_dir, MANY_PROMPTS)
     engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead=True)
-    follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, 0.2)
-    counts = count_ahead(engine, monkeypatch)
-    deferred = count_deferred_admissions(engine)
-    requests = []
-    for i, prompt in enumerate(MANY_PROMPTS):
-        requests.append(engine.add_request(prompt, params_for(i, 0.0)))
-        for _ in range(3):
-            engine.step()
+    requests, counts, deferred = arriving_every_third_step(engine, answers, monkeypatch)
     while engine.has_unfinished_requests:
         engine.step()
     assert [r.output_ids for r in requests] == [r.output_ids for r in answers]
@@ -225,25 +241,11 @@ def test_a_batchs_verifies_queued_ahead_commit_what_verifies_in_order_commit(tar
     steps take verifies queued ahead, those after which a request ended without its rows, and every step
     commits what it commits when each verify is planned after its step's tokens are read; at T=0 in the model's
     dtype, outputs equal plain decoding's. No page leaks."""
-    answers = batch_run(spec_engine(target_dir, None, eos=(2, 9)), MANY_PROMPTS, 0.0)
-
-    def run(ahead: bool):
-        engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches=ahead, kv_cache_dtype=kv)
-        follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, error_rate)
-        counts = count_ahead(engine, monkeypatch)
-        requests = batch_run(engine, MANY_PROMPTS, temperature)
-        assert_no_leak(engine)
-        return requests, counts
-
-    ahead, counts = run(True)
-    in_order, in_order_counts = run(False)
-    assert [r.output_ids for r in ahead] == [r.output_ids for r in in_order]
-    assert [r.stats.acceptance_lengths for r in ahead] == [r.stats.acceptance_lengths for r in in_order]
-    assert [r.finish_reason for r in ahead] == [r.finish_reason for r in in_order]
-    assert counts["taken"] > 1 and counts["rows_left"] > 0 and in_order_counts["queued"] == 0
+    counts = ahead_against_in_order(target_dir, tmp_path, monkeypatch, "verify_ahead_batches", batch_run,
+                                    batch_run(spec_engine(target_dir, None, eos=(2, 9)), MANY_PROMPTS, 0.0),
+                                    temperature, error_rate, kv)
+    assert counts["taken"] > 1 and counts["rows_left"] > 0
     assert len(counts["queued_for"]) > len(MANY_PROMPTS)  # whole batches
-    if temperature == 0.0 and kv == "auto":
-        assert [r.output_ids for r in ahead] == [r.output_ids for r in answers]
 
 
 def test_requests_joining_a_batch_wait_a_step_for_its_queued_verify_and_aborts_leave_nothing_held(target_dir,
@@ -254,14 +256,7 @@ def test_requests_joining_a_batch_wait_a_step_for_its_queued_verify_and_aborts_l
     others' outputs are plain decoding's."""
     answers = batch_run(spec_engine(target_dir, None, eos=(2, 9)), MANY_PROMPTS, 0.0)
     engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches=True)
-    follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, 0.2)
-    counts = count_ahead(engine, monkeypatch)
-    deferred = count_deferred_admissions(engine)
-    requests = []
-    for i, prompt in enumerate(MANY_PROMPTS):
-        requests.append(engine.add_request(prompt, params_for(i, 0.0)))
-        for _ in range(3):
-            engine.step()
+    requests, counts, deferred = arriving_every_third_step(engine, answers, monkeypatch)
     aborted = requests[-1]
     for _ in range(20):
         if engine.decoding.ahead is not None and not aborted.finished:
