@@ -63,11 +63,11 @@ from specdec.engine.verify_policy import TREE, Budget  # noqa: E402
 
 OVERLAPPED = "AR overlapped"  # plain decoding with overlapped steps (--overlap-steps)
 # by verify policy (--verify); "budget": auto with its budget steps (`budget_steps`); "in-order": auto with every
-# batch's verify planned after its step's tokens are read (no `verify_ahead_batches`)
+# batch's verify planned after its step's tokens are read (`verify_ahead_batches="off"`)
 DFLASH = {"chain": "DFlash", "auto": "DFlash auto", "tree": "DFlash tree", "budget": "DFlash auto+budgets",
           "in-order": "DFlash auto, verifies in order"}
 SETTINGS = {"budget": {"verify": "auto", "budget_steps": True},
-            "in-order": {"verify": "auto", "verify_ahead_batches": False}}
+            "in-order": {"verify": "auto", "verify_ahead_batches": "off"}}
 AHEAD = ", drafted ahead"  # a DFlash row's suffix with --overlap-steps: each step's next draft queued early
 
 

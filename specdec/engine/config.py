@@ -16,6 +16,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 VERIFY_POLICIES = ("chain", "auto", "tree")
+VERIFY_AHEAD_BATCHES = ("auto", "on", "off")
 MAX_TREE_NODES = 255  # a tree step writes tree_nodes + 1 K/V slots per request past its length
 
 
@@ -107,12 +108,13 @@ class EngineConfig:
     # FlashInfer's plan then depends on the query counts alone, so one made for the latest starts serves the real
     # ones, whose page metadata the graph writes). Steps after which requests ended take it without their rows;
     # requests that could join wait one step. On one H100 it gave 1.12-1.18x DFlash's throughput on math500 and
-    # 1.04-1.13x on the coding requests at concurrency 64-256 (BENCHMARKS.md, 2026-12-06). On the CPU every batch
-    # takes it, its acceptance read back (what the tests exercise)
-    verify_ahead_batches: bool = _setting(True, "speculative decoding of batches whose verify graph keeps each "
-                                                "request's KV in one piece (49+ requests): the next step's verify is "
-                                                "queued with its draft, before this step's tokens are read (needs "
-                                                "overlap_steps)")
+    # 1.04-1.13x on the coding requests at concurrency 64-256 (BENCHMARKS.md, 2026-12-06). auto = on CUDA (such
+    # rungs); on = on the CPU too, every batch, its acceptance read back (no faster there: what the tests exercise)
+    verify_ahead_batches: str = _setting("auto", "speculative decoding of batches whose verify graph keeps each "
+                                                 "request's KV in one piece (49+ requests): the next step's verify is "
+                                                 "queued with its draft, before this step's tokens are read (needs "
+                                                 "overlap_steps; auto = on CUDA, on = the CPU too)",
+                                         choices=VERIFY_AHEAD_BATCHES)
     # speculative steps (specdec/engine/verify_policy.py): chain = every draft of the block every step;
     # auto = per step the chain length (the block, a half, a quarter, an eighth) with the most committed tokens per
     # second, from running acceptance and step times measured after graph capture (without CUDA graphs:
@@ -176,6 +178,9 @@ class EngineConfig:
                             f"{self.draft_vocab}")
         if self.verify not in VERIFY_POLICIES:
             problems.append(f"verify must be one of {', '.join(VERIFY_POLICIES)}, got {self.verify!r}")
+        if self.verify_ahead_batches not in VERIFY_AHEAD_BATCHES:
+            problems.append(f"verify_ahead_batches must be one of {', '.join(VERIFY_AHEAD_BATCHES)}, got "
+                            f"{self.verify_ahead_batches!r}")
         if full_precision_layer_list(self.kv_cache_full_precision_layers) is None:
             problems.append("kv_cache_full_precision_layers must be auto, none or comma-separated layer indices "
                             f"(e.g. 0,1), got {self.kv_cache_full_precision_layers!r}")

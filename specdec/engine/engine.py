@@ -116,7 +116,9 @@ class Engine:
                                    tree_nodes=tree_nodes, budgets=budgets,
                                    # with the draft ahead
                                    verify_ahead=config.overlap_steps and config.verify_ahead,
-                                   verify_ahead_batches=config.overlap_steps and config.verify_ahead_batches)
+                                   verify_ahead_batches=config.overlap_steps and (
+                                       config.verify_ahead_batches == "on"
+                                       or (config.verify_ahead_batches == "auto" and self.device.type == "cuda")))
         if drafter is not None:
             drafter.attach(DraftContext(self.device, self.dtype, self.drafter_kv_dtype, config.page_size, self.backend_name,
                                         config.max_num_seqs, self.max_context, self.model.model.embed_tokens,

@@ -197,8 +197,8 @@ class SpeculativeDecoding:
         """The next step's verify, queued right after its draft and before this step's tokens reach the host
         (`TargetRunner.run_block_ahead`): the host then plans it while the GPU verifies this step, and the GPU goes
         from the draft to the verify while the host commits. Only where the next step is known to run these requests
-        (none can join), with nothing they must follow on the host (penalties); None where not queued. A request that
-        ends in this step drops it (the next step runs the others in order)."""
+        (none can join), with nothing they must follow on the host (penalties); None where not queued. A step after
+        which some of them ended takes it without their rows (`VerifiedAhead.blocks_of`)."""
         if (not self.runner.queues_verify_ahead(len(running)) or not self.next_step_known
                 or any(r.params.adjusts_logits for r in running)):
             return None

@@ -67,22 +67,22 @@ def count_deferred_admissions(engine) -> list[bool]:
     return deferred
 
 
-def ahead_against_in_order(target_dir, tmp_path, monkeypatch, setting: str, run_prompts, answers, temperature: float,
-                           error_rate: float, kv: str) -> dict:
-    """MANY_PROMPTS through `run_prompts` (`lone_runs` or `batch_run`) on an engine with `setting` on and one with it
-    off, drafts from `answers` (plain decoding's) with `error_rate` wrong: both commit the same tokens step by step and
-    end alike, the one with it off queues nothing, outputs equal plain decoding's at T=0 in the model's dtype, and no
-    page leaks. Returns the counts of the engine with it on (`count_ahead`)."""
-    def run(ahead: bool):
-        engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, kv_cache_dtype=kv, **{setting: ahead})
+def ahead_against_in_order(target_dir, tmp_path, monkeypatch, setting: str, on, off, run_prompts, answers,
+                           temperature: float, error_rate: float, kv: str) -> dict:
+    """MANY_PROMPTS through `run_prompts` (`lone_runs` or `batch_run`) on an engine with `setting` `on` and one with it
+    `off`, drafts from `answers` (plain decoding's) with `error_rate` wrong: both commit the same tokens step by step
+    and end alike, the one with it off queues nothing, outputs equal plain decoding's at T=0 in the model's dtype, and
+    no page leaks. Returns the counts of the engine with it on (`count_ahead`)."""
+    def run(value):
+        engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, kv_cache_dtype=kv, **{setting: value})
         follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, error_rate)
         counts = count_ahead(engine, monkeypatch)
         requests = run_prompts(engine, MANY_PROMPTS, temperature)
         assert_no_leak(engine)
         return requests, counts
 
-    ahead, counts = run(True)
-    in_order, in_order_counts = run(False)
+    ahead, counts = run(on)
+    in_order, in_order_counts = run(off)
     assert [r.output_ids for r in ahead] == [r.output_ids for r in in_order]
     assert [r.stats.acceptance_lengths for r in ahead] == [r.stats.acceptance_lengths for r in in_order]
     assert [r.finish_reason for r in ahead] == [r.finish_reason for r in in_order]
@@ -118,7 +118,7 @@ def test_a_lone_requests_verifies_queued_ahead_commit_what_verifies_in_order_com
     """Requests alone, drafts from the target's own answers (none to all of them accepted), drafted ahead, the cache
     in the model's dtype or FP8: every step commits what it commits when each verify is planned after its step's
     tokens are read, outputs equal plain decoding's (at T=0, the model's dtype), and no page leaks."""
-    counts = ahead_against_in_order(target_dir, tmp_path, monkeypatch, "verify_ahead", lone_runs,
+    counts = ahead_against_in_order(target_dir, tmp_path, monkeypatch, "verify_ahead", True, False, lone_runs,
                                     plain_answers(target_dir, MANY_PROMPTS), temperature, error_rate, kv)
     assert counts["taken"] > 5 and counts["taken"] >= counts["queued"] - len(MANY_PROMPTS)
 
@@ -241,7 +241,7 @@ def test_a_batchs_verifies_queued_ahead_commit_what_verifies_in_order_commit(tar
     steps take verifies queued ahead, those after which a request ended without its rows, and every step
     commits what it commits when each verify is planned after its step's tokens are read; at T=0 in the model's
     dtype, outputs equal plain decoding's. No page leaks."""
-    counts = ahead_against_in_order(target_dir, tmp_path, monkeypatch, "verify_ahead_batches", batch_run,
+    counts = ahead_against_in_order(target_dir, tmp_path, monkeypatch, "verify_ahead_batches", "on", "off", batch_run,
                                     batch_run(spec_engine(target_dir, None, eos=(2, 9)), MANY_PROMPTS, 0.0),
                                     temperature, error_rate, kv)
     assert counts["taken"] > 1 and counts["rows_left"] > 0
@@ -255,7 +255,7 @@ def test_requests_joining_a_batch_wait_a_step_for_its_queued_verify_and_aborts_l
     that takes it, and a request aborted between steps with a verify queued for its batch gives everything back; the
     others' outputs are plain decoding's."""
     answers = batch_run(spec_engine(target_dir, None, eos=(2, 9)), MANY_PROMPTS, 0.0)
-    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches=True)
+    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches="on")
     requests, counts, deferred = arriving_every_third_step(engine, answers, monkeypatch)
     aborted = requests[-1]
     for _ in range(20):
@@ -278,7 +278,7 @@ def test_a_failure_around_a_batchs_verify_queued_ahead_leaves_the_engine_clean(t
     then gives what a fresh one gives."""
     params = SamplingParams(max_new_tokens=14)
     prompts = MANY_PROMPTS[:4]
-    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches=True)
+    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches="on")
     fresh = [r.output_ids for r in dflash_engine(target_dir, tmp_path, overlap_steps=False).generate_ids(prompts,
                                                                                                           params)]
     interrupted = [run_failing(engine, engine.runner, point, after, prompts, params) for after in (1, 2, 3)]
@@ -286,18 +286,20 @@ def test_a_failure_around_a_batchs_verify_queued_ahead_leaves_the_engine_clean(t
     assert [r.output_ids for r in engine.generate_ids(prompts, params)] == fresh
 
 
-@pytest.mark.parametrize("ahead", [True, False])
+@pytest.mark.parametrize("setting", ["on", "auto", "off"])
 def test_block_steps_of_a_batch_write_its_real_page_metadata_only_with_verify_ahead_batches(target_dir, tmp_path,
-                                                                                          ahead):
-    """With verify_ahead_batches a batch's block step body (what a graph rung captures) has the backend make the
+                                                                                          setting):
+    """With verify_ahead_batches on a batch's block step body (what a graph rung captures) has the backend make the
     page metadata of every request's length after the step from the starts in its inputs (`use_device_lengths`, a
-    no-op on the torch backend and on rungs that split the KV); a lone request's steps never do. Without it, never."""
-    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches=ahead)
+    no-op on the torch backend and on rungs that split the KV); a lone request's steps never do. Off, never; auto is
+    on only on CUDA, so off here."""
+    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches=setting)
     runner, seen = engine.runner, []
     ends = lambda: {q: (inputs["starts"][:8] + q).tolist() for q, inputs in runner.inputs.items()}  # noqa: E731
     runner.attn.use_device_lengths = lambda kv_lens: seen.append((kv_lens.tolist(), ends()))
     engine.generate_ids(MANY_PROMPTS[:3], SamplingParams(max_new_tokens=12))
     engine.generate_ids(MANY_PROMPTS[:1], SamplingParams(max_new_tokens=12))
-    assert bool(seen) is ahead
+    assert runner.verify_ahead_batches is (setting == "on")
+    assert bool(seen) is (setting == "on")
     assert all(len(kv_lens) > 1 and any(kv_lens == step_ends[:len(kv_lens)] for step_ends in by_q.values())
                for kv_lens, by_q in seen)

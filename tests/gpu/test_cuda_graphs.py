@@ -265,8 +265,8 @@ def test_batches_verifies_queued_ahead_equal_verifies_in_order(model_dirs, kv, m
     and 100 requests, token for token). Smaller batches' rungs split the KV and never queue one. Pools free after."""
     from specdec.engine import speculator
 
-    ordered = make_engine(model_dirs, True, kv, False, overlap_steps=True, verify="chain", verify_ahead_batches=False)
-    ahead = make_engine(model_dirs, True, kv, False, overlap_steps=True, verify="chain", verify_ahead_batches=True)
+    ordered = make_engine(model_dirs, True, kv, False, overlap_steps=True, verify="chain", verify_ahead_batches="off")
+    ahead = make_engine(model_dirs, True, kv, False, overlap_steps=True, verify="chain", verify_ahead_batches="on")
     taken, blocks_of = [], speculator.VerifiedAhead.blocks_of
 
     def recorded(self, *args):
