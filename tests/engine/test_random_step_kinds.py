@@ -1,6 +1,6 @@
 """Whatever `auto` picks at each ask (a plain step, any chain length, a token tree, a budget step; at every batch size,
 batch 1 included), in random workloads (arrivals sharing cached prefixes, aborts, pools small enough to preempt,
-chunked prompts, page sizes, drafts queued ahead or not, penalties, logprobs, sampled answers), every page
+chunked prompts, page sizes, drafts and verifies queued ahead or not, penalties, logprobs, sampled answers), every page
 ends free or cached and each greedy answer that ran to its end is the one plain decoding gives. Drafts come from a
 random DFlash drafter, or from one that follows the target (`follow_the_target`), so that deep acceptance runs too."""
 
@@ -38,6 +38,7 @@ def workloads(draw):
     config = dict(block=draw(st.sampled_from([4, 8])), eos=draw(st.sampled_from([(), (2,)])),
                   tree_nodes=draw(st.sampled_from([3, 9])), budget_steps=draw(st.booleans()),
                   overlap_steps=draw(st.booleans()), enable_prefix_caching=draw(st.booleans()),
+                  verify_ahead=draw(st.booleans()), verify_ahead_batches=draw(st.sampled_from(["on", "off"])),
                   num_kv_pages=draw(st.sampled_from([40, 80, 400])), max_num_seqs=draw(st.sampled_from([1, 3, 5])),
                   max_prefill_tokens=draw(st.sampled_from([5, 64])), page_size=draw(st.sampled_from([1, 4, 16])))
     arrivals = draw(st.lists(st.tuples(st.sampled_from([None, 0, 1]), st.lists(st.integers(3, 89), min_size=1,
