@@ -107,6 +107,14 @@ class PrefillChunks:
             self.first_tokens = self.sample_first(self.out.logits).tolist()
 
 
+def pool_holds(tables: list[PageTable], lengths: np.ndarray) -> bool:
+    """Whether the pool has the pages `tables` (of one pool) need to grow to `lengths`: a verify queued ahead takes
+    them before the scheduler plans the step it serves."""
+    pool = tables[0].pool
+    held = np.fromiter((t.num_pages for t in tables), dtype=np.int64, count=len(tables))
+    return int(np.clip(-(-lengths // pool.page_size) - held, 0, None).sum()) <= pool.num_free
+
+
 class TargetRunner(ModelRunner):
     def __init__(self, model: CausalLM, *, backend_name: str, kv_dtype: torch.dtype | tuple[torch.dtype, ...],
                  page_size: int, max_batch: int, block_lens: tuple[int, ...], max_prefill_tokens: int,
@@ -268,6 +276,8 @@ class TargetRunner(ModelRunner):
         if self.device.type != "cuda":
             for table, count in zip(tables, accepted.tolist()):
                 table.truncate(table.length - most + count + 1)
+            if not pool_holds(tables, table_lengths(tables) + q):
+                return None
             return self.run_block(tables, anchors.tolist(), rest, q)
         if not self.queues_verify_ahead(batch) or not self._plan_serves_ahead(tables, q, latest, most):
             return None
@@ -292,9 +302,7 @@ class TargetRunner(ModelRunner):
             table = tables[0]
             return table.can_grow(q) and self.attn.rows_plan_serves(
                 slot, q, (int(latest[0]) - most + 1 + q, int(latest[0]) + q), table.expected_length, self.page_size)
-        held = np.fromiter((t.num_pages for t in tables), dtype=np.int64, count=len(tables))
-        needed = int(np.clip(-(-(latest + q) // self.page_size) - held, 0, None).sum())
-        return (getattr(slot, "one_piece", False) and needed <= tables[0].pool.num_free
+        return (getattr(slot, "one_piece", False) and pool_holds(tables, latest + q)
                 and self.attn.graph_fits(slot, lambda: latest + q))
 
     def _stage_block(self, tables: list[PageTable], first_tokens: list[int], q: int,

@@ -9,11 +9,14 @@ real ones on the device is tested in tests/attention/test_flashinfer_dispatch.py
 
 import random
 
+import numpy as np
 import pytest
 
+from attention.page_pool import PagePool, PageTable
 from specdec.engine import speculator
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import PLAIN, TREE
+from specdec.runtime.target_runner import pool_holds
 from tests.engine_helpers import (MANY_PROMPTS, assert_no_leak, dflash_engine, follow_the_target, module_target,
                                   run_failing, spec_engine)
 
@@ -269,6 +272,33 @@ def test_requests_joining_a_batch_wait_a_step_for_its_queued_verify_and_aborts_l
     assert [r.output_ids for r in requests[:-1]] == [r.output_ids for r in answers[:-1]]
     assert aborted.output_ids == answers[-1].output_ids[:len(aborted.output_ids)]
     assert counts["taken"] > 0 and sum(deferred) > 0
+    assert_no_leak(engine)
+
+
+def test_a_verify_is_queued_ahead_only_where_the_pool_holds_the_pages_of_its_rows():
+    """`pool_holds`: the pages the tables lack for the verify's lengths, against the pool's free ones."""
+    pool = PagePool(5, 4)
+    tables = [PageTable(pool), PageTable(pool)]
+    tables[0].grow(6)  # 2 pages
+    tables[1].grow(3)  # 1 page; 2 left
+    assert pool_holds(tables, np.array([8, 8]))  # 0 + 1 more
+    assert pool_holds(tables, np.array([12, 8]))  # 1 + 1
+    assert not pool_holds(tables, np.array([13, 8]))  # 2 + 1
+
+
+@pytest.mark.parametrize("pages", [20, 24, 32])
+def test_a_batch_that_preempts_with_verifies_queued_ahead_stays_exact_and_gives_every_page_back(target_dir, tmp_path,
+                                                                                           monkeypatch, pages):
+    """Every prompt at once in a pool too small for all: requests are preempted and recomputed around steps that take
+    verifies queued ahead, which are queued only where the pool holds their pages. Outputs equal plain decoding's and
+    every page ends free."""
+    answers = batch_run(spec_engine(target_dir, None, eos=(2, 9)), MANY_PROMPTS, 0.0)
+    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches="on", num_kv_pages=pages)
+    follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, 0.2)
+    counts = count_ahead(engine, monkeypatch)
+    requests = batch_run(engine, MANY_PROMPTS, 0.0)
+    assert [r.output_ids for r in requests] == [r.output_ids for r in answers]
+    assert engine.scheduler.num_preemptions > 0 and counts["taken"] > 0
     assert_no_leak(engine)
 
 
