@@ -120,6 +120,14 @@ def table_lengths(tables: list["PageTable"]) -> np.ndarray:
     return np.fromiter((t.length for t in tables), dtype=np.int64, count=len(tables))
 
 
+def pool_holds(tables: list["PageTable"], lengths: np.ndarray) -> bool:
+    """Whether the pool has the pages `tables` (distinct tables of one pool) need to grow to `lengths` (a verify queued
+    ahead takes them before the scheduler plans the step it serves)."""
+    pool = tables[0].pool
+    held = np.fromiter((t.num_pages for t in tables), dtype=np.int64, count=len(tables))
+    return int(np.clip(-(-np.asarray(lengths) // pool.page_size) - held, 0, None).sum()) <= pool.num_free
+
+
 class PageTable:
     """One sequence's pages and length. All growth and shrinkage goes through the pool.
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from attention.batch_layout import BatchLayout, slots_on_device
-from attention.page_pool import PageTable, table_lengths
+from attention.page_pool import PageTable, pool_holds, table_lengths
 from attention.transfer import upload
 from attention.zero_pages import zeroed
 from specdec.models.decoder import Attention, CausalLM, ForwardOutput
@@ -105,14 +105,6 @@ class PrefillChunks:
         """After a forward of the chunks alone: the first tokens of the prompts they complete, to the host."""
         if self.sample_first is not None:
             self.first_tokens = self.sample_first(self.out.logits).tolist()
-
-
-def pool_holds(tables: list[PageTable], lengths: np.ndarray) -> bool:
-    """Whether the pool has the pages `tables` (of one pool) need to grow to `lengths`: a verify queued ahead takes
-    them before the scheduler plans the step it serves."""
-    pool = tables[0].pool
-    held = np.fromiter((t.num_pages for t in tables), dtype=np.int64, count=len(tables))
-    return int(np.clip(-(-lengths // pool.page_size) - held, 0, None).sum()) <= pool.num_free
 
 
 class TargetRunner(ModelRunner):

@@ -1,10 +1,11 @@
 """Page bookkeeping: random allocate / grow / truncate / free never leaks or shares a page."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention.page_pool import OutOfPagesError, PagePool, PageTable, grow_tables
+from attention.page_pool import OutOfPagesError, PagePool, PageTable, grow_tables, pool_holds
 
 ops = st.lists(st.tuples(st.sampled_from(["new", "grow", "truncate", "free"]), st.integers(0, 10**6),
                          st.integers(0, 40)), max_size=200)
@@ -128,3 +129,14 @@ def test_growing_tables_together_is_growing_each_and_changes_nothing_when_pages_
     with pytest.raises(OutOfPagesError):
         grow_tables(tables, [4 * 40] * len(tables))
     assert ([(t.length, t.num_pages, t.pages) for t in tables], pool.num_free) == before
+
+
+def test_pool_holds_counts_the_pages_tables_lack_for_their_lengths_against_the_free_ones():
+    """`pool_holds`: the pages the tables lack for the lengths asked, against the pool's free ones."""
+    pool = PagePool(5, 4)
+    tables = [PageTable(pool), PageTable(pool)]
+    tables[0].grow(6)  # 2 pages
+    tables[1].grow(3)  # 1 page; 2 left
+    assert pool_holds(tables, np.array([8, 8]))  # 0 + 1 more
+    assert pool_holds(tables, np.array([12, 8]))  # 1 + 1
+    assert not pool_holds(tables, np.array([13, 8]))  # 2 + 1

@@ -9,14 +9,11 @@ real ones on the device is tested in tests/attention/test_flashinfer_dispatch.py
 
 import random
 
-import numpy as np
 import pytest
 
-from attention.page_pool import PagePool, PageTable
 from specdec.engine import speculator
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import PLAIN, TREE
-from specdec.runtime.target_runner import pool_holds
 from tests.engine_helpers import (MANY_PROMPTS, assert_no_leak, dflash_engine, follow_the_target, module_target,
                                   run_failing, spec_engine)
 
@@ -273,17 +270,6 @@ def test_requests_joining_a_batch_wait_a_step_for_its_queued_verify_and_aborts_l
     assert aborted.output_ids == answers[-1].output_ids[:len(aborted.output_ids)]
     assert counts["taken"] > 0 and sum(deferred) > 0
     assert_no_leak(engine)
-
-
-def test_a_verify_is_queued_ahead_only_where_the_pool_holds_the_pages_of_its_rows():
-    """`pool_holds`: the pages the tables lack for the verify's lengths, against the pool's free ones."""
-    pool = PagePool(5, 4)
-    tables = [PageTable(pool), PageTable(pool)]
-    tables[0].grow(6)  # 2 pages
-    tables[1].grow(3)  # 1 page; 2 left
-    assert pool_holds(tables, np.array([8, 8]))  # 0 + 1 more
-    assert pool_holds(tables, np.array([12, 8]))  # 1 + 1
-    assert not pool_holds(tables, np.array([13, 8]))  # 2 + 1
 
 
 @pytest.mark.parametrize("pages", [20, 24, 32])
