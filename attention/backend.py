@@ -87,6 +87,12 @@ class AttentionBackend(ABC):
         graph), for a step planned with upper bounds of them: its attention and write slots then read each
         request's first pages up to its real length. A no-op where plans are exact (the default)."""
 
+    def lengths_plan_serves(self, slot) -> bool:
+        """Whether graph rung `slot`'s plan, made for upper bounds of its requests' KV lengths, runs a step as well at
+        the real lengths given on the device (`use_device_lengths`): a step queued before the host knows them. False
+        by default (no such plans)."""
+        return False
+
     def rows_plan_serves(self, slot, q: int, kv_lens: tuple[int, int], expected_kv_len: int, page_size: int) -> bool:
         """Whether graph rung `slot`, planned for a lone request's step of q rows at KV length kv_lens[1], runs it as
         well at every KV length from kv_lens[0] up, given that length on the device (`use_device_rows`): a step

@@ -485,14 +485,18 @@ class FlashInferBackend(AttentionBackend):
         write = fused_if(write_query_row_metadata, self.fuse)
         write(kv_indptr, last_page_len, kv_indices, kv_len, slot.rows, self.layout.page_size)
 
+    def lengths_plan_serves(self, slot: GraphSlot) -> bool:
+        """A backend planning for upper bounds (`device_lengths`), or a rung that keeps each request's KV in one piece:
+        its plan depends on the query counts alone (a batch's verify queued ahead, `TargetRunner.run_block_ahead`)."""
+        return self.plans_upper_bounds or slot.one_piece
+
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
-        """A graph rung planned for upper bounds (`device_lengths`), or one that keeps each request's KV in one piece
-        (whose plan serves any lengths: a batch's verify queued ahead, `TargetRunner.run_block_ahead`): its page
+        """A graph rung whose plan serves lengths below those it was made for (`lengths_plan_serves`): its page
         metadata becomes the real lengths' (each request keeps its first pages up to min(real, planned) length), on
         the device, with no host work. Captured in the step's graph; with exact lengths it rewrites what is already
         there."""
         slot = self.slot
-        if slot is None or not (self.plans_upper_bounds or slot.one_piece):
+        if slot is None or not self.lengths_plan_serves(slot):
             return
         write_real_page_metadata(slot.kv_indptr, slot.last_page_len, slot.kv_indices, kv_lens, self.layout.page_size)
 

@@ -264,13 +264,13 @@ class TargetRunner(ModelRunner):
         grows them by q again). None where that is not so: not queued. On the CPU the acceptance is read back (at no
         cost there) and the verify runs at its real starts."""
         batch = len(tables)
-        latest = table_lengths(tables)  # every draft of this step accepted
         if self.device.type != "cuda":
             for table, count in zip(tables, accepted.tolist()):
                 table.truncate(table.length - most + count + 1)
             if not pool_holds(tables, table_lengths(tables) + q):
                 return None
             return self.run_block(tables, anchors.tolist(), rest, q)
+        latest = table_lengths(tables)  # every draft of this step accepted
         if not self.queues_verify_ahead(batch) or not self._plan_serves_ahead(tables, q, latest, most):
             return None
         layout, inputs = self._stage_block(tables, [0] * batch, q, latest)
@@ -287,15 +287,13 @@ class TargetRunner(ModelRunner):
         """Whether a verify of q rows planned at the latest starts `latest` serves every start down to `most` - 1
         before them (see `run_block_ahead`), with room in the pool for the latest."""
         rung = self.rung_for(q, len(tables))
-        if rung is None:  # only a rung's graph makes the page metadata
+        if rung is None or not pool_holds(tables, latest + q):  # only a rung's graph makes the page metadata
             return False
         slot = self.ladders[q].slot(rung)
         if len(tables) == 1:
-            table = tables[0]
-            return table.can_grow(q) and self.attn.rows_plan_serves(
-                slot, q, (int(latest[0]) - most + 1 + q, int(latest[0]) + q), table.expected_length, self.page_size)
-        return (getattr(slot, "one_piece", False) and pool_holds(tables, latest + q)
-                and self.attn.graph_fits(slot, lambda: latest + q))
+            return self.attn.rows_plan_serves(slot, q, (int(latest[0]) - most + 1 + q, int(latest[0]) + q),
+                                              tables[0].expected_length, self.page_size)
+        return self.attn.lengths_plan_serves(slot) and self.attn.graph_fits(slot, lambda: latest + q)
 
     def _stage_block(self, tables: list[PageTable], first_tokens: list[int], q: int,
                      starts: np.ndarray) -> tuple[BatchLayout, StaticInputs]:
