@@ -31,13 +31,17 @@ last requests decode in fewer company, where speculation gains most, and long an
 for steps with prefill and decode-only ones (a drafter's split into plain and speculative steps), the median wall
 time against the GPU's busy time in the step (kernels, copies and sets that start inside the step's host range; a
 step ends with its device-to-host transfer, so its work has run by then), which says how host-bound each kind of
-step is, and the kernels that took most of it.
+step is, and the kernels that took most of it. --host-profile C adds one under cProfile, each step profiled apart: per
+kind of step, its median wall time and the host functions that took most of it (`scripts/bench/host_profile.py`'s
+lists; a wait for the GPU shows as the call that blocks), so steps with prefill and decode-only ones are told apart.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import tempfile
@@ -56,6 +60,7 @@ from scripts.bench.random_models import TINY_SHAPE, random_target, tiny_drafter 
 from scripts.bench.runner import environment, release_memory  # noqa: E402
 from scripts.bench.step_trace import load_rate, trace_bins, trace_table  # noqa: E402
 from scripts.bench.gpu_profile import range_activity, top_kernels  # noqa: E402
+from scripts.bench.host_profile import per_step, tables  # noqa: E402
 from scripts.bench.host_waits import HostWaits  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.engine.verify_policy import TREE, Budget  # noqa: E402
@@ -144,6 +149,8 @@ def parse_args(argv):
                         "the systems in turn, and rows give their tokens/s over the first system's, round by round")
     p.add_argument("--profile", type=int, metavar="C", help="one more level at concurrency C under the profiler: "
                                                             "wall vs GPU busy time per kind of step")
+    p.add_argument("--host-profile", type=int, metavar="C", help="one more level at concurrency C under cProfile: "
+                                                                 "the host functions per kind of step")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
     p.add_argument("--out", help="JSON results file")
     args = p.parse_args(argv)
@@ -323,6 +330,48 @@ def profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: i
 # context rows) is set against plain decoding's, and a speculative step's against both
 PROFILE_KINDS = ("decode only", "plain steps", "speculative steps", "with prefill")
 
+HOST_FUNCTIONS = 25  # rows of each list of a host profile
+
+
+@dataclass
+class HostProfile:
+    system: str
+    concurrency: int
+    kind: str  # as StepProfile's
+    steps: int
+    wall_ms: float  # their median, under cProfile
+    functions: dict  # `scripts.bench.host_profile.per_step`'s two lists of [function, us per step, calls per step]
+
+
+def host_profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int,
+                      max_new_tokens: int) -> list[HostProfile]:
+    """One level under cProfile, each step profiled apart and summed with the steps of its kind: per kind, the median
+    wall time and the host functions that took most of it."""
+    engine = llm.engine
+    engine.scheduler.max_num_seqs = concurrency
+    records = timed_steps(engine, HostWaits())
+    timed, by_kind = engine.step, {}
+
+    def profiled_step(*args, **kwargs):
+        profile, count = cProfile.Profile(), len(records)
+        out = profile.runcall(timed, *args, **kwargs)
+        kind = profile_kind(records[count])
+        by_kind[kind] = by_kind[kind].add(profile) if kind in by_kind else pstats.Stats(profile)
+        return out
+
+    engine.step = profiled_step
+    engine.generate_ids(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+    del engine.step, engine.scheduler.schedule
+    kinds = [profile_kind(r) for r in records]
+    profiles = []
+    for kind in PROFILE_KINDS:
+        picked = [r for r, k in zip(records, kinds) if k == kind]
+        if picked:  # the benchmark's own wrappers left out of the project's list
+            profiles.append(HostProfile(system, concurrency, kind, len(picked),
+                                        1e3 * statistics.median(r[2] for r in picked),
+                                        per_step(by_kind[kind].stats, len(picked), HOST_FUNCTIONS, exclude=__file__)))
+    return profiles
+
 
 def profile_kind(record: tuple) -> str:
     """The kind a step is profiled as, from its `timed_steps` record (prefilled, batch, seconds, verified, ...)."""
@@ -343,6 +392,15 @@ def profile_table(profiles: list[StepProfile]) -> str:
         lines += ["", f"{p.system}, concurrency {p.concurrency}, {p.kind}: the GPU's largest items per step", "",
                   "| kernel | us per step | launches per step |", "|---|---|---|"]
         lines += [f"| `{name}` | {us:.1f} | {launches:.1f} |" for name, us, launches in p.kernels]
+    return "\n".join(lines)
+
+
+def host_profile_table(profiles: list[HostProfile]) -> str:
+    lines = []
+    for p in profiles:
+        lines += ["", f"{p.system}, concurrency {p.concurrency}, {p.kind}: {p.steps} steps, median {p.wall_ms:.2f} ms "
+                      "under cProfile"]
+        lines += tables(p.functions)
     return "\n".join(lines)
 
 
@@ -377,7 +435,7 @@ def main(argv=None) -> int:
         for verify in args.verify if drafter else ():
             systems += [(DFLASH[verify] + (AHEAD if overlap else ""), drafter, verify, overlap) for overlap in overlaps]
         runner = run_interleaved if args.interleave else run_in_turn
-        rows, profiles, engines = runner(args, model, systems, device)
+        rows, profiles, host_profiles, engines = runner(args, model, systems, device)
     print(table(rows))
     if args.interleave:
         print("\nTokens/s over the first system's, round by round (--interleave), and at the level's own load:\n")
@@ -386,10 +444,14 @@ def main(argv=None) -> int:
     print(trace_table([(r.system, r.concurrency, trace_bins(r.steps)) for r in rows]))
     if profiles:
         print(profile_table(profiles))
+    if host_profiles:
+        print("\nHost time per kind of step, under cProfile (--host-profile):")
+        print(host_profile_table(host_profiles))
     if args.out:
         Path(args.out).write_text(json.dumps({"command": sys.argv, "environment": environment(device),
                                               "engines": engines, "rows": [asdict(r) for r in rows],
-                                              "profiles": [asdict(p) for p in profiles]}, indent=1))
+                                              "profiles": [asdict(p) for p in profiles],
+                                              "host_profiles": [asdict(p) for p in host_profiles]}, indent=1))
     return 0
 
 
@@ -418,16 +480,24 @@ def engine_record(args, name: str, llm: LLM) -> dict:
             "kv_full_precision_layers": list(llm.engine.full_precision_layers)}
 
 
-def profile_system(args, llm: LLM, name: str, prompts: list[list[int]], device: torch.device) -> list[StepProfile]:
-    count = min(len(prompts), 2 * args.profile)  # the profiler's own cost grows with the run
-    if not args.keep_prefix_cache:
-        llm.reset_prefix_cache()
-    return profile_load(llm, name, prompts[:count], args.profile, args.max_new_tokens, device.type == "cuda")
+def profile_system(args, llm: LLM, name: str, prompts: list[list[int]],
+                   device: torch.device) -> tuple[list[StepProfile], list[HostProfile]]:
+    """The levels under the torch profiler (--profile) and under cProfile (--host-profile) asked for."""
+    def level(concurrency: int) -> list[list[int]]:
+        if not args.keep_prefix_cache:
+            llm.reset_prefix_cache()
+        return prompts[:min(len(prompts), 2 * concurrency)]  # the profiler's own cost grows with the run
+
+    profiles = ([] if args.profile is None else
+                profile_load(llm, name, level(args.profile), args.profile, args.max_new_tokens, device.type == "cuda"))
+    host_profiles = ([] if args.host_profile is None else
+                     host_profile_load(llm, name, level(args.host_profile), args.host_profile, args.max_new_tokens))
+    return profiles, host_profiles
 
 
 def run_in_turn(args, model: str, systems: list[tuple], device: torch.device):
     """Each system's engine alone on the GPU, its levels one after the other."""
-    rows, profiles, engines = [], [], []
+    rows, profiles, host_profiles, engines = [], [], [], []
     for system in systems:
         name = system[0]
         llm, prompts = load_system(args, model, system, device)
@@ -437,11 +507,12 @@ def run_in_turn(args, model: str, systems: list[tuple], device: torch.device):
                                              cold=not args.keep_prefix_cache) for _ in range(args.repeats)]))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
         engines.append(engine_record(args, name, llm))
-        if args.profile:
-            profiles += profile_system(args, llm, name, prompts, device)
+        system_profiles, system_host_profiles = profile_system(args, llm, name, prompts, device)
+        profiles += system_profiles
+        host_profiles += system_host_profiles
         del llm
         release_memory(device)
-    return rows, profiles, engines
+    return rows, profiles, host_profiles, engines
 
 
 def run_interleaved(args, model: str, systems: list[tuple], device: torch.device):
@@ -465,11 +536,14 @@ def run_interleaved(args, model: str, systems: list[tuple], device: torch.device
             rows[-1].paired = paired
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     engines = [engine_record(args, name, llm) for (name, *_), (llm, _) in zip(systems, loaded)]
-    profiles = [p for (name, *_), (llm, prompts) in zip(systems, loaded) if args.profile
-                for p in profile_system(args, llm, name, prompts, device)]
+    profiles, host_profiles = [], []
+    for (name, *_), (llm, prompts) in zip(systems, loaded):
+        system_profiles, system_host_profiles = profile_system(args, llm, name, prompts, device)
+        profiles += system_profiles
+        host_profiles += system_host_profiles
     del loaded
     release_memory(device)
-    return rows, profiles, engines
+    return rows, profiles, host_profiles, engines
 
 
 def paired_table(rows: list[LoadRow]) -> str:

@@ -9,6 +9,7 @@
 #            the DFlash rows' policies (bench_load.py's --verify, default auto)
 #   profile  where a step's time goes (wall against GPU busy time, the largest kernels): steps with and without
 #            arrivals at 64 on the mixed set, and at 256 on the coding requests
+#   host-profile  where a step's host time goes (cProfile, per kind of step): math500 at 64, coding requests at 256
 #   profile-batch1  the same for one request: chain and tree steps on math500, and turns whose ~6k-token system
 #            prompt the prefix cache holds (--system-repeat 12)
 #   ab       this checkout against BASELINE on math500 and the coding requests at AB_LEVELS (64 128 256),
@@ -23,6 +24,7 @@
 set -uo pipefail
 out=${LOAD_OUT:-/tmp/load}
 default_stages="tests sweep profile"
+no_target_stages="tests"  # the GPU suite runs on SmolLM2 alone
 source scripts/device_job.sh
 here=$(pwd)
 drafter=$here/drafters/checkpoints/qwen2.5-coder-1.5b-dflash-b16
@@ -45,6 +47,10 @@ fi
 if wanted profile; then
   load profile-arrivals "$here" --dataset mixed --concurrency 64 --profile 64
   load profile-code-256 "$here" --dataset code --concurrency 256 --profile 256
+fi
+if wanted host-profile; then
+  load host-profile-math500-64 "$here" --dataset math500 --concurrency 64 --host-profile 64
+  load host-profile-code-256 "$here" --dataset code --concurrency 256 --host-profile 256
 fi
 if wanted profile-batch1; then
   load profile-trees "$here" --dataset math500 --verify chain tree --requests 4 --max-new-tokens 256 --concurrency 1 \

@@ -166,3 +166,22 @@ def test_the_paired_table_sets_each_system_against_the_first_at_the_levels_own_l
     table = paired_table([plain, dflash])
     assert "| AR | 64 | 1.000x | 1.000 | 0.500 (50%) | 1.000x |" in table
     assert "| DFlash | 64 | 1.900x | 1.900 | 0.750 (57%) | 1.500x |" in table
+
+
+def test_host_profile_level_lists_the_host_functions_of_each_kind_of_step(tmp_path, capsys):
+    out = tmp_path / "load.json"
+    assert main(["--quick", *IN_ORDER, "--host-profile", "4", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["profiles"] == []  # the torch profiler's level was not asked for
+    profiles = results["host_profiles"]
+    assert [(p["system"], p["kind"]) for p in profiles] == [("AR", "decode only"), ("AR", "with prefill"),
+                                                            ("DFlash", "speculative steps"), ("DFlash", "with prefill")]
+    for p in profiles:
+        assert p["steps"] >= 1 and p["wall_ms"] > 0
+        own, inclusive = p["functions"]["host_functions"], p["functions"]["host_functions_inclusive"]
+        assert own and all(us >= 0 and calls > 0 for _, us, calls in own)
+        # the engine's step heads the project's list; the benchmark's own wrappers are left out
+        assert inclusive[0][0].startswith("engine.py:") and not any("bench_load.py" in f for f, _, _ in inclusive)
+    speculative = [f for f, _, _ in profiles[2]["functions"]["host_functions_inclusive"]]
+    assert any(f.startswith("speculator.py:") for f in speculative)
+    assert "DFlash, concurrency 4, with prefill:" in capsys.readouterr().out
