@@ -143,7 +143,7 @@ class Engine:
             self.decoding: DecodePhase = SpeculativeDecoding(
                 self.runner, drafter, VerifyPolicy(block, chain_lengths, tree=trees, budgets=budgets),
                 TreeDecoding(self.runner, drafter, draft_ahead=config.overlap_steps) if trees else None,
-                draft_ahead=config.overlap_steps)
+                draft_ahead=config.overlap_steps, prompts_apart=config.prompts_apart)
         else:
             self.decoding = PlainDecoding(self.runner)
         # one entry per cached page: the target's KV page and, when the drafter keeps a context cache, its page

@@ -45,11 +45,14 @@ from specdec.runtime.target_runner import BlockOutput, Carried, PrefillChunks, T
 
 class SpeculativeDecoding:
     def __init__(self, runner: TargetRunner, drafter: Drafter, policy: VerifyPolicy | None = None,
-                 tree: TreeDecoding | None = None, draft_ahead: bool = True):
+                 tree: TreeDecoding | None = None, draft_ahead: bool = True, prompts_apart: bool = False):
         self.runner = runner
         self.drafter = drafter
         # queue each chain step's next draft before reading its tokens (not with trees only: they draft candidates)
         self.draft_ahead = draft_ahead
+        # a chain step's prompt chunks in a forward of their own after the verify (`_prefill_apart`), not in one
+        # mixed forward with it
+        self.prompts_apart = prompts_apart
         self.tokens_per_step = drafter.block_size  # the most a step commits per request
         self.policy = policy or VerifyPolicy(drafter.block_size, (drafter.block_size,))
         if self.policy.tree and tree is None:
@@ -77,6 +80,20 @@ class SpeculativeDecoding:
         self.drafter.add_context(prefill.requests, prefill.out.features, prefill.lens)
         prefill.context_added = True
         return prefill.sample_first(prefill.out.logits) if prefill.sample_first is not None else None
+
+    def _prefill_apart(self, prefill: PrefillChunks, out: BlockOutput, rows: int) -> tuple[torch.Tensor | None, int]:
+        """A chain step's prompt chunks in a forward of their own, queued after everything the step reads from its
+        verify's outputs but the features (`prompts_apart`): that forward fills the runner's buffers from their first
+        row, so the verify's `rows` feature rows move past the chunks' in the features buffer, where the drafter reads
+        them. Returns the chunks' first tokens (`_prefilled`) and the row the verify's features now start at."""
+        held = out.features[:rows].clone() if out.features is not None else None
+        self.runner.run_prefill(prefill)
+        first_tokens = self._prefilled(prefill)
+        if held is None:  # a drafter that reads no features
+            return first_tokens, 0
+        first_row = sum(prefill.lens)
+        self.runner.features_out[first_row:first_row + rows].copy_(held)
+        return first_tokens, first_row
 
     def capture(self) -> float:
         """CUDA graphs of the tree step's small pieces (none for chains: the runners hold theirs)."""
@@ -124,27 +141,32 @@ class SpeculativeDecoding:
         # masks are computed
         drafts_host = HostCopy(drafts) if any(r.matcher is not None for r in running) else None
         anchors = [r.pending_token for r in running]
+        apart = prefill is not None and self.prompts_apart and budget is None  # (a verify taken ahead has no chunks)
         if verified is not None:
             for table in tables:  # the slots the verify queued ahead wrote
                 table.grow(q)
             out = verified.output(blocks, running)
         elif budget is None:
-            out = self.runner.run_block(tables, anchors, drafts, q, prefill)
+            out = self.runner.run_block(tables, anchors, drafts, q, None if apart else prefill)
         else:  # a request accepts drafts only as far as its rows ran
             out, lengths = self.runner.run_budget(tables, anchors, drafts, self.drafter.confidence, q, budget.per,
                                                   logits=not all(r.params.greedy for r in running))
-        first_tokens = self._prefilled(prefill)
+        first_tokens = None if apart else self._prefilled(prefill)
         targets = sample_block(out, running, q, drafts, drafts_host).view(batch, q)
         accepted, bonus = accept(drafts, targets, lengths if budget is not None else None)
         rows = LogprobRows.start(out.logits, targets.view(-1), running, q)  # committed token j: the target's at row j
         # the accepted drafts equal the target's tokens at their rows, and the bonus is its token after them: a
         # request commits the first a + 1 of its target tokens, so those and a are all the host reads (and a budget
         # step's lengths)
-        read = [targets, accepted[:, None].long()] + ([lengths[:, None]] if budget is not None else [])
-        transfer = StepTransfer(torch.cat(read, dim=1), prefill, first_tokens)
+        read = torch.cat([targets, accepted[:, None].long()] + ([lengths[:, None]] if budget is not None else []),
+                         dim=1)
+        first_row = 0  # where the verify's features start in the runner's buffer (which the drafter reads)
+        if apart:
+            first_tokens, first_row = self._prefill_apart(prefill, out, len(blocks) * q)
+        transfer = StepTransfer(read, prefill, first_tokens)
         starting = prefill.starting if first_tokens is not None else []
         drafting = running + starting
-        feature_rows = [block * q for block in blocks]
+        feature_rows = [first_row + block * q for block in blocks]
         ahead = self._queue_next_draft(running, starting, bonus, accepted, first_tokens, q, feature_rows)
         if ahead and budget is None and rows is None and drafts_host is None and prefill is None:
             self.ahead = self._queue_next_verify(running, bonus, accepted, q)

@@ -1,0 +1,119 @@
+"""A speculative chain step's prompt chunks in a forward of their own after its verify (`prompts_apart`,
+`SpeculativeDecoding._prefill_apart`): steps that admit prompts while others decode commit what one mixed forward
+commits (greedy and seeded sampling, no to full acceptance, chunked prompts, logprobs, an FP8 cache, drafting ahead or
+not), at T=0 what plain decoding commits; the drafter drafts from the verify's features moved past the chunks', and
+nothing is left held."""
+
+import pytest
+
+from specdec.engine.sampling_params import SamplingParams
+from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, dflash_engine,
+                                  follow_the_target, module_target, run_staggered, spec_engine)
+
+target_dir = module_target("prompts-apart", seed=41)
+
+
+def params_for(i: int, temperature: float, logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(max_new_tokens=6 + 5 * i, temperature=temperature, seed=i, logprobs=logprobs,
+                          prompt_logprobs=logprobs)
+
+
+@pytest.fixture(scope="module")
+def plain_answers(target_dir):
+    """Greedy plain decoding of each prompt alone (request i ending after 6 + 5i tokens, or at EOS)."""
+    engine = spec_engine(target_dir, None, eos=(2, 9))
+    return [engine.generate_ids([p], params_for(i, 0.0))[0] for i, p in enumerate(MANY_PROMPTS)]
+
+
+def staggered_run(target_dir, tmp_path, plain_answers, apart: bool, temperature: float, error_rate: float,
+                  logprobs: int | None = None, **config) -> tuple[list, int]:
+    """MANY_PROMPTS joining while earlier ones decode (`run_staggered`), drafts from plain decoding's answers with
+    `error_rate` wrong; returns the requests and the number of steps whose chunks ran in a forward of their own while
+    others were verified."""
+    engine = dflash_engine(target_dir, tmp_path, prompts_apart=apart, **config)
+    follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, plain_answers)},
+                      error_rate)
+    apart_steps, verified = [0], [False]  # steps with chunks apart; whether this step has verified yet
+    run_prefill, run_block, step = engine.runner.run_prefill, engine.runner.run_block, engine.step
+
+    def block(*args):
+        verified[0] = True
+        return run_block(*args)
+
+    def prefill_alone(prefill):
+        apart_steps[0] += verified[0]
+        return run_prefill(prefill)
+
+    def stepped(*args, **kwargs):
+        verified[0] = False
+        return step(*args, **kwargs)
+
+    engine.runner.run_block, engine.runner.run_prefill, engine.step = block, prefill_alone, stepped
+    requests = run_staggered(engine, MANY_PROMPTS,
+                             [params_for(i, temperature, logprobs) for i in range(len(MANY_PROMPTS))])
+    assert_no_leak(engine)
+    return requests, apart_steps[0]
+
+
+@pytest.mark.parametrize("temperature,error_rate,kv,overlap", [
+    (0.0, 0.0, "auto", True), (0.0, 0.3, "auto", True), (0.0, 1.0, "auto", True), (0.8, 0.3, "auto", True),
+    (0.0, 0.3, "fp8", True), (0.0, 0.3, "auto", False)])
+def test_prompt_chunks_apart_from_the_verify_commit_what_one_mixed_forward_commits(target_dir, tmp_path, plain_answers,
+                                                                                   temperature, error_rate, kv,
+                                                                                   overlap):
+    """Requests join while others decode (each join a step with a prompt chunk beside the running requests' verify):
+    with the chunks in a forward of their own every request commits what it commits when one forward runs both, step
+    by step; at T=0 in the model's dtype, plain decoding's tokens."""
+    config = dict(kv_cache_dtype=kv, overlap_steps=overlap)
+    apart, apart_steps = staggered_run(target_dir, tmp_path, plain_answers, True, temperature, error_rate, **config)
+    mixed, mixed_steps = staggered_run(target_dir, tmp_path, plain_answers, False, temperature, error_rate, **config)
+    assert apart_steps >= 4 and mixed_steps == 0
+    assert [r.output_ids for r in apart] == [r.output_ids for r in mixed]
+    assert [r.stats.acceptance_lengths for r in apart] == [r.stats.acceptance_lengths for r in mixed]
+    assert [r.finish_reason for r in apart] == [r.finish_reason for r in mixed]
+    if temperature == 0.0 and kv == "auto":
+        assert [r.output_ids for r in apart] == [r.output_ids for r in plain_answers]
+
+
+def test_chunked_prompts_apart_from_the_verify(target_dir, tmp_path, plain_answers):
+    """Prompts longer than a step's token budget, prefilled in chunks over several steps beside the verifies of those
+    decoding: the same tokens as one mixed forward, and plain decoding's."""
+    config = dict(max_prefill_tokens=5)
+    apart, apart_steps = staggered_run(target_dir, tmp_path, plain_answers, True, 0.0, 0.3, **config)
+    mixed, _ = staggered_run(target_dir, tmp_path, plain_answers, False, 0.0, 0.3, **config)
+    assert apart_steps >= 6
+    assert [r.output_ids for r in apart] == [r.output_ids for r in mixed] == [r.output_ids for r in plain_answers]
+
+
+def test_logprobs_of_steps_with_prompts_apart(target_dir, tmp_path, plain_answers):
+    """Requests asking for logprobs of their prompts and answers: the same as one mixed forward's."""
+    apart, _ = staggered_run(target_dir, tmp_path, plain_answers, True, 0.0, 0.3, logprobs=3)
+    mixed, _ = staggered_run(target_dir, tmp_path, plain_answers, False, 0.0, 0.3, logprobs=3)
+    for a, m in zip(apart, mixed):
+        assert a.output_ids == m.output_ids
+        assert_logprobs_close(a.output_logprobs, m.output_logprobs)
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(a.prompt_ids)
+        assert_logprobs_close(a.prompt_logprobs[1:], m.prompt_logprobs[1:])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_drafter_drafts_from_the_verifys_features_moved_past_the_chunks(target_dir, tmp_path, overlap):
+    """The random drafter's own drafts (nothing scripted), step by step: the same with the chunks apart as with one
+    mixed forward, so each request's context rows came from its own verify rows (drafting ahead, from the features
+    in the buffer; in order, from the rows the step hands the drafter)."""
+    def drafts_of(apart: bool) -> list:
+        engine = dflash_engine(target_dir, tmp_path, prompts_apart=apart, overlap_steps=overlap)
+        proposed, propose = [], engine.drafter.propose
+
+        def recorded(requests, *args, **kwargs):
+            drafts = propose(requests, *args, **kwargs)
+            proposed.append(drafts[:len(requests)].tolist())
+            return drafts
+
+        engine.drafter.propose = recorded
+        run_staggered(engine, MANY_PROMPTS, [params_for(i, 0.0) for i in range(len(MANY_PROMPTS))])
+        assert_no_leak(engine)
+        return proposed
+
+    apart, mixed = drafts_of(True), drafts_of(False)
+    assert len(apart) > 20 and apart == mixed
