@@ -294,6 +294,27 @@ def test_batches_verifies_queued_ahead_equal_verifies_in_order(model_dirs, kv, m
     assert len(taken) > 10 and min(taken) > 48  # rung 64 (49-64 requests) and up keep the KV in one piece
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_prompt_chunks_apart_equal_one_mixed_forward(model_dirs, kv):
+    """A chain step's prompt chunks in a forward of their own after its verify (`prompts_apart`), the verify replayed
+    from its rung's graph: requests arriving 1, 3 and 8 at a time while others decode (drafting ahead and verifies
+    queued ahead as by default) commit what one mixed forward commits, up to near-ties (the verify's rows run in the
+    rung's graph rather than beside the chunks); the chunks really ran apart while others were verified; pools free."""
+    mixed = make_engine(model_dirs, True, kv, False, overlap_steps=True, verify="chain")
+    apart = make_engine(model_dirs, True, kv, False, overlap_steps=True, verify="chain", prompts_apart=True)
+    alone = count_calls(apart.runner, "run_prefill")
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    for batch, per_step in ((5, 1), (24, 3), (64, 8)):
+        ids = prompts(batch)
+        want, got = staggered(mixed, ids, params, per_step), staggered(apart, ids, params, per_step)
+        found = divergences(mixed, want, got)
+        assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in found), (batch, found)
+        for engine in (mixed, apart):
+            assert engine.pool.num_free == engine.pool.num_pages
+            assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
+    assert len(alone) >= 10  # waves after the first join requests that are decoding
+
+
 def test_held_context_rows_of_plain_steps_draft_as_rows_written_at_once(model_dirs):
     """Plain steps' context rows, held and written together from the graphs of the held step before the next
     draft, give that draft the logits it gets when each plain step writes its row at once (the same target
