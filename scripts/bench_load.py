@@ -333,7 +333,7 @@ def profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: i
 # context rows) is set against plain decoding's, and a speculative step's against both
 PROFILE_KINDS = ("decode only", "plain steps", "speculative steps", "with prefill")
 
-HOST_FUNCTIONS = 25  # rows of each list of a host profile
+HOST_FUNCTIONS = 40  # rows of each list of a host profile (its tail spreads thin: steps with prefill)
 
 
 @dataclass
