@@ -2,7 +2,7 @@
 `SpeculativeDecoding._prefill_apart`): steps that admit prompts while others decode commit what one mixed forward
 commits (greedy and seeded sampling, no to full acceptance, chunked prompts, logprobs, an FP8 cache, drafting ahead or
 not), at T=0 what plain decoding commits; the drafter drafts from the verify's features moved past the chunks', and
-nothing is left held."""
+nothing is left held, after an interrupt in the chunks' forward too."""
 
 import pytest
 
@@ -117,3 +117,35 @@ def test_the_drafter_drafts_from_the_verifys_features_moved_past_the_chunks(targ
 
     apart, mixed = drafts_of(True), drafts_of(False)
     assert len(apart) > 20 and apart == mixed
+
+
+
+@pytest.mark.parametrize("owner,point", [("runner", "run_prefill"), ("decoding", "_prefilled")])
+def test_a_failure_in_a_prompts_forward_apart_leaves_the_engine_clean(target_dir, tmp_path, plain_answers, owner,
+                                                                      point):
+    """Three requests at a time, each ending at its own length, so that prompts join while others are verified: an
+    interrupt in the chunks' own forward or in what follows it (the drafter's context, the first tokens) at such a
+    step ends the call's requests and leaves no page held, and the engine then answers as plain decoding does."""
+    engine = dflash_engine(target_dir, tmp_path, prompts_apart=True, max_num_seqs=3)
+    follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, plain_answers)}, 0.3)
+    target, original = getattr(engine, owner), getattr(getattr(engine, owner), point)
+    for after in (1, 2, 3):
+        calls = {"apart": 0}
+
+        def failing(prefill, *args, **kwargs):  # the after-th call on chunks run beside others' verifies
+            calls["apart"] += prefill is not None and len(engine.scheduler.running) > len(prefill.requests)
+            if calls["apart"] == after:
+                raise KeyboardInterrupt(point)
+            return original(prefill, *args, **kwargs)
+
+        setattr(target, point, failing)
+        requests = [engine.make_request(p, params_for(i, 0.0)) for i, p in enumerate(MANY_PROMPTS)]
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                engine.run(requests)
+        finally:
+            setattr(target, point, original)
+        assert all(r.finished for r in requests) and engine.scheduler.idle
+        assert_no_leak(engine)
+    answers = [engine.generate_ids([p], params_for(i, 0.0))[0] for i, p in enumerate(MANY_PROMPTS)]
+    assert [a.output_ids for a in answers] == [a.output_ids for a in plain_answers]
