@@ -348,8 +348,9 @@ class Engine:
         on_commit = on_commit or _ignore
         start = time.perf_counter()
         # a verify queued ahead serves a step without prompt chunks: requests waiting to join take the step after it
-        # (they wait one step; its verify would otherwise run for nothing)
-        plan = self.scheduler.schedule(admit=self.drafter is None or self.decoding.ahead is None)
+        # (they wait one step; its verify would otherwise run for nothing), unless their chunks run apart from it
+        plan = self.scheduler.schedule(admit=self.drafter is None or self.decoding.ahead is None
+                                       or self.decoding.prompts_apart)
         if self.drafter is not None:
             for request in plan.preempted:
                 self.drafter.release(request)

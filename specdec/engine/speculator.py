@@ -127,7 +127,8 @@ class SpeculativeDecoding:
         if queued is not None and queued + 1 < q:  # the chain of what it holds
             budget, q = None, queued + 1
         # where each request's verify rows start, in blocks of q: its place in the batch, or in a verify queued ahead
-        blocks = verified.blocks_of(running, prefill, budget) if verified is not None else None
+        blocks = (verified.blocks_of(running, prefill, budget, chunks_apart=self.prompts_apart)
+                  if verified is not None else None)
         if blocks is None:
             verified, blocks = None, list(range(batch))
         else:  # its rows are verified already: the chain of all of them
@@ -162,13 +163,15 @@ class SpeculativeDecoding:
                          dim=1)
         first_row = 0  # where the verify's features start in the runner's buffer (which the drafter reads)
         if apart:
-            first_tokens, first_row = self._prefill_apart(prefill, out, len(blocks) * q)
+            first_tokens, first_row = self._prefill_apart(prefill, out, (blocks[-1] + 1) * q)
         transfer = StepTransfer(read, prefill, first_tokens)
         starting = prefill.starting if first_tokens is not None else []
         drafting = running + starting
         feature_rows = [first_row + block * q for block in blocks]
         ahead = self._queue_next_draft(running, starting, bonus, accepted, first_tokens, q, feature_rows)
-        if ahead and budget is None and rows is None and drafts_host is None and prefill is None:
+        # a step with prompt chunks apart queues one too, unless they complete prompts (the next batch then grows)
+        same_batch_next = prefill is None or (apart and not starting)
+        if ahead and budget is None and rows is None and drafts_host is None and same_batch_next:
             self.ahead = self._queue_next_verify(running, bonus, accepted, q)
         host = transfer.read()
         tokens, counts = [], []
@@ -219,9 +222,10 @@ class SpeculativeDecoding:
         """The next step's verify, queued right after its draft and before this step's tokens reach the host
         (`TargetRunner.run_block_ahead`): the host then plans it while the GPU verifies this step, and the GPU goes
         from the draft to the verify while the host commits. Only where the next step is known to run these requests
-        (none can join), with nothing they must follow on the host (penalties); None where not queued. A step after
-        which some of them ended takes it without their rows (`VerifiedAhead.blocks_of`)."""
-        if (not self.runner.queues_verify_ahead(len(running)) or not self.next_step_known
+        (none can join; with `prompts_apart` a request that joins runs its chunks apart, beside them), with nothing
+        they must follow on the host (penalties); None where not queued. A step after which some of them ended takes
+        it without their rows (`VerifiedAhead.blocks_of`)."""
+        if (not self.runner.queues_verify_ahead(len(running)) or not (self.next_step_known or self.prompts_apart)
                 or any(r.params.adjusts_logits for r in running)):
             return None
         drafts = self.drafter.drafts_ahead(running)
@@ -268,12 +272,13 @@ class VerifiedAhead:
     q: int
     out: BlockOutput
 
-    def blocks_of(self, running: list[Request], prefill: PrefillChunks | None, budget: Budget | None
-                  ) -> list[int] | None:
+    def blocks_of(self, running: list[Request], prefill: PrefillChunks | None, budget: Budget | None,
+                  chunks_apart: bool = False) -> list[int] | None:
         """Where this step finds each request's rows (block i: rows i * q ..), if it is the step the verify was queued
         for: a chain step of the same requests in the same order (their same tables), less any that ended or left
-        meanwhile (their rows are not read), with no prompt chunks. None where it is not."""
-        if prefill is not None or budget is not None or len(running) > len(self.requests):
+        meanwhile (their rows are not read), with no prompt chunks, or chunks that run in a forward of their own
+        (`chunks_apart`). None where it is not."""
+        if (prefill is not None and not chunks_apart) or budget is not None or len(running) > len(self.requests):
             return None
         blocks, block = [], 0
         for request in running:

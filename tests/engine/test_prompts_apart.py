@@ -96,13 +96,15 @@ def test_logprobs_of_steps_with_prompts_apart(target_dir, tmp_path, plain_answer
         assert_logprobs_close(a.prompt_logprobs[1:], m.prompt_logprobs[1:])
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_the_drafter_drafts_from_the_verifys_features_moved_past_the_chunks(target_dir, tmp_path, overlap):
+@pytest.mark.parametrize("overlap,ahead", [(True, "off"), (False, "off"), (True, "on")])
+def test_the_drafter_drafts_from_the_verifys_features_moved_past_the_chunks(target_dir, tmp_path, overlap, ahead):
     """The random drafter's own drafts (nothing scripted), step by step: the same with the chunks apart as with one
-    mixed forward, so each request's context rows came from its own verify rows (drafting ahead, from the features
-    in the buffer; in order, from the rows the step hands the drafter)."""
+    mixed forward and verifies in order, so each request's context rows came from its own verify rows (drafting
+    ahead, from the features in the buffer; in order, from the rows the step hands the drafter; with verifies queued
+    ahead, from the queued verify's rows, those of requests that ended since among them)."""
     def drafts_of(apart: bool) -> list:
-        engine = dflash_engine(target_dir, tmp_path, prompts_apart=apart, overlap_steps=overlap)
+        engine = dflash_engine(target_dir, tmp_path, prompts_apart=apart, overlap_steps=overlap,
+                               verify_ahead_batches=ahead if apart else "off")
         proposed, propose = [], engine.drafter.propose
 
         def recorded(requests, *args, **kwargs):
@@ -149,3 +151,42 @@ def test_a_failure_in_a_prompts_forward_apart_leaves_the_engine_clean(target_dir
         assert_no_leak(engine)
     answers = [engine.generate_ids([p], params_for(i, 0.0))[0] for i, p in enumerate(MANY_PROMPTS)]
     assert [a.output_ids for a in answers] == [a.output_ids for a in plain_answers]
+
+
+@pytest.mark.parametrize("temperature,error_rate,kv,chunk", [
+    (0.0, 0.0, "auto", 64), (0.0, 0.3, "auto", 64), (0.0, 1.0, "auto", 64), (0.8, 0.3, "auto", 64),
+    (0.0, 0.3, "fp8", 64), (0.0, 0.3, "auto", 5)])
+def test_verifies_queued_ahead_serve_steps_whose_prompt_chunks_run_apart(target_dir, tmp_path, plain_answers,
+                                                                         monkeypatch, temperature, error_rate, kv,
+                                                                         chunk):
+    """With the chunks apart, a request that arrives joins at once and the verify queued for the others serves that
+    step (on the CPU every batch queues one: `verify_ahead_batches="on"`); a step whose chunks do not yet complete a
+    prompt queues the next one too. Every request commits what it commits with verifies in order and one mixed forward,
+    step by step; at T=0 in the model's dtype, plain decoding's tokens."""
+    from specdec.engine import speculator
+    from tests.engine.test_verify_ahead import count_deferred_admissions
+
+    config = dict(kv_cache_dtype=kv, overlap_steps=True, max_prefill_tokens=chunk)
+    taken, blocks_of = [], speculator.VerifiedAhead.blocks_of
+
+    def recorded(self, running, prefill, *args, **kwargs):
+        blocks = blocks_of(self, running, prefill, *args, **kwargs)
+        taken.append((prefill is not None, blocks is not None))
+        return blocks
+
+    monkeypatch.setattr(speculator.VerifiedAhead, "blocks_of", recorded)
+    engine = dflash_engine(target_dir, tmp_path, prompts_apart=True, verify_ahead_batches="on", **config)
+    follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, plain_answers)},
+                      error_rate)
+    deferred = count_deferred_admissions(engine)
+    ahead = run_staggered(engine, MANY_PROMPTS, [params_for(i, temperature) for i in range(len(MANY_PROMPTS))])
+    assert_no_leak(engine)
+    in_order, _ = staggered_run(target_dir, tmp_path, plain_answers, False, temperature, error_rate,
+                                verify_ahead_batches="off", **config)
+    assert not any(deferred)
+    assert sum(with_chunks and used for with_chunks, used in taken) >= 3
+    assert [r.output_ids for r in ahead] == [r.output_ids for r in in_order]
+    assert [r.stats.acceptance_lengths for r in ahead] == [r.stats.acceptance_lengths for r in in_order]
+    assert [r.finish_reason for r in ahead] == [r.finish_reason for r in in_order]
+    if temperature == 0.0 and kv == "auto":
+        assert [r.output_ids for r in ahead] == [r.output_ids for r in plain_answers]
