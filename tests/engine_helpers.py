@@ -177,6 +177,19 @@ def run_workload(engine, arrivals, aborts, max_steps: int = 600) -> list:
     return requests
 
 
+def count_deferred_admissions(engine) -> list[bool]:
+    """For each step: whether a request that could have joined it waited for the next (a verify queued ahead)."""
+    deferred, schedule = [], engine.scheduler.schedule
+
+    def recorded(admit=True):
+        plan = schedule(admit)
+        deferred.append(bool(plan.decode) and engine.scheduler.can_admit and not admit)
+        return plan
+
+    engine.scheduler.schedule = recorded
+    return deferred
+
+
 def assert_logprobs_close(got, want, atol=1e-4):
     """Two requests' output logprobs: the same tokens, their logprobs and the top alternatives' within atol."""
     assert [t.token for t in got] == [t.token for t in want]

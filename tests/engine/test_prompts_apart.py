@@ -7,8 +7,8 @@ nothing is left held, after an interrupt in the chunks' forward too."""
 import pytest
 
 from specdec.engine.sampling_params import SamplingParams
-from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, dflash_engine,
-                                  follow_the_target, module_target, run_staggered, spec_engine)
+from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, count_deferred_admissions,
+                                  dflash_engine, follow_the_target, module_target, run_staggered, spec_engine)
 
 target_dir = module_target("prompts-apart", seed=41)
 
@@ -164,7 +164,6 @@ def test_verifies_queued_ahead_serve_steps_whose_prompt_chunks_run_apart(target_
     prompt queues the next one too. Every request commits what it commits with verifies in order and one mixed forward,
     step by step; at T=0 in the model's dtype, plain decoding's tokens."""
     from specdec.engine import speculator
-    from tests.engine.test_verify_ahead import count_deferred_admissions
 
     config = dict(kv_cache_dtype=kv, overlap_steps=True, max_prefill_tokens=chunk)
     taken, blocks_of = [], speculator.VerifiedAhead.blocks_of

@@ -14,8 +14,8 @@ import pytest
 from specdec.engine import speculator
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import PLAIN, TREE
-from tests.engine_helpers import (MANY_PROMPTS, assert_no_leak, dflash_engine, follow_the_target, module_target,
-                                  run_failing, spec_engine)
+from tests.engine_helpers import (MANY_PROMPTS, assert_no_leak, count_deferred_admissions, dflash_engine,
+                                  follow_the_target, module_target, run_failing, spec_engine)
 
 target_dir = module_target("verify-ahead", seed=37)
 
@@ -52,19 +52,6 @@ def count_ahead(engine, monkeypatch) -> dict:
     engine.runner.run_block_ahead = queue
     monkeypatch.setattr(speculator.VerifiedAhead, "blocks_of", recorded)
     return counts
-
-
-def count_deferred_admissions(engine) -> list[bool]:
-    """For each step: whether a request that could have joined it waited for the next (a verify queued ahead)."""
-    deferred, schedule = [], engine.scheduler.schedule
-
-    def recorded(admit=True):
-        plan = schedule(admit)
-        deferred.append(bool(plan.decode) and engine.scheduler.can_admit and not admit)
-        return plan
-
-    engine.scheduler.schedule = recorded
-    return deferred
 
 
 def ahead_against_in_order(target_dir, tmp_path, monkeypatch, setting: str, on, off, run_prompts, answers,
