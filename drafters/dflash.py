@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from attention.batch_layout import BatchLayout, slots_on_device
-from attention.page_pool import PagePool, PageTable, grow_tables, pages_for, table_lengths
+from attention.page_pool import PagePool, PageTable, grow_tables, pool_holds, table_lengths
 from attention.transfer import upload
 from attention.zero_pages import zeroed
 from drafters.dflash_model import DFlashDraftModel
@@ -408,7 +408,7 @@ class DFlashDrafter(ModelRunner, Drafter):
     @torch.no_grad()
     def propose_next(self, requests: list[DraftRequest], anchors: torch.Tensor, counts: torch.Tensor,
                      rows: list[int], most: list[int], length: int | None = None, candidates: bool = False) -> bool:
-        bs, batch = self.block_size, len(requests)
+        batch = len(requests)
         if candidates and self.candidates_out is None:
             return False
         length = self._length(None if candidates else length)
@@ -426,8 +426,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         planned = np.asarray(most, dtype=np.int64) if upper else counts[:batch].cpu().numpy().astype(np.int64)
         block = self.block_rows(None if candidates else length)
         kv_lens = starts + planned + block
-        held = np.fromiter((t.num_pages for t in tables), dtype=np.int64, count=batch)
-        if int((pages_for(kv_lens, self.page_size) - held).sum()) > self.pool.num_free:  # pages to take
+        if not pool_holds(tables, kv_lens):
             return False
         for table, n in zip(tables, kv_lens.tolist()):
             table.grow(n - table.length)

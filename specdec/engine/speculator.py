@@ -83,17 +83,14 @@ class SpeculativeDecoding:
 
     def _prefill_apart(self, prefill: PrefillChunks, out: BlockOutput, rows: int) -> tuple[torch.Tensor | None, int]:
         """A chain step's prompt chunks in a forward of their own, queued after everything the step reads from its
-        verify's outputs but the features (`prompts_apart`): that forward fills the runner's buffers from their first
-        row, so the verify's `rows` feature rows move past the chunks' in the features buffer, where the drafter reads
-        them. Returns the chunks' first tokens (`_prefilled`) and the row the verify's features now start at."""
-        held = out.features[:rows].clone() if out.features is not None else None
-        self.runner.run_prefill(prefill)
-        first_tokens = self._prefilled(prefill)
-        if held is None:  # a drafter that reads no features
-            return first_tokens, 0
-        first_row = sum(prefill.lens)
-        self.runner.features_out[first_row:first_row + rows].copy_(held)
-        return first_tokens, first_row
+        verify's outputs but the features (`prompts_apart`): the verify's `rows` feature rows move past the chunks'
+        (`TargetRunner.run_prefill_after`). Returns the chunks' first tokens (`_prefilled`) and the row the verify's
+        features now start at."""
+        if out.features is None:  # a drafter that reads no features
+            self.runner.run_prefill(prefill)
+            return self._prefilled(prefill), 0
+        first_row = self.runner.run_prefill_after(prefill, out.features[:rows].clone())
+        return self._prefilled(prefill), first_row
 
     def capture(self) -> float:
         """CUDA graphs of the tree step's small pieces (none for chains: the runners hold theirs)."""

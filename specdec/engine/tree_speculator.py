@@ -188,12 +188,7 @@ class TreeDecoding:
         block = self.drafter.block_size
         source_rows = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1) + (
             torch.arange(batch, device=path.device)[:, None] * nodes)
-        features = out.features[source_rows.flatten()]
-        chunk_rows = 0
-        if prefill is not None:
-            self.runner.run_prefill(prefill)
-            chunk_rows = sum(prefill.lens)
-        self.runner.features_out[chunk_rows:chunk_rows + batch * block].copy_(features)
+        chunk_rows = self.runner.run_prefill_after(prefill, out.features[source_rows.flatten()])
         # the step's tokens on their way to the host, then the next step's draft with candidates: reading them waits
         # for this step alone, and the GPU drafts while the host commits (not with prompt chunks in the step: their
         # requests' contexts are written after it)

@@ -390,6 +390,17 @@ class TargetRunner(ModelRunner):
         """Prompt chunks alone (a step with nothing to decode); sets `prefill.out`."""
         self._run_mixed([], [], None, 1, prefill)
 
+    def run_prefill_after(self, prefill: PrefillChunks | None, features: torch.Tensor) -> int:
+        """Prompt chunks (if any) in a forward of their own after a step's verify, whose feature rows `features` were
+        taken out of the features buffer first (that forward fills it from its first row): they then go right after
+        the chunks' rows, where the drafter reads them. Returns the row they start at."""
+        first_row = 0
+        if prefill is not None:
+            self.run_prefill(prefill)
+            first_row = sum(prefill.lens)
+        self.features_out[first_row:first_row + features.shape[0]].copy_(features)
+        return first_row
+
     def run_tree(self, tables: list[PageTable], anchors: list[int], tree: TreeRows) -> BlockOutput:
         """A token tree per request in one forward: [anchor, nodes...] at the anchor's position plus each
         node's depth, each node seeing the context, its ancestors and itself (`tree.masks`). Replayed from
