@@ -10,6 +10,7 @@ import torch
 from drafters import load_drafter
 from specdec.engine.config import EngineConfig
 from specdec.engine.engine import Engine
+from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import PLAIN
 from specdec.models.loader import LoadedTarget, load_causal_lm
 from tests.conftest import build_tiny_model
@@ -175,6 +176,22 @@ def run_workload(engine, arrivals, aborts, max_steps: int = 600) -> list:
         step += 1
     assert not engine.has_unfinished_requests
     return requests
+
+
+def params_for(i: int, temperature: float, logprobs: int | None = None) -> SamplingParams:
+    """Request i's: ending after 6 + 5i tokens (or at EOS), seeded by i; `logprobs` for its prompt and answer too."""
+    return SamplingParams(max_new_tokens=6 + 5 * i, temperature=temperature, seed=i, logprobs=logprobs,
+                          prompt_logprobs=logprobs)
+
+
+def lone_runs(engine, prompts, temperature: float) -> list:
+    """Each prompt alone, one after another (`params_for`)."""
+    return [engine.generate_ids([prompt], params_for(i, temperature))[0] for i, prompt in enumerate(prompts)]
+
+
+def plain_answers(path, prompts) -> list:
+    """Greedy plain decoding of each prompt alone on the tiny target at `path` (EOS 2 and 9, as `dflash_engine`'s)."""
+    return lone_runs(spec_engine(path, None, eos=(2, 9)), prompts, 0.0)
 
 
 def count_deferred_admissions(engine) -> list[bool]:

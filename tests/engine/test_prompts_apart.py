@@ -6,23 +6,16 @@ nothing is left held, after an interrupt in the chunks' forward too."""
 
 import pytest
 
-from specdec.engine.sampling_params import SamplingParams
+from tests import engine_helpers
 from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, count_deferred_admissions,
-                                  dflash_engine, follow_the_target, module_target, run_staggered, spec_engine)
+                                  dflash_engine, follow_the_target, module_target, params_for, run_staggered)
 
 target_dir = module_target("prompts-apart", seed=41)
 
 
-def params_for(i: int, temperature: float, logprobs: int | None = None) -> SamplingParams:
-    return SamplingParams(max_new_tokens=6 + 5 * i, temperature=temperature, seed=i, logprobs=logprobs,
-                          prompt_logprobs=logprobs)
-
-
 @pytest.fixture(scope="module")
 def plain_answers(target_dir):
-    """Greedy plain decoding of each prompt alone (request i ending after 6 + 5i tokens, or at EOS)."""
-    engine = spec_engine(target_dir, None, eos=(2, 9))
-    return [engine.generate_ids([p], params_for(i, 0.0))[0] for i, p in enumerate(MANY_PROMPTS)]
+    return engine_helpers.plain_answers(target_dir, MANY_PROMPTS)
 
 
 def staggered_run(target_dir, tmp_path, plain_answers, apart: bool, temperature: float, error_rate: float,

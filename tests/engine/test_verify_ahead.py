@@ -15,18 +15,10 @@ from specdec.engine import speculator
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import PLAIN, TREE
 from tests.engine_helpers import (MANY_PROMPTS, assert_no_leak, count_deferred_admissions, dflash_engine,
-                                  follow_the_target, module_target, run_failing, spec_engine)
+                                  follow_the_target, lone_runs, module_target, params_for, plain_answers, run_failing,
+                                  spec_engine)
 
 target_dir = module_target("verify-ahead", seed=37)
-
-
-def params_for(i: int, temperature: float) -> SamplingParams:
-    return SamplingParams(max_new_tokens=6 + 5 * i, temperature=temperature, seed=i)
-
-
-def plain_answers(target_dir, prompts) -> list:
-    """Greedy plain decoding of each prompt (request i ending after 6 + 5i tokens, or at EOS)."""
-    return lone_runs(spec_engine(target_dir, None, eos=(2, 9)), prompts, 0.0)
 
 
 def count_ahead(engine, monkeypatch) -> dict:
@@ -91,11 +83,6 @@ def arriving_every_third_step(engine, answers, monkeypatch) -> tuple[list, dict,
         for _ in range(3):
             engine.step()
     return requests, counts, deferred
-
-
-def lone_runs(engine, prompts, temperature: float) -> list:
-    """Each prompt alone, one after another (request i ending after 6 + 5i tokens, or at EOS)."""
-    return [engine.generate_ids([prompt], params_for(i, temperature))[0] for i, prompt in enumerate(prompts)]
 
 
 @pytest.mark.parametrize("temperature,error_rate,kv", [(0.0, 0.0, "auto"), (0.0, 0.3, "auto"), (0.0, 1.0, "auto"),
