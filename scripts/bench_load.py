@@ -317,16 +317,10 @@ def profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: i
     windows = range_activity(prof, STEP_RANGE)
     if len(windows) != len(records):
         raise RuntimeError(f"the profiler recorded {len(windows)} step ranges for {len(records)} steps")
-    profiles = []
-    kinds = [profile_kind(r) for r in records]
-    for kind in dict.fromkeys(sorted(kinds, key=PROFILE_KINDS.index)):
-        picked = [i for i, k in enumerate(kinds) if k == kind]
-        if picked:
-            profiles.append(StepProfile(system, concurrency, kind, len(picked),
-                                        1e3 * statistics.median(records[i][2] for i in picked),
-                                        1e-6 * statistics.median(windows[i].busy_ns for i in picked),
-                                        top_kernels([windows[i].activity for i in picked])))
-    return profiles
+    return [StepProfile(system, concurrency, kind, len(picked), 1e3 * statistics.median(records[i][2] for i in picked),
+                        1e-6 * statistics.median(windows[i].busy_ns for i in picked),
+                        top_kernels([windows[i].activity for i in picked]))
+            for kind, picked in steps_by_kind(records).items()]
 
 
 # a drafter's decode-only steps split by kind: under `auto` a plain step's GPU work (its forward and the drafter's
@@ -365,15 +359,16 @@ def host_profile_load(llm: LLM, system: str, prompts: list[list[int]], concurren
     engine.step = profiled_step
     engine.generate_ids(prompts, SamplingParams(max_new_tokens=max_new_tokens))
     del engine.step, engine.scheduler.schedule
+    # (the benchmark's own wrappers left out of the project's list)
+    return [HostProfile(system, concurrency, kind, len(picked), 1e3 * statistics.median(records[i][2] for i in picked),
+                        per_step(by_kind[kind].stats, len(picked), HOST_FUNCTIONS, exclude=__file__))
+            for kind, picked in steps_by_kind(records).items()]
+
+
+def steps_by_kind(records: list[tuple]) -> dict[str, list[int]]:
+    """The indices of the `timed_steps` records of each kind (`profile_kind`) that ran, in PROFILE_KINDS' order."""
     kinds = [profile_kind(r) for r in records]
-    profiles = []
-    for kind in PROFILE_KINDS:
-        picked = [r for r, k in zip(records, kinds) if k == kind]
-        if picked:  # the benchmark's own wrappers left out of the project's list
-            profiles.append(HostProfile(system, concurrency, kind, len(picked),
-                                        1e3 * statistics.median(r[2] for r in picked),
-                                        per_step(by_kind[kind].stats, len(picked), HOST_FUNCTIONS, exclude=__file__)))
-    return profiles
+    return {kind: [i for i, k in enumerate(kinds) if k == kind] for kind in PROFILE_KINDS if kind in kinds}
 
 
 def profile_kind(record: tuple) -> str:
