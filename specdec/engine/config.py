@@ -115,16 +115,6 @@ class EngineConfig:
                                                  "queued with its draft, before this step's tokens are read (needs "
                                                  "overlap_steps; auto = on CUDA, on = the CPU too)",
                                          choices=VERIFY_AHEAD_BATCHES)
-    # a speculative chain step that admits prompt chunks runs them in a forward of their own after its verify, which
-    # then replays the verify graph of a step without chunks, instead of one mixed forward for both (piecewise graphs
-    # with attention run eagerly between their pieces: on one H100 such steps were bound by the host, 8.3 ms against
-    # 4.6 ms for a step without chunks at 64 requests, BENCHMARKS.md 2026-12-06). The chunks' forward streams the
-    # weights once more; its host work runs while the GPU verifies. A verify queued ahead (verify_ahead_batches) then
-    # also serves a step that requests join, so they join at once instead of waiting a step. Off until measured on
-    # the GPU
-    prompts_apart: bool = _setting(False, "speculative decoding: a chain step's prompt chunks run in a forward of "
-                                          "their own after its verify (replayed from the verify's graph) instead of "
-                                          "one mixed forward")
     # speculative steps (specdec/engine/verify_policy.py): chain = every draft of the block every step;
     # auto = per step the chain length (the block, a half, a quarter, an eighth) with the most committed tokens per
     # second, from running acceptance and step times measured after graph capture (without CUDA graphs:

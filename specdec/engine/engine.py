@@ -143,7 +143,7 @@ class Engine:
             self.decoding: DecodePhase = SpeculativeDecoding(
                 self.runner, drafter, VerifyPolicy(block, chain_lengths, tree=trees, budgets=budgets),
                 TreeDecoding(self.runner, drafter, draft_ahead=config.overlap_steps) if trees else None,
-                draft_ahead=config.overlap_steps, prompts_apart=config.prompts_apart)
+                draft_ahead=config.overlap_steps)
         else:
             self.decoding = PlainDecoding(self.runner)
         # one entry per cached page: the target's KV page and, when the drafter keeps a context cache, its page
@@ -348,9 +348,8 @@ class Engine:
         on_commit = on_commit or _ignore
         start = time.perf_counter()
         # a verify queued ahead serves a step without prompt chunks: requests waiting to join take the step after it
-        # (they wait one step; its verify would otherwise run for nothing), unless their chunks run apart from it
-        plan = self.scheduler.schedule(admit=self.drafter is None or self.decoding.ahead is None
-                                       or self.decoding.prompts_apart)
+        # (they wait one step; its verify would otherwise run for nothing)
+        plan = self.scheduler.schedule(admit=self.drafter is None or self.decoding.ahead is None)
         if self.drafter is not None:
             for request in plan.preempted:
                 self.drafter.release(request)

@@ -45,14 +45,11 @@ from specdec.runtime.target_runner import BlockOutput, Carried, PrefillChunks, T
 
 class SpeculativeDecoding:
     def __init__(self, runner: TargetRunner, drafter: Drafter, policy: VerifyPolicy | None = None,
-                 tree: TreeDecoding | None = None, draft_ahead: bool = True, prompts_apart: bool = False):
+                 tree: TreeDecoding | None = None, draft_ahead: bool = True):
         self.runner = runner
         self.drafter = drafter
         # queue each chain step's next draft before reading its tokens (not with trees only: they draft candidates)
         self.draft_ahead = draft_ahead
-        # a chain step's prompt chunks in a forward of their own after the verify (`_prefill_apart`), not in one
-        # mixed forward with it
-        self.prompts_apart = prompts_apart
         self.tokens_per_step = drafter.block_size  # the most a step commits per request
         self.policy = policy or VerifyPolicy(drafter.block_size, (drafter.block_size,))
         if self.policy.tree and tree is None:
@@ -80,17 +77,6 @@ class SpeculativeDecoding:
         self.drafter.add_context(prefill.requests, prefill.out.features, prefill.lens)
         prefill.context_added = True
         return prefill.sample_first(prefill.out.logits) if prefill.sample_first is not None else None
-
-    def _prefill_apart(self, prefill: PrefillChunks, out: BlockOutput, rows: int) -> tuple[torch.Tensor | None, int]:
-        """A chain step's prompt chunks in a forward of their own, queued after everything the step reads from its
-        verify's outputs but the features (`prompts_apart`): the verify's `rows` feature rows move past the chunks'
-        (`TargetRunner.run_prefill_after`). Returns the chunks' first tokens (`_prefilled`) and the row the verify's
-        features now start at."""
-        if out.features is None:  # a drafter that reads no features
-            self.runner.run_prefill(prefill)
-            return self._prefilled(prefill), 0
-        first_row = self.runner.run_prefill_after(prefill, out.features[:rows].clone())
-        return self._prefilled(prefill), first_row
 
     def capture(self) -> float:
         """CUDA graphs of the tree step's small pieces (none for chains: the runners hold theirs)."""
@@ -124,8 +110,7 @@ class SpeculativeDecoding:
         if queued is not None and queued + 1 < q:  # the chain of what it holds
             budget, q = None, queued + 1
         # where each request's verify rows start, in blocks of q: its place in the batch, or in a verify queued ahead
-        blocks = (verified.blocks_of(running, prefill, budget, chunks_apart=self.prompts_apart)
-                  if verified is not None else None)
+        blocks = verified.blocks_of(running, prefill, budget) if verified is not None else None
         if blocks is None:
             verified, blocks = None, list(range(batch))
         else:  # its rows are verified already: the chain of all of them
@@ -139,36 +124,29 @@ class SpeculativeDecoding:
         # masks are computed
         drafts_host = HostCopy(drafts) if any(r.matcher is not None for r in running) else None
         anchors = [r.pending_token for r in running]
-        apart = prefill is not None and self.prompts_apart and budget is None  # (a verify taken ahead has no chunks)
         if verified is not None:
             for table in tables:  # the slots the verify queued ahead wrote
                 table.grow(q)
             out = verified.output(blocks, running)
         elif budget is None:
-            out = self.runner.run_block(tables, anchors, drafts, q, None if apart else prefill)
+            out = self.runner.run_block(tables, anchors, drafts, q, prefill)
         else:  # a request accepts drafts only as far as its rows ran
             out, lengths = self.runner.run_budget(tables, anchors, drafts, self.drafter.confidence, q, budget.per,
                                                   logits=not all(r.params.greedy for r in running))
-        first_tokens = None if apart else self._prefilled(prefill)
+        first_tokens = self._prefilled(prefill)
         targets = sample_block(out, running, q, drafts, drafts_host).view(batch, q)
         accepted, bonus = accept(drafts, targets, lengths if budget is not None else None)
         rows = LogprobRows.start(out.logits, targets.view(-1), running, q)  # committed token j: the target's at row j
         # the accepted drafts equal the target's tokens at their rows, and the bonus is its token after them: a
         # request commits the first a + 1 of its target tokens, so those and a are all the host reads (and a budget
         # step's lengths)
-        read = torch.cat([targets, accepted[:, None].long()] + ([lengths[:, None]] if budget is not None else []),
-                         dim=1)
-        first_row = 0  # where the verify's features start in the runner's buffer (which the drafter reads)
-        if apart:
-            first_tokens, first_row = self._prefill_apart(prefill, out, (blocks[-1] + 1) * q)
-        transfer = StepTransfer(read, prefill, first_tokens)
+        read = [targets, accepted[:, None].long()] + ([lengths[:, None]] if budget is not None else [])
+        transfer = StepTransfer(torch.cat(read, dim=1), prefill, first_tokens)
         starting = prefill.starting if first_tokens is not None else []
         drafting = running + starting
-        feature_rows = [first_row + block * q for block in blocks]
+        feature_rows = [block * q for block in blocks]
         ahead = self._queue_next_draft(running, starting, bonus, accepted, first_tokens, q, feature_rows)
-        # a step with prompt chunks apart queues one too, unless they complete prompts (the next batch then grows)
-        same_batch_next = prefill is None or (apart and not starting)
-        if ahead and budget is None and rows is None and drafts_host is None and same_batch_next:
+        if ahead and budget is None and rows is None and drafts_host is None and prefill is None:
             self.ahead = self._queue_next_verify(running, bonus, accepted, q)
         host = transfer.read()
         tokens, counts = [], []
@@ -219,10 +197,9 @@ class SpeculativeDecoding:
         """The next step's verify, queued right after its draft and before this step's tokens reach the host
         (`TargetRunner.run_block_ahead`): the host then plans it while the GPU verifies this step, and the GPU goes
         from the draft to the verify while the host commits. Only where the next step is known to run these requests
-        (none can join; with `prompts_apart` a request that joins runs its chunks apart, beside them), with nothing
-        they must follow on the host (penalties); None where not queued. A step after which some of them ended takes
-        it without their rows (`VerifiedAhead.blocks_of`)."""
-        if (not self.runner.queues_verify_ahead(len(running)) or not (self.next_step_known or self.prompts_apart)
+        (none can join), with nothing they must follow on the host (penalties); None where not queued. A step after
+        which some of them ended takes it without their rows (`VerifiedAhead.blocks_of`)."""
+        if (not self.runner.queues_verify_ahead(len(running)) or not self.next_step_known
                 or any(r.params.adjusts_logits for r in running)):
             return None
         drafts = self.drafter.drafts_ahead(running)
@@ -269,13 +246,12 @@ class VerifiedAhead:
     q: int
     out: BlockOutput
 
-    def blocks_of(self, running: list[Request], prefill: PrefillChunks | None, budget: Budget | None,
-                  chunks_apart: bool = False) -> list[int] | None:
+    def blocks_of(self, running: list[Request], prefill: PrefillChunks | None, budget: Budget | None
+                  ) -> list[int] | None:
         """Where this step finds each request's rows (block i: rows i * q ..), if it is the step the verify was queued
         for: a chain step of the same requests in the same order (their same tables), less any that ended or left
-        meanwhile (their rows are not read), with no prompt chunks, or chunks that run in a forward of their own
-        (`chunks_apart`). None where it is not."""
-        if (prefill is not None and not chunks_apart) or budget is not None or len(running) > len(self.requests):
+        meanwhile (their rows are not read), with no prompt chunks. None where it is not."""
+        if prefill is not None or budget is not None or len(running) > len(self.requests):
             return None
         blocks, block = [], 0
         for request in running:

@@ -39,7 +39,6 @@ def workloads(draw):
                   tree_nodes=draw(st.sampled_from([3, 9])), budget_steps=draw(st.booleans()),
                   overlap_steps=draw(st.booleans()), enable_prefix_caching=draw(st.booleans()),
                   verify_ahead=draw(st.booleans()), verify_ahead_batches=draw(st.sampled_from(["on", "off"])),
-                  prompts_apart=draw(st.booleans()),
                   num_kv_pages=draw(st.sampled_from([40, 80, 400])), max_num_seqs=draw(st.sampled_from([1, 3, 5])),
                   max_prefill_tokens=draw(st.sampled_from([5, 64])), page_size=draw(st.sampled_from([1, 4, 16])))
     arrivals = draw(st.lists(st.tuples(st.sampled_from([None, 0, 1]), st.lists(st.integers(3, 89), min_size=1,

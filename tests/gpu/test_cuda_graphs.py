@@ -294,52 +294,6 @@ def test_batches_verifies_queued_ahead_equal_verifies_in_order(model_dirs, kv, m
     assert len(taken) > 10 and min(taken) > 48  # rung 64 (49-64 requests) and up keep the KV in one piece
 
 
-def joining_late(engine: Engine, ids: list[list[int]], params: SamplingParams, first: int) -> list:
-    """The first `first` requests at once, three steps later the rest, while the first decode."""
-    requests = [engine.add_request(p, params) for p in ids[:first]]
-    for _ in range(3):
-        engine.step()
-    requests += [engine.add_request(p, params) for p in ids[first:]]
-    while engine.has_unfinished_requests:
-        engine.step()
-    return requests
-
-
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_prompt_chunks_apart_equal_one_mixed_forward(model_dirs, kv, monkeypatch):
-    """A chain step's prompt chunks in a forward of their own after its verify (`prompts_apart`), the verify replayed
-    from its rung's graph: requests arriving 1, 3 and 8 at a time while others decode, and 8 joining 56 that decode
-    (whose verify, queued ahead for rung 64, then serves the step the 8 join), commit what one mixed forward with
-    verifies in order commits, up to near-ties (the verify's rows run in the rung's graph rather than beside the
-    chunks); the chunks really ran apart while others were verified; pools free."""
-    from specdec.engine import speculator
-
-    mixed = make_engine(model_dirs, True, kv, False, overlap_steps=True, verify="chain", verify_ahead_batches="off")
-    apart = make_engine(model_dirs, True, kv, False, overlap_steps=True, verify="chain", prompts_apart=True)
-    alone = count_calls(apart.runner, "run_prefill")
-    taken, blocks_of = [], speculator.VerifiedAhead.blocks_of
-
-    def recorded(self, running, prefill, *args, **kwargs):
-        blocks = blocks_of(self, running, prefill, *args, **kwargs)
-        taken.append(prefill is not None and blocks is not None)
-        return blocks
-
-    monkeypatch.setattr(speculator.VerifiedAhead, "blocks_of", recorded)
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    runs = [(5, lambda e, ids: staggered(e, ids, params, 1)), (24, lambda e, ids: staggered(e, ids, params, 3)),
-            (64, lambda e, ids: staggered(e, ids, params, 8)), (64, lambda e, ids: joining_late(e, ids, params, 56))]
-    for batch, run in runs:
-        ids = prompts(batch)
-        want, got = run(mixed, ids), run(apart, ids)
-        found = divergences(mixed, want, got)
-        assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in found), (batch, found)
-        for engine in (mixed, apart):
-            assert engine.pool.num_free == engine.pool.num_pages
-            assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
-    assert len(alone) >= 10  # waves after the first join requests that are decoding
-    assert any(taken)  # the 8 joining 56: the step took the verify queued for the 56
-
-
 def test_held_context_rows_of_plain_steps_draft_as_rows_written_at_once(model_dirs):
     """Plain steps' context rows, held and written together from the graphs of the held step before the next
     draft, give that draft the logits it gets when each plain step writes its row at once (the same target
