@@ -7,6 +7,9 @@
 #            two run round by round in one process (--interleave), each round's ratio reported; MAX_NEW_TOKENS
 #            caps each answer (bench_load.py's default, 512, where unset; math500's protocol allows 2048); VERIFY
 #            the DFlash rows' policies (bench_load.py's --verify, default auto)
+#   sustained  DFlash and plain decoding under sustained load (a finished request replaced by the next): all 500
+#            math500 problems at 64 in flight (3 repeats), 1,024 coding requests at 256 (2 repeats); the levels of
+#            `sweep` drain at the end (2 x C requests), which favours speculation in their tails
 #   profile  where a step's time goes (wall against GPU busy time, the largest kernels): steps with and without
 #            arrivals at 64 on the mixed set, and at 256 on the coding requests
 #   host-profile  where a step's host time goes (cProfile, per kind of step): math500 at 64, coding requests at 256
@@ -43,6 +46,12 @@ if wanted sweep; then
       --repeats "${REPEATS:-3}" --rounds "${ROUNDS:-8}" --interleave \
       ${MAX_NEW_TOKENS:+--max-new-tokens "$MAX_NEW_TOKENS"} ${VERIFY:+--verify $VERIFY}
   done
+fi
+if wanted sustained; then
+  load sustained-math500-64 "$here" --dataset math500 --concurrency 64 --requests 500 --rounds 8 --repeats 3 \
+    --interleave
+  load sustained-code-256 "$here" --dataset code --concurrency 256 --requests 1024 --rounds 4 --repeats 2 \
+    --interleave
 fi
 if wanted profile; then
   load profile-arrivals "$here" --dataset mixed --concurrency 64 --profile 64
