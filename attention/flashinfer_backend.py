@@ -2,8 +2,9 @@
 
 One `BatchPrefillWithPagedKVCacheWrapper` serves prompt prefill, target verify (causal) and DFlash
 drafting (non-causal): `plan` once per forward step with the whole batch's per-request lengths,
-then `run` by every layer. Eager steps use one wrapper; each CUDA-graph rung (a fixed batch size)
-has its own `GraphSlot`: a wrapper built with `use_cuda_graph=True` over index buffers at fixed
+then `run` by every layer (an eager step's later layers call the kernel of its first layer's run directly, with
+the arguments that run derived: attention/planned_run.py). Eager steps use one wrapper; each CUDA-graph rung (a
+fixed batch size) has its own `GraphSlot`: a wrapper built with `use_cuda_graph=True` over index buffers at fixed
 addresses, planned on the host before every replay. All wrappers of a backend share one float
 workspace (steps never overlap). Host metadata reaches the GPU only from pinned memory with
 non-blocking copies, so planning never synchronizes the host with the GPU.
@@ -91,6 +92,7 @@ from attention.batch_layout import (BatchLayout, slots_on_device, write_node_row
 from attention.fused import fused_if, fusing
 from attention.kv_cache import FP8_DTYPE, LayerKV
 from attention.node_rows import NodeRowCopies, chunks_agree, node_pages_per_row, node_rows_layout
+from attention.planned_run import PlannedRun
 from attention.transfer import CopyFence, StagedIndices, pinned, upload
 
 WORKSPACE_BYTES = 256 << 20
@@ -234,6 +236,9 @@ class FlashInferBackend(AttentionBackend):
         # such a step); a graph step makes them on the device (`use_device_tree`)
         self.node_copies: NodeRowCopies | None = None
         self.scratch_page = 0  # a graph plan's: where a node-rows step's unused copies are parked
+        # an eager plan's kernel calls kept from its first layer's run, by cache dtype (`attention/planned_run.py`; a
+        # dtype whose call was not kept maps to None); None after a graph plan, whose steps replay their kernels
+        self.planned_runs: dict[torch.dtype, PlannedRun | None] | None = None
 
     def fa2(self, layout: BatchLayout | None) -> bool:
         """Whether steps of `layout` run the fa2 kernels whatever the cache dtype: every step of a backend of
@@ -346,7 +351,7 @@ class FlashInferBackend(AttentionBackend):
 
     def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
         """An eager step of any layout; write_slots=False leaves the write slots to the caller."""
-        self.layout, self.slot, self.written = layout, None, None
+        self.layout, self.slot, self.written, self.planned_runs = layout, None, None, {}
         requests, positions = layout.new_kv_rows() if write_slots else (np.zeros(0, np.int32),) * 2
         kv_indptr = layout.kv_indptr()
         nodes = self.node_rows(layout)
@@ -408,6 +413,7 @@ class FlashInferBackend(AttentionBackend):
         captured graph computes its own write slots from them (see `slots_on_device`)."""
         layout = layout.padded(slot.batch_size, scratch_page)
         self.layout, self.written, self.node_copies, self.scratch_page = layout, None, None, scratch_page
+        self.planned_runs = None
         nodes, tree, rows = self._step_kind(layout)
         if (self.fa2(layout) != slot.fa2 or tree != slot.tree or rows != slot.rows or nodes != slot.node_rows
                 or self.one_piece(layout) != slot.one_piece):
@@ -572,7 +578,14 @@ class FlashInferBackend(AttentionBackend):
         if self.node_copies is not None:  # node rows: each node's context tail and path into its node pages first
             self.node_copies.copy(layer)
         if self.tree_wrappers is None:
-            return self.wrappers[dtype].run(q, layer.data, out=out, **scales)
+            if self.planned_runs is None or scales:
+                return self.wrappers[dtype].run(q, layer.data, out=out, **scales)
+            if dtype not in self.planned_runs:  # the plan's first layer of this dtype: its call kept for the others
+                out, self.planned_runs[dtype] = PlannedRun.record(self.wrappers[dtype], q, layer.data, out)
+                return out
+            planned = self.planned_runs[dtype]
+            return planned(q, layer.data, out) if planned is not None else self.wrappers[dtype].run(q, layer.data,
+                                                                                                   out=out)
         # a token tree: the context part, then the tree part over the step's rows as stored, merged into the first
         out, lse = self.wrappers[dtype].run(q, layer.data, out=out, return_lse=True, **scales)
         rows = q.shape[0]

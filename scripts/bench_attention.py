@@ -9,6 +9,12 @@ prefills, and steps where a prompt arrives among decoding or verifying requests.
 GPU kernel time of one `run` (the profiler's, a mean over repeats) and the host time of its `plan`; fa2 both with
 split-KV (FlashInfer's choice of chunks) and with each request's KV in one piece (`disable_split_kv`, what the
 engine plans for steps of 64 requests or more).
+
+    python scripts/bench_attention.py --host-calls [--out host.json]   # the host's side of an eager step's layers
+
+--host-calls instead times the host's work of an eager step's 28 attention calls through the engine's backend (a
+step with a prompt chunk attends so between its piecewise graphs): per layer, the wrapper's own `run` against the
+kernel call kept from the plan's first run (attention/planned_run.py), median of --repeats steps.
 """
 
 from __future__ import annotations
@@ -86,14 +92,71 @@ def run_layout(flashinfer, requests, backend: str, repeats: int, device, one_pie
     return {"gpu_us": sum(e.duration_ns() for e in kernels) / repeats / 1e3, "plan_us": 1e6 * statistics.median(plans)}
 
 
+def host_per_layer(requests, kept: bool, repeats: int, device, layers: int = 28) -> float:
+    """Host microseconds per layer of an eager step's attention calls through the backend (the layers' kernels are
+    queued, not waited for: the host issues them faster than the GPU runs them)."""
+    from dataclasses import replace
+
+    from attention.batch_layout import BatchLayout
+    from attention.flashinfer_backend import FlashInferBackend
+    from attention.kv_cache import KVCache
+
+    q_lens, kv_lens = [q for q, _ in requests], [kv for _, kv in requests]
+    tables, first = [], 0
+    for kv in kv_lens:
+        tables.append(list(range(first, first + -(-kv // PAGE))))
+        first += len(tables[-1])
+    layout = replace(BatchLayout.for_tokens(q_lens, kv_lens, tables, PAGE, causal=True), prompts=1)
+    backend = FlashInferBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, device=device,
+                                kv_dtypes=(torch.bfloat16,), q_dtype=torch.bfloat16)
+    cache = KVCache(layers, first + 1, PAGE, KV_HEADS, HEAD_DIM, torch.bfloat16, device)
+    q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(q)
+    times = []
+    for _ in range(repeats + 3):
+        backend.plan(layout, write_slots=False)
+        if not kept:
+            backend.planned_runs = None  # every layer through the wrapper's run
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for layer in cache.layers:
+            backend.attend(q, layer, out=out)
+        times.append((time.perf_counter() - start) / layers)
+        torch.cuda.synchronize()
+    return 1e6 * statistics.median(times[3:])
+
+
+def host_calls(args, device) -> int:
+    import flashinfer
+
+    rows = []
+    print("| layout | host us per layer: run | kept call | kept / run |\n|---|---|---|---|")
+    for name in ("arrival among 64 verifies of 4 (200-1,500 context)", "arrival among 64 decodes (200-1,500 context)",
+                 "arrival among 256 verifies of 2 (700 context)", "cold prefill, 700"):
+        run_us, kept_us = [], []
+        for _ in range(2):  # alternating, the lower of two each: the host's speed drifts
+            run_us.append(host_per_layer(LAYOUTS[name], False, args.repeats, device))
+            kept_us.append(host_per_layer(LAYOUTS[name], True, args.repeats, device))
+        rows.append({"layout": name, "run_us": run_us, "kept_us": kept_us})
+        print(f"| {name} | {min(run_us):.1f} | {min(kept_us):.1f} | {min(kept_us) / min(run_us):.2f} |", flush=True)
+    if args.out:
+        versions = {"device": torch.cuda.get_device_name(), "flashinfer": flashinfer.__version__,
+                    "torch": torch.__version__}
+        Path(args.out).write_text(json.dumps({**versions, "host_calls": rows}, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--host-calls", action="store_true", help="the host's work of an eager step's attention calls")
     p.add_argument("--out", help="JSON results file")
     args = p.parse_args(argv)
     import flashinfer
 
     device = torch.device("cuda")
+    if args.host_calls:
+        return host_calls(args, device)
     rows = []
     print("| layout | fa2 us (plan us) | fa2 in one piece us (plan us) | fa3 us (plan us) | fa2 / fa3 |\n"
           "|---|---|---|---|---|")

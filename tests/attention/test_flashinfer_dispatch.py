@@ -45,11 +45,42 @@ class RecordingRaggedWrapper(RecordingWrapper):
     paged = False
 
 
+class KernelCallingWrapper(RecordingWrapper):
+    """A recorder whose run, like FlashInfer's, ends in one call of its compiled module's kernel."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kernel_calls = 0
+
+        def paged_run(q, k, v, out):
+            self.kernel_calls += 1
+            out.copy_(q + k.float().mean() + v.float().mean())
+
+        self._cached_module = types.SimpleNamespace(paged_run=paged_run)
+
+    def run(self, q, data, out=None, return_lse=False, **scales):
+        self.runs.append((data.dtype, sorted(scales)))
+        if scales:  # FP8 layers: not through the watched kernel
+            return out.copy_(q)
+        k, v = data.unbind(1)
+        self._cached_module.paged_run(q, k, v, out)
+        return out
+
+
 @pytest.fixture
 def backend_class(monkeypatch):
     """FlashInferBackend imported over the recorder, and forgotten afterwards (the real one stays importable)."""
+    yield from import_backend(monkeypatch, RecordingWrapper)
+
+
+@pytest.fixture
+def kernel_backend_class(monkeypatch):
+    yield from import_backend(monkeypatch, KernelCallingWrapper)
+
+
+def import_backend(monkeypatch, paged_wrapper):
     monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
-        BatchPrefillWithPagedKVCacheWrapper=RecordingWrapper,
+        BatchPrefillWithPagedKVCacheWrapper=paged_wrapper,
         BatchPrefillWithRaggedKVCacheWrapper=RecordingRaggedWrapper,
         merge_state_in_place=lambda v, s, v_other, s_other: None))
     monkeypatch.delitem(sys.modules, "attention.flashinfer_backend", raising=False)
@@ -75,6 +106,34 @@ def test_each_layer_runs_the_wrapper_of_its_dtype(backend_class):
         backend.attend(q, layer)
     assert bf16.runs == [(torch.bfloat16, [])]
     assert fp8.runs == [(FP8_DTYPE, ["k_scale", "v_scale"])] * 2
+
+
+def test_an_eager_plans_later_layers_call_its_kernel_without_run_until_the_next_plan(kernel_backend_class):
+    """A step's first layer of each dtype goes through the wrapper's run, which shows the kernel call the plan's later
+    layers then make directly (attention/planned_run.py); the next plan watches its first run again. FP8 layers,
+    whose run takes their scales, always go through run; a graph plan's steps never keep a call."""
+    FlashInferBackend = kernel_backend_class  # noqa: N806
+
+    RecordingWrapper.instances = []
+    backend = FlashInferBackend(4, 2, 8, 8 ** -0.5, device=torch.device("cpu"),
+                                kv_dtypes=(torch.bfloat16, FP8_DTYPE), q_dtype=torch.bfloat16)
+    bf16, fp8 = paged_wrappers()[:2]
+    dtypes = (torch.bfloat16,) * 3 + (FP8_DTYPE,) * 2
+    cache = KVCache(len(dtypes), 8, 4, 2, 8, dtypes, "cpu")
+    for layer in cache.layers:
+        layer.data.copy_(torch.randn(layer.data.shape).to(layer.data.dtype))
+    q = torch.randn(3, 4, 8).bfloat16()
+    for step in (1, 2):
+        backend.plan(BatchLayout.for_tokens([3], [3], [[0]], 4, causal=True))
+        outs = [backend.attend(q, layer) for layer in cache.layers]
+        assert len(bf16.runs) == step and bf16.kernel_calls == 3 * step
+        assert len(fp8.runs) == 2 * step and fp8.kernel_calls == 0
+        for out, layer in zip(outs[:3], cache.layers):  # each layer's own cache and output
+            k, v = layer.data.unbind(1)
+            assert torch.equal(out, (q + k.float().mean() + v.float().mean()).bfloat16())
+    slot = backend.graph_slot(1, 16, BatchLayout.dummy(1, 3, 3, 4, 7, causal=True))
+    backend.plan_graph(slot, BatchLayout.for_tokens([3], [3], [[0]], 4, causal=True), scratch_page=7)
+    assert backend.planned_runs is None
 
 
 def test_plans_get_the_layouts_lengths(backend_class):

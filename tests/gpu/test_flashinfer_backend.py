@@ -562,3 +562,28 @@ def test_a_prompt_chunk_among_many_verifies_is_planned_with_split_kv(kv, monkeyp
         assert not plans[0]["one_piece"]
         assert backend.one_piece(replace(case.layout, prompts=0))  # the same step without its prompt: one piece
         assert err <= REL_BOUND
+
+
+@pytest.mark.parametrize("history, new_kv, q_lens", [
+    ([40, 300, 7, 0], [4, 4, 1, 200], [4, 4, 1, 200]),  # a prompt chunk among verifies and a decode: fa2
+    ([0, 0], [700, 650], [700, 650]),  # large prefills: fa3 on Hopper
+])
+def test_a_plans_later_layers_kernel_calls_give_what_run_gives(history, new_kv, q_lens):
+    """Eager steps (a mixed step's attention between its piecewise graphs) call the kernel of a plan's first run
+    directly for its later layers (attention/planned_run.py): each layer's output equals the wrapper's own run of that
+    layer, bit for bit, and the call is kept with the real FlashInfer (else the test would compare run with run)."""
+    from dataclasses import replace
+
+    cases = [PagedCase(history, new_kv, q_lens, True, page_size=16, kv_dtype=torch.bfloat16, device="cuda",
+                       dtype=torch.bfloat16, seed=seed, num_pages=512) for seed in range(4)]
+    backend = flashinfer_backend(torch.bfloat16)
+    backend.plan(replace(cases[0].layout, prompts=1))
+    outs = []
+    for case in cases:
+        backend.write_kv(case.layer, case.new_k, case.new_v)
+        outs.append(backend.attend(case.q, case.layer))
+    assert backend.planned_runs[torch.bfloat16] is not None
+    wrapper = backend.wrappers[torch.bfloat16]
+    for case, out in zip(cases, outs):
+        assert torch.equal(out, wrapper.run(case.q, case.layer.data, out=torch.empty_like(case.q)))
+    assert rel_error(outs[-1], cases[-1].expected(D ** -0.5)) <= REL_BOUND
