@@ -17,6 +17,8 @@
 #            prompt the prefix cache holds (--system-repeat 12)
 #   ab       this checkout against BASELINE on math500 and the coding requests at AB_LEVELS (64 128 256),
 #            alternating, twice (the second time the baseline first)
+#   ab-sustained  this checkout against BASELINE under sustained load: all 500 math500 problems at 64 in flight, as
+#            `sustained` (2 repeats a process), new then old, then old then new
 #   ab-prefill  this checkout against BASELINE where prompts and long contexts meet: arrival steps at 64 (mixed set),
 #            ~6k-token prompts at 1 and 8 (--system-repeat 12), a turn's time to first token with the prefix cache
 #            (bench_prefix_ttft.py); new then old, then (with ROUNDS_AB=2) old then new
@@ -79,6 +81,16 @@ if wanted ab && [ -n "${BASELINE:-}" ]; then
         load "$side-$dataset-$round" "$dir" --dataset "$dataset" --concurrency ${AB_LEVELS:-64 128 256}
       done
     done
+  done
+fi
+if wanted ab-sustained && [ -n "${BASELINE:-}" ]; then
+  round=0
+  for side in new old old new; do
+    round=$((round + 1))
+    dir=$here
+    [ "$side" = old ] && dir=$BASELINE
+    load "$side-sustained-math500-$round" "$dir" --dataset math500 --concurrency 64 --requests 500 --rounds 8 \
+      --repeats 2 --interleave
   done
 fi
 if wanted ab-prefill && [ -n "${BASELINE:-}" ]; then
