@@ -58,7 +58,7 @@ import torch  # noqa: E402
 from scripts.bench.chat_prompts import load_prompts, system_prompt, take  # noqa: E402
 from scripts.bench.random_models import TINY_SHAPE, random_target, tiny_drafter  # noqa: E402
 from scripts.bench.runner import environment, release_memory  # noqa: E402
-from scripts.bench.step_trace import load_rate, trace_bins, trace_table  # noqa: E402
+from scripts.bench.step_trace import load_rate, prompt_step_table, trace_bins, trace_table  # noqa: E402
 from scripts.bench.gpu_profile import range_activity, top_kernels  # noqa: E402
 from scripts.bench.host_profile import per_step, tables  # noqa: E402
 from scripts.bench.host_waits import HostWaits  # noqa: E402
@@ -186,7 +186,7 @@ def random_prompts(vocab_size: int, count: int) -> list[list[int]]:
 def timed_steps(engine, waits: HostWaits) -> list[tuple]:
     """From now on, record (prefilled, decoding batch, seconds, tokens verified per request, learned overheads, tokens
     committed, learned switch costs, seconds the host waited for the GPU while `waits` counts, the speculative step's
-    kind) of every engine step (each step is also a profiler range named STEP_RANGE); verified, overheads and switch
+    kind, prompt tokens the step ran, requests it admitted) of every engine step (each step is also a profiler range named STEP_RANGE); verified, overheads and switch
     costs None without a drafter, the kind None but for speculative steps."""
     records, schedule, step = [], engine.scheduler.schedule, engine.step
     plans = []
@@ -208,7 +208,8 @@ def timed_steps(engine, waits: HostWaits) -> list[tuple]:
             switches = decoding.policy.switch_cost(False), decoding.policy.switch_cost(True)
             kind = option_label(decoding.option) if verified != 1 else None
         records.append((bool(plan.prefill), len(plan.decode), seconds, verified, overheads,
-                        sum(len(tokens) for _, tokens in out.committed), switches, waits.seconds - waited, kind))
+                        sum(len(tokens) for _, tokens in out.committed), switches, waits.seconds - waited, kind,
+                        sum(n for _, n in plan.prefill), len(plan.admitted)))
         return out
 
     engine.scheduler.schedule, engine.step = recording_schedule, timed_step
@@ -256,10 +257,10 @@ def option_label(option) -> str:
 
 
 def step_trace(record: tuple) -> list:
-    prefilled, batch, seconds, verified, overheads, committed, switches, waited, kind = record
+    prefilled, batch, seconds, verified, overheads, committed, switches, waited, kind, prompt_tokens, admitted = record
     in_ms = lambda pair: [round(1e3 * s, 3) for s in pair] if pair is not None else [None, None]  # noqa: E731
     return [int(prefilled), batch, round(1e3 * seconds, 3), verified, *in_ms(overheads), committed, *in_ms(switches),
-            round(1e3 * waited, 3), kind]
+            round(1e3 * waited, 3), kind, prompt_tokens, admitted]
 
 
 def counted_plain_steps(engine) -> list | None:
@@ -437,6 +438,8 @@ def main(argv=None) -> int:
         print(paired_table(rows))
     print("\nDecode-only steps by batch and kind (scripts/bench/step_trace.py):\n")
     print(trace_table([(r.system, r.concurrency, trace_bins(r.steps)) for r in rows]))
+    print("\nSteps with prompt chunks beside decoding requests, by the requests they admitted:\n")
+    print(prompt_step_table([(r.system, r.concurrency, r.steps) for r in rows]))
     if profiles:
         print(profile_table(profiles))
     if host_profiles:

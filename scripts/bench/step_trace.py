@@ -4,6 +4,7 @@ and what each kind of step delivered per request at that batch, the comparison `
     rows = trace_bins(row.steps)     # one TraceBin per (batch range, kind) that ran
     print(trace_table([(row.system, row.concurrency, trace_bins(row.steps)) for row in rows]))
     load_rate(row.steps, row.concurrency)   # (tokens a request a ms, share of time) at the level's own load
+    print(prompt_step_table([(row.system, row.concurrency, row.steps) for row in rows]))  # steps with a prompt
 
 Budget steps (auto's rows shared by the drafts' confidence) are a kind of their own where the trace names each step's
 kind, so that a run with them sets their rate against its chains' at the same batch.
@@ -90,4 +91,29 @@ def trace_table(levels: list[tuple[str, int, list[TraceBin]]]) -> str:
         lines += [f"| {system} | {concurrency} | {b.batches} | {b.kind} | {b.steps} | {b.wall_ms:.1f} | "
                   f"{b.median_ms:.2f} | {'-' if b.waited_ms is None else f'{b.waited_ms:.2f}'} | {b.mean_batch:.0f} | "
                   f"{b.tokens_per_request:.2f} | {b.tokens_per_request_ms:.3f} |" for b in bins]
+    return "\n".join(lines)
+
+
+# requests a step with prompt chunks admitted: 0 (chunks of earlier admissions only), 1, 2, 3, 4 or more
+ADMITTED_BINS = ((0, 0), (1, 1), (2, 2), (3, 3), (4, None))
+
+
+def prompt_step_table(levels: list[tuple[str, int, list[list]]]) -> str:
+    """Markdown: the steps with prompt chunks of each level by how many requests they admitted, beside the level's
+    decode-only steps of at least half its concurrency: what a step with arrivals costs over one without, and how
+    much of that grows with its arrivals and prompt tokens. Traces written before prompt tokens were recorded (12
+    fields or fewer) give no lines."""
+    lines = ["| system | concurrency | requests admitted | steps | median ms | median prompt tokens | mean decode batch "
+             "| decode-only steps at load, median ms |", "|---|---|---|---|---|---|---|---|"]
+    for system, concurrency, steps in levels:
+        loaded = [s[2] for s in steps if not s[0] and 2 * s[1] >= concurrency]
+        base = f"{statistics.median(loaded):.2f}" if loaded else "-"
+        prompt = [s for s in steps if s[0] and len(s) > 12 and s[1]]  # beside decoding requests
+        for low, high in ADMITTED_BINS:
+            picked = [s for s in prompt if s[12] >= low and (high is None or s[12] <= high)]
+            if picked:
+                lines.append(f"| {system} | {concurrency} | {low if high == low else f'>= {low}'} | {len(picked)} | "
+                             f"{statistics.median(s[2] for s in picked):.2f} | "
+                             f"{statistics.median(s[11] for s in picked):.0f} | "
+                             f"{statistics.mean(s[1] for s in picked):.0f} | {base} |")
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from scripts.bench.step_trace import load_rate, step_kind, trace_bins, trace_table
+from scripts.bench.step_trace import load_rate, prompt_step_table, step_kind, trace_bins, trace_table
 
 
 def test_decode_only_steps_are_summed_by_batch_range_and_kind():
@@ -60,3 +60,16 @@ def test_the_rate_at_the_levels_load_counts_only_steps_of_half_the_concurrency_o
     assert share == pytest.approx(9.0 / 13.0)
     assert load_rate(steps, 1)[1] == 1.0  # at concurrency 1 every decoding step counts
     assert load_rate(steps, 256) is None  # no step ran 128 requests or more
+
+
+def test_steps_with_prompts_are_listed_by_the_requests_they_admitted_beside_the_decode_only_steps_at_load():
+    decode = [[0, 64, ms, 4, 0.0, 0.0, 200, 0.0, 0.0, 1.0, "chain 4", 0, 0] for ms in (4.0, 4.5, 5.0)]
+    prompts = [[1, 63, 6.0, 4, 0.0, 0.0, 190, 0.0, 0.0, 0.0, "chain 4", 150, 1],
+               [1, 63, 7.0, 4, 0.0, 0.0, 190, 0.0, 0.0, 0.0, "chain 4", 250, 1],
+               [1, 60, 9.0, 4, 0.0, 0.0, 180, 0.0, 0.0, 0.0, "chain 4", 700, 4],
+               [1, 0, 30.0, None, None, None, 0, None, None, 0.0, None, 8000, 64]]  # the first step: nothing decodes
+    lines = prompt_step_table([("DFlash", 64, decode + prompts)]).splitlines()
+    assert lines[2:] == ["| DFlash | 64 | 1 | 2 | 6.50 | 200 | 63 | 4.50 |",
+                         "| DFlash | 64 | >= 4 | 1 | 9.00 | 700 | 60 | 4.50 |"]
+    old_trace = [step[:11] for step in decode + prompts]  # written before prompt tokens were recorded
+    assert prompt_step_table([("DFlash", 64, old_trace)]).count("\n") == 1
