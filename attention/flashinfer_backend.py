@@ -584,8 +584,9 @@ class FlashInferBackend(AttentionBackend):
                 out, self.planned_runs[dtype] = PlannedRun.record(self.wrappers[dtype], q, layer.data, out)
                 return out
             planned = self.planned_runs[dtype]
-            return planned(q, layer.data, out) if planned is not None else self.wrappers[dtype].run(q, layer.data,
-                                                                                                   out=out)
+            if planned is None:  # its first run's call was not one to keep
+                return self.wrappers[dtype].run(q, layer.data, out=out)
+            return planned(q, layer.data, out)
         # a token tree: the context part, then the tree part over the step's rows as stored, merged into the first
         out, lse = self.wrappers[dtype].run(q, layer.data, out=out, return_lse=True, **scales)
         rows = q.shape[0]

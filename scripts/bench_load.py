@@ -186,8 +186,9 @@ def random_prompts(vocab_size: int, count: int) -> list[list[int]]:
 def timed_steps(engine, waits: HostWaits) -> list[tuple]:
     """From now on, record (prefilled, decoding batch, seconds, tokens verified per request, learned overheads, tokens
     committed, learned switch costs, seconds the host waited for the GPU while `waits` counts, the speculative step's
-    kind, prompt tokens the step ran, requests it admitted) of every engine step (each step is also a profiler range named STEP_RANGE); verified, overheads and switch
-    costs None without a drafter, the kind None but for speculative steps."""
+    kind, prompt tokens the step ran, requests it admitted) of every engine step (each step is also a profiler range
+    named STEP_RANGE); verified, overheads and switch costs None without a drafter, the kind None but for speculative
+    steps."""
     records, schedule, step = [], engine.scheduler.schedule, engine.step
     plans = []
     decoding = engine.decoding if engine.drafter is not None else None
