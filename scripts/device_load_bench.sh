@@ -9,7 +9,7 @@
 #            the DFlash rows' policies (bench_load.py's --verify, default auto)
 #   sustained  DFlash and plain decoding under sustained load (a finished request replaced by the next): all 500
 #            math500 problems at 64 in flight (3 repeats), 1,024 coding requests at 256 (2 repeats); the levels of
-#            `sweep` drain at the end (2 x C requests), which favours speculation in their tails
+#            `sweep` drain at the end (2 x C requests), which favours speculation in their tails; VERIFY as for `sweep`
 #   profile  where a step's time goes (wall against GPU busy time, the largest kernels): steps with and without
 #            arrivals at 64 on the mixed set, and at 256 on the coding requests
 #   host-profile  where a step's host time goes (cProfile, per kind of step): math500 at 64, coding requests at 256
@@ -50,10 +50,12 @@ if wanted sweep; then
   done
 fi
 if wanted sustained; then
+  # shellcheck disable=SC2086
   load sustained-math500-64 "$here" --dataset math500 --concurrency 64 --requests 500 --rounds 8 --repeats 3 \
-    --interleave
+    --interleave ${VERIFY:+--verify $VERIFY}
+  # shellcheck disable=SC2086
   load sustained-code-256 "$here" --dataset code --concurrency 256 --requests 1024 --rounds 4 --repeats 2 \
-    --interleave
+    --interleave ${VERIFY:+--verify $VERIFY}
 fi
 if wanted profile; then
   load profile-arrivals "$here" --dataset mixed --concurrency 64 --profile 64
