@@ -59,9 +59,10 @@ twice the median of its kind's last 16 steady steps there (`OUTLIER_FACTOR`). A 
 takes that kind's estimate from the nearest rung that has one, and its first steps refine it from there: under a
 draining load the batch enters a new rung every few dozen steps, and with nothing known there speculation looked
 free. On an H200 at 256 coding requests, each new rung from 224 down ran 8-24 speculative steps of 6-9 ms where plain
-steps took 3 ms, and a single host-bound plain step (4.1 ms) set plain steps' estimate at a new rung alone; the overheads of neighbouring rungs differed little there
-(speculative steps 1.2-1.5 ms at rungs 96-224, plain ones 0.4-0.5 ms at rungs 128-256). With the nearest rung's
-estimates, the same load speculated for 23-35 steps above 100 requests instead of 54-149 (BENCHMARKS.md).
+steps took 3 ms, and a single host-bound plain step (4.1 ms) set plain steps' estimate at a new rung alone; the
+overheads of neighbouring rungs differed little there (speculative steps 1.2-1.5 ms at rungs 96-224, plain ones
+0.4-0.5 ms at rungs 128-256). With the nearest rung's estimates, the same load speculated for 23-35 steps above 100
+requests instead of 54-149 (BENCHMARKS.md).
 
 Switching kind costs more than either kind's steady steps: the first speculative step after plain ones lands the
 plain step in flight and drafts without a draft queued ahead, and the first two plain steps after speculative ones
