@@ -68,6 +68,11 @@ def trace_bins(steps: list[list]) -> list[TraceBin]:
     return bins
 
 
+def at_load(steps: list[list], concurrency: int) -> list[list]:
+    """The steps that ran at least half the level's concurrency: the level's own load."""
+    return [s for s in steps if 2 * s[1] >= concurrency]
+
+
 def load_rate(steps: list[list], concurrency: int) -> tuple[float, float] | None:
     """Tokens a request a ms over the decode-only steps of at least half the level's concurrency, every kind together
     (tokens / the sum of batch x wall ms), and those steps' share of the decode-only steps' wall time; None where no
@@ -75,7 +80,7 @@ def load_rate(steps: list[list], concurrency: int) -> tuple[float, float] | None
     speculation gains most, and the longer the answers the longer the tail): this is the rate at the level's own
     load."""
     decode = [s for s in steps if not s[0] and s[1]]
-    loaded = [s for s in decode if 2 * s[1] >= concurrency]
+    loaded = at_load(decode, concurrency)
     if not loaded:
         return None
     rate = sum(map(delivered, loaded)) / sum(s[1] * s[2] for s in loaded)
@@ -106,8 +111,8 @@ def prompt_step_table(levels: list[tuple[str, int, list[list]]]) -> str:
     lines = ["| system | concurrency | requests admitted | steps | median ms | median prompt tokens | mean decode batch "
              "| decode-only steps at load, median ms |", "|---|---|---|---|---|---|---|---|"]
     for system, concurrency, steps in levels:
-        loaded = [s[2] for s in steps if not s[0] and 2 * s[1] >= concurrency]
-        base = f"{statistics.median(loaded):.2f}" if loaded else "-"
+        loaded = at_load([s for s in steps if not s[0]], concurrency)
+        base = f"{statistics.median(s[2] for s in loaded):.2f}" if loaded else "-"
         prompt = [s for s in steps if s[0] and len(s) > 12 and s[1]]  # beside decoding requests
         for low, high in ADMITTED_BINS:
             picked = [s for s in prompt if s[12] >= low and (high is None or s[12] <= high)]
