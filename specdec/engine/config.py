@@ -135,14 +135,6 @@ class EngineConfig:
     # chain of its q does, so auto ran no faster with them (BENCHMARKS.md, 2026-12-05); exact either way
     budget_steps: bool = _setting(False, "verify auto: also weigh budget steps, whose rows go to each request's "
                                          "drafts most likely to be kept (by the drafter's confidence)")
-    # what `auto` learns a kind of step costs beyond its measured cost comes from steady decode-only steps; with this
-    # on, from the kind's steady steps with prompt chunks too (and the steps that land an overlapped one's prefill), so
-    # that under frequent arrivals each kind carries what its steps with a prompt cost. A speculative step with a prompt
-    # runs in order where a plain one overlaps: on one H100 at 250 coding requests, 8.15 ms for chains of 2 against
-    # 4.16 plain, where their steps without a prompt took 5.97 and 3.53 (BENCHMARKS.md, 2026-12-06). Off by default:
-    # not yet measured on the GPU; exact either way
-    auto_counts_prompt_steps: bool = _setting(False, "verify auto: learn each kind of step's overhead from its steps "
-                                                     "with prompt chunks too, not only from decode-only ones")
     # DFlash drafting: how far back each draft position attends in the drafter's context. A drafter trained on
     # short sequences accepts less on long prompts, where its attention spans distances it never saw; a window keeps
     # it within them (SGLang's speculative-dflash-draft-window-size). None: the window the drafter declares (its

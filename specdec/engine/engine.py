@@ -141,8 +141,7 @@ class Engine:
         if drafter is not None:
             drafter.allocate_cache(self.num_pages)
             self.decoding: DecodePhase = SpeculativeDecoding(
-                self.runner, drafter, VerifyPolicy(block, chain_lengths, tree=trees, budgets=budgets,
-                                                   counts_prompt_steps=config.auto_counts_prompt_steps),
+                self.runner, drafter, VerifyPolicy(block, chain_lengths, tree=trees, budgets=budgets),
                 TreeDecoding(self.runner, drafter, draft_ahead=config.overlap_steps) if trees else None,
                 draft_ahead=config.overlap_steps)
         else:
@@ -396,13 +395,11 @@ class Engine:
         if self.prefix_cache is not None:
             self._cache_committed_pages(self.scheduler.running)
         out.finished = self._retire()
-        if self.drafter is not None and decode:
-            # a step's wall time tells the policy what its kind takes beyond its measured cost (a steady step) or what
-            # a switch costs (a step after one); one with prompt chunks, or one that lands an overlapped step's, also
-            # pays for their prefill, which the policy counts only where told to (`auto_counts_prompt_steps`)
+        if self.drafter is not None and decode and not plan.prefill and not after_prompts:
+            # a decode-only step's wall time tells the policy what its kind takes beyond its measured cost (a steady
+            # step) or what a switch costs (a step after one)
             option = PLAIN if plain else self.decoding.option
-            self.decoding.policy.observe_seconds(option, len(decode), time.perf_counter() - start,
-                                                 prompts=bool(plan.prefill) or after_prompts)
+            self.decoding.policy.observe_seconds(option, len(decode), time.perf_counter() - start)
         return out
 
     def run(self, requests: list[Request], on_commit: OnCommit | None = None) -> None:

@@ -11,8 +11,6 @@
     policy.ran(plain, batch)               # the kind of step the engine runs now (counted for KIND_DWELL)
     policy.observe_seconds(q, batch, s)    # a decode-only step's wall time: what a steady step (`steady`) takes
                                            # beyond its measured cost, or what a switch's steps take beyond steady ones
-                                           # (prompts=True: a step that paid for prompt chunks' prefill, counted only
-                                           # by a policy made with counts_prompt_steps, and only when steady)
 
 The drafter runs the whole block either way (one forward) but scores only the drafts the step verifies (its
 output layer over the vocabulary grows with the batch like the target's); verifying fewer drafts saves target
@@ -48,15 +46,17 @@ target's decode step), which the engine runs overlapped as plain decoding does (
 drafter's context keeps up, so speculation resumes when the batch shrinks. The start-up costs are measured on short
 contexts: under load both kinds of step take longer, by different amounts (a speculative step's host work is not
 hidden behind the GPU as an overlapped plain step's is; its verify attends over the context with q tokens per
-request, a plain step's with one; a plain step also writes the drafter's context). So what each kind takes beyond
-its measured cost is learned from the wall time of decode-only steps, per batch rung, and added when the best
-speculative option is weighed against a plain step (the speculative options are compared among themselves by their
-measured costs). A policy made with `counts_prompt_steps` learns it from steady steps with prompt chunks too (and
-those that land an overlapped step's): under frequent arrivals a kind's steps with a prompt are part of what it costs,
-and a speculative one runs in order where a plain one overlaps (one H100 at 250 coding requests: chains of 2 took
-8.15 ms with a prompt and 5.97 without, plain steps 4.16 and 3.53). A slow step among steady ones counts at most
-twice the median of its kind's last 16 steady steps there (`OUTLIER_FACTOR`). A rung where a kind has not run yet
-takes that kind's estimate from the nearest rung that has one, and its first steps refine it from there: under a
+request, a plain step's with one; a plain step also writes the drafter's context). So what each kind takes beyond its
+measured cost is learned from the wall time of decode-only steps, per batch rung, and added when the best speculative
+option is weighed against a plain step (the speculative options are compared among themselves by their measured
+costs). Steps with prompt chunks teach nothing, though a speculative one runs in order where a plain one overlaps
+(one H100 at 250 coding requests: chains of 2 took 8.15 ms with a prompt and 5.97 without, plain steps 4.16 and
+3.53): learning from them too, an overhead that follows ~10 steps jumped after each arrival, and at 128 math500
+requests (draining) and 32-99 coding requests (sustained at 256) `auto` then ran 86-103 plain steps that delivered
+0.33-0.36 tokens a request a ms where its speculative steps at those batches delivered 0.47-0.67 (1.45x against 1.55x
+plain decoding, 1.00x against 1.01x; one H100, BENCHMARKS.md, 2026-12-06). A slow step among steady ones counts at
+most twice the median of its kind's last 16 steady steps there (`OUTLIER_FACTOR`). A rung where a kind has not run
+yet takes that kind's estimate from the nearest rung that has one, and its first steps refine it from there: under a
 draining load the batch enters a new rung every few dozen steps, and with nothing known there speculation looked
 free. On an H200 at 256 coding requests, each new rung from 224 down ran 8-24 speculative steps of 6-9 ms where plain
 steps took 3 ms, and a single host-bound plain step (4.1 ms) set plain steps' estimate at a new rung alone; the
@@ -221,7 +221,7 @@ class StepCosts:
 
 class VerifyPolicy:
     def __init__(self, block_size: int, lengths: tuple[int, ...], costs: StepCosts | None = None,
-                 tree: bool = False, budgets: tuple[Budget, ...] = (), counts_prompt_steps: bool = False):
+                 tree: bool = False, budgets: tuple[Budget, ...] = ()):
         if (lengths and block_size not in lengths) or any(not 1 <= q <= block_size for q in lengths):
             raise ValueError(f"chain lengths {lengths} must lie in 1..{block_size} and include {block_size}")
         if not lengths and not tree:
@@ -234,8 +234,6 @@ class VerifyPolicy:
             raise ValueError(f"budget steps {self.budgets} need blocks among the chain lengths {self.lengths} and "
                              "2 <= per < q")
         self.costs = costs
-        # whether steady steps that paid for prompt chunks' prefill teach their kind's overhead (`observe_seconds`)
-        self.counts_prompt_steps = counts_prompt_steps
         n = block_size - 1  # draft positions
         self.accepted = np.full(n, PRIOR_ACCEPTED)  # position i accepted, given 0..i-1 were
         self.seen = np.full(n, PRIOR_SEEN)  # position i verified with 0..i-1 accepted
@@ -338,21 +336,16 @@ class VerifyPolicy:
         switch (STEADY_AFTER): only such steps teach the overheads."""
         return self.plain_running == plain and self.kind_steps > STEADY_AFTER[plain]
 
-    def observe_seconds(self, option: int, batch: int, seconds: float, prompts: bool = False) -> None:
-        """A step of `batch` requests that chose `option` (PLAIN: a plain step, overlapped) took `seconds` of wall time.
-        A steady step (`steady`; every step while the policy is told no kinds, `ran`): what it took beyond its measured
-        cost updates the overhead of its kind at its batch rung, and the other kind's estimate there fades. A step of a
-        switch: what it took beyond a steady step of its kind counts towards the switch's cost (`switch_cost`).
-        `prompts`: the step also paid for prompt chunks' prefill (its own, or an overlapped step's it landed). Such a
-        step teaches nothing (as if unmeasured) but where the policy counts prompt steps and the step is steady: then
-        its kind's overhead carries what its steps with a prompt cost, as often as they come."""
+    def observe_seconds(self, option: int, batch: int, seconds: float) -> None:
+        """A decode-only step of `batch` requests that chose `option` (PLAIN: a plain step, overlapped) took `seconds`
+        of wall time. A steady step (`steady`; every step while the policy is told no kinds, `ran`): what it took
+        beyond its measured cost updates the overhead of its kind at its batch rung, and the other kind's estimate there
+        fades. A step of a switch: what it took beyond a steady step of its kind counts towards the switch's cost
+        (`switch_cost`)."""
         predicted = (self.costs.at(batch) or {}).get(option) if self.costs is not None else None
         rung = self._rung(batch)
         plain = option == PLAIN
-        switching = self.plain_running is not None and not self.steady(plain)
-        if prompts and (switching or not self.counts_prompt_steps):
-            return
-        if switching:
+        if self.plain_running is not None and not self.steady(plain):
             overhead = self.known_overhead(rung, plain)  # what a steady step of this kind takes beyond its cost
             self._observe_switch(None if predicted is None or overhead is None else seconds - predicted - overhead)
             return

@@ -37,8 +37,7 @@ SAMPLE_VALUES = dict(device="cuda:1", dtype="float16", kv_cache_dtype="fp8", pag
                      attention_backend="torch", calibrate_fp8_scales=True, drafter_kv_cache_dtype="fp8_e4m3",
                      enforce_eager=True, kv_cache_full_precision_layers="0,1", overlap_steps=False, verify_ahead=True,
                      verify_ahead_batches="off",
-                     verify="tree", tree_nodes=31, budget_steps=True, auto_counts_prompt_steps=True,
-                     draft_window=2048, draft_vocab=16384,
+                     verify="tree", tree_nodes=31, budget_steps=True, draft_window=2048, draft_vocab=16384,
                      enable_prefix_caching=False)
 
 

@@ -229,28 +229,6 @@ def test_what_each_kind_of_step_takes_beyond_its_measured_cost_is_learned_from_i
     assert policy.choose(200) == 2  # 1 / 4.0 < 1.86 / (5.0 + the faded 2 * 0.99 ** 30)
 
 
-def test_steps_that_paid_for_a_prefill_teach_their_kinds_overhead_only_where_the_policy_counts_them():
-    """A steady step with prompt chunks (or landing an overlapped one's) teaches its kind's overhead only with
-    counts_prompt_steps, and then as any steady step does; a switch's step with them teaches neither the overhead nor
-    the switch's cost (as if unmeasured), whichever the policy."""
-    from specdec.engine.verify_policy import PLAIN
-
-    costs = StepCosts(draft={2: {256: 1.0}}, verify={PLAIN: {256: 3.0}, 2: {256: 4.0}, 16: {256: 30.0}})
-    for counts in (False, True):
-        policy = VerifyPolicy(16, (PLAIN, 2, 16), costs, counts_prompt_steps=counts)
-        for _ in range(30):  # chains of 2 that also prefilled: 2 s beyond their measured 5 s
-            policy.observe_seconds(2, 200, 7.0, prompts=True)
-        assert policy.overhead == ({(256, False): pytest.approx(2.0, rel=0.01)} if counts else {})
-        for _ in range(3):
-            policy.ran(True, 200)  # plain steps: steady from the third on
-        policy.observe_seconds(PLAIN, 200, 4.0, prompts=True)
-        assert (policy.overhead.get((256, True)) == pytest.approx(1.0)) == counts
-        policy.ran(False, 200)  # a switch to speculation: its first step pays for a prefill
-        before = dict(policy.overhead), dict(policy.switch_seconds), policy._switch
-        policy.observe_seconds(2, 200, 12.0, prompts=True)
-        assert (dict(policy.overhead), dict(policy.switch_seconds), policy._switch) == before
-
-
 def test_a_slow_step_among_steady_ones_counts_at_most_twice_their_median_until_a_change_lasts():
     """Plain steps that take 0.3 ms beyond their measured 3 ms, then one of 8.6 ms (as on an H200 at 256 coding
     requests): it counts as 0.6 ms, and plain steps stay ahead of chains of 2 (1.8 tokens in 5 ms and a faded 1.2 ms of

@@ -57,11 +57,9 @@ def test_kept_across_runs_the_prefix_cache_holds_what_earlier_runs_of_the_same_p
 
 def test_each_verify_policy_has_a_dflash_row(tmp_path):
     out = tmp_path / "load.json"
-    assert main(["--quick", "--verify", "chain", "auto", "budget", "prompt-costs", "--overlap-steps", "off", "--out",
-                 str(out)]) == 0
+    assert main(["--quick", "--verify", "chain", "auto", "budget", "--overlap-steps", "off", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert list(dict.fromkeys(r["system"] for r in rows)) == ["AR", "DFlash", "DFlash auto", "DFlash auto+budgets",
-                                                              "DFlash auto+prompt costs"]
+    assert list(dict.fromkeys(r["system"] for r in rows)) == ["AR", "DFlash", "DFlash auto", "DFlash auto+budgets"]
 
 
 def test_overlap_steps_adds_the_overlapped_and_drafted_ahead_rows_with_the_same_tokens(tmp_path):
