@@ -116,8 +116,8 @@ class EngineConfig:
                                                  "overlap_steps; auto = on CUDA, on = the CPU too)",
                                          choices=VERIFY_AHEAD_BATCHES)
     # speculative steps (specdec/engine/verify_policy.py): chain = every draft of the block every step;
-    # auto = per step the chain length (the block, a half, a quarter, an eighth) with the most committed tokens per
-    # second, from running acceptance and step times measured after graph capture (without CUDA graphs:
+    # auto = per step the chain length (the block, a half, three eighths, a quarter, an eighth) with the most committed
+    # tokens per second, from running acceptance and step times measured after graph capture (without CUDA graphs:
     # the whole chain); tree = a token tree of block_size - 1 nodes from each position's top drafts
     # (specdec/engine/tree_speculator.py). auto is the default: on an H200 it matched the chain at batch 1 and
     # concurrency 8 and gave 1.2x at 64 and 1.4x at 128 (BENCHMARKS.md, bench-peers-h200-run5)

@@ -186,7 +186,7 @@ def test_sampled_requests_through_plain_steps_end_clean(target_dir, tmp_path):
 
 
 def test_auto_weighs_a_plain_step_where_the_engine_can_overlap_it():
-    assert verify_lengths(16, "auto", plain_steps=True) == (PLAIN, 2, 4, 8, 16)
+    assert verify_lengths(16, "auto", plain_steps=True) == (PLAIN, 2, 4, 6, 8, 16)
     assert verify_lengths(16, "chain", plain_steps=True) == (16,)
     # a compute-bound batch: the anchor and one draft cost 1.8x the anchor alone and commit 1.86 tokens
     policy = VerifyPolicy(16, (PLAIN, 2, 16), StepCosts(draft={2: {64: 0.4, 256: 1.6}},

@@ -11,7 +11,7 @@ from tests.engine_helpers import MANY_PROMPTS, assert_no_leak, dflash_drafter, s
 
 def test_the_lengths_a_policy_chooses_from():
     assert verify_lengths(16, "chain") == (16,)
-    assert verify_lengths(16, "auto") == (2, 4, 8, 16)
+    assert verify_lengths(16, "auto") == (2, 4, 6, 8, 16)
     assert verify_lengths(4, "auto") == (2, 4)
     assert verify_lengths(2, "auto") == (2,)
     with pytest.raises(ValueError, match="include 16"):

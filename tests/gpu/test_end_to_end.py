@@ -114,8 +114,8 @@ def test_a_lone_request_verifies_the_whole_chain_whatever_the_costs(drafter_dir)
     common = dict(device="cuda", num_kv_pages=2048, attention_backend="flashinfer")
     ar_llm, spec_llm = LLM(MODEL, **common), LLM(MODEL, drafter=drafter_dir, verify="auto", **common)
     policy = spec_llm.engine.decoding.policy
-    assert policy.options == (PLAIN, 2, 4, 8, 16, TREE) and set(policy.costs.verify) == {PLAIN, 2, 4, 8, 16, TREE}
-    assert set(policy.costs.draft) == {2, 4, 8, 16, TREE}  # a plain step drafts nothing
+    assert policy.options == (PLAIN, 2, 4, 6, 8, 16, TREE) and set(policy.costs.verify) == {PLAIN, 2, 4, 6, 8, 16, TREE}
+    assert set(policy.costs.draft) == {2, 4, 6, 8, 16, TREE}  # a plain step drafts nothing
     for costs in (policy.costs.verify, policy.costs.draft):
         assert all(s > 0 for by_rung in costs.values() for s in by_rung.values())
     rungs = policy.costs.verify[16]
