@@ -272,7 +272,7 @@ def test_budget_steps_equal_autoregressive(drafter_dir, kv):
     spec_llm = LLM(MODEL, drafter=drafter_dir, verify="auto", budget_steps=True, **common)
     decoding = spec_llm.engine.decoding
     budgets = decoding.policy.budgets
-    assert budgets == (Budget(4, 2), Budget(8, 3), Budget(8, 5), Budget(16, 8))
+    assert budgets == (Budget(4, 2), Budget(6, 3), Budget(8, 5), Budget(16, 8))
     assert all(decoding.runner.replays((BUDGET_STEP, *b), 3) and b in decoding.policy.costs.verify for b in budgets)
     turns = iter(range(10**9))
     decoding.policy.choose = lambda batch, nodes=0, trees=True, plain=True, budgets=True: (
