@@ -33,7 +33,9 @@ time against the GPU's busy time in the step (kernels, copies and sets that star
 step ends with its device-to-host transfer, so its work has run by then), which says how host-bound each kind of
 step is, and the kernels that took most of it. --host-profile C adds one under cProfile, each step profiled apart: per
 kind of step, its median wall time and the host functions that took most of it (`scripts/bench/host_profile.py`'s
-lists; a wait for the GPU shows as the call that blocks), so steps with prefill and decode-only ones are told apart.
+lists; a wait for the GPU shows as the call that blocks), so steps with prefill and decode-only ones are told apart,
+and where each kind of step waited for the GPU (`scripts/bench/host_waits.py` with sites: the event waits by call
+site, and on CUDA the torch calls that waited by themselves).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -150,7 +153,7 @@ def parse_args(argv):
     p.add_argument("--profile", type=int, metavar="C", help="one more level at concurrency C under the profiler: "
                                                             "wall vs GPU busy time per kind of step")
     p.add_argument("--host-profile", type=int, metavar="C", help="one more level at concurrency C under cProfile: "
-                                                                 "the host functions per kind of step")
+                   "the host functions per kind of step, and where it waited for the GPU")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (overrides the above)")
     p.add_argument("--out", help="JSON results file")
     args = p.parse_args(argv)
@@ -327,6 +330,7 @@ def profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: i
 PROFILE_KINDS = ("decode only", "plain steps", "speculative steps", "with prefill")
 
 HOST_FUNCTIONS = 40  # rows of each list of a host profile (its tail spreads thin: steps with prefill)
+WAIT_SITES = 12  # rows of a host profile's lists of where the host waited
 
 
 @dataclass
@@ -337,31 +341,46 @@ class HostProfile:
     steps: int
     wall_ms: float  # their median, under cProfile
     functions: dict  # `scripts.bench.host_profile.per_step`'s two lists of [function, us per step, calls per step]
+    waited_ms: float = 0.0  # the median step's waits for the GPU (CUDA event waits)
+    # where those waits were (`HostWaits(sites=True)`): [site, ms per step, waits per step], the most time first
+    wait_sites: list = field(default_factory=list)
+    # torch calls that made the host wait by themselves (CUDA's sync debug mode): [site, calls per step], most first
+    synced: list = field(default_factory=list)
 
 
 def host_profile_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int,
                       max_new_tokens: int) -> list[HostProfile]:
     """One level under cProfile, each step profiled apart and summed with the steps of its kind: per kind, the median
-    wall time and the host functions that took most of it."""
+    wall time, the host functions that took most of it, and where the host waited for the GPU."""
     engine = llm.engine
     engine.scheduler.max_num_seqs = concurrency
-    records = timed_steps(engine, HostWaits())
-    timed, by_kind = engine.step, {}
+    waits = HostWaits(sites=True)
+    records = timed_steps(engine, waits)
+    timed, by_kind, sites = engine.step, {}, {}
 
     def profiled_step(*args, **kwargs):
         profile, count = cProfile.Profile(), len(records)
         out = profile.runcall(timed, *args, **kwargs)
         kind = profile_kind(records[count])
         by_kind[kind] = by_kind[kind].add(profile) if kind in by_kind else pstats.Stats(profile)
+        for total, taken in zip(sites.setdefault(kind, (Counter(), Counter(), Counter())), waits.take_sites()):
+            total.update(taken)
         return out
 
     engine.step = profiled_step
-    engine.generate_ids(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+    with waits:
+        engine.generate_ids(prompts, SamplingParams(max_new_tokens=max_new_tokens))
     del engine.step, engine.scheduler.schedule
-    # (the benchmark's own wrappers left out of the project's list)
-    return [HostProfile(system, concurrency, kind, len(picked), 1e3 * statistics.median(records[i][2] for i in picked),
-                        per_step(by_kind[kind].stats, len(picked), HOST_FUNCTIONS, exclude=__file__))
-            for kind, picked in steps_by_kind(records).items()]
+    profiles = []
+    for kind, picked in steps_by_kind(records).items():
+        n, (waited_at, waits_at, synced_at) = len(picked), sites[kind]
+        profiles.append(HostProfile(
+            system, concurrency, kind, n, 1e3 * statistics.median(records[i][2] for i in picked),
+            per_step(by_kind[kind].stats, n, HOST_FUNCTIONS, exclude=__file__),  # (the benchmark's wrappers left out)
+            1e3 * statistics.median(records[i][7] for i in picked),
+            [[site, 1e3 * seconds / n, waits_at[site] / n] for site, seconds in waited_at.most_common(WAIT_SITES)],
+            [[site, calls / n] for site, calls in synced_at.most_common(WAIT_SITES)]))
+    return profiles
 
 
 def steps_by_kind(records: list[tuple]) -> dict[str, list[int]]:
@@ -398,6 +417,13 @@ def host_profile_table(profiles: list[HostProfile]) -> str:
         lines += ["", f"{p.system}, concurrency {p.concurrency}, {p.kind}: {p.steps} steps, median {p.wall_ms:.2f} ms "
                       "under cProfile"]
         lines += tables(p.functions)
+        lines += ["", f"where the host waited for the GPU: median {p.waited_ms:.2f} ms a step (CUDA event waits)", "",
+                  "| site | ms per step | waits per step |", "|---|---|---|"]
+        lines += [f"| `{site}` | {ms:.3f} | {count:.2f} |" for site, ms, count in p.wait_sites]
+        if p.synced:
+            lines += ["", "torch calls that waited for the GPU by themselves (CUDA's sync debug mode)", "",
+                      "| site | calls per step |", "|---|---|"]
+            lines += [f"| `{site}` | {calls:.2f} |" for site, calls in p.synced]
     return "\n".join(lines)
 
 

@@ -6,19 +6,38 @@ same calls made), which this tells apart from a step that does more GPU work.
     waits = HostWaits()
     with waits:
         ...                      # waits.seconds grows by every event wait in here
+
+With `sites=True` it also says where: the seconds waited at each call site (the innermost frames of the project's
+code), and, on CUDA, the torch calls that made the host wait by themselves (a tensor's `.item()`, a copy to pageable
+memory: CUDA's sync debug mode), counted at their sites. A step that should overlap the GPU's work but waits for it
+shows where; `take_sites` hands over what was counted since it was last called (one step's, say).
 """
 
 from __future__ import annotations
 
+import sys
 import time
+import warnings
+from collections import Counter
+from pathlib import Path
 
 import torch
 
+from scripts.bench.host_profile import is_projects
+
+SITE_FRAMES = 3  # the project's innermost frames that name a site: the call that waited and two of its callers
+SYNC_WARNING = "called a synchronizing CUDA operation"  # CUDA's sync debug mode, as torch words it
+
 
 class HostWaits:
-    def __init__(self):
+    def __init__(self, sites: bool = False):
         self.seconds = 0.0
+        self.sites = sites
+        self.waited_at: Counter[str] = Counter()  # site -> seconds waited in event waits there (with sites)
+        self.waits_at: Counter[str] = Counter()  # site -> event waits there
+        self.synced_at: Counter[str] = Counter()  # site -> torch calls there that waited by themselves (on CUDA)
         self._synchronize = None
+        self._warnings = None
 
     def __enter__(self) -> "HostWaits":
         synchronize = self._synchronize = torch.cuda.Event.synchronize
@@ -26,10 +45,51 @@ class HostWaits:
         def counted(event) -> None:
             start = time.perf_counter()
             synchronize(event)
-            self.seconds += time.perf_counter() - start
+            waited = time.perf_counter() - start
+            self.seconds += waited
+            if self.sites:
+                site = call_site()
+                self.waited_at[site] += waited
+                self.waits_at[site] += 1
 
         torch.cuda.Event.synchronize = counted
+        if self.sites and torch.cuda.is_available():
+            self._warnings = warnings.catch_warnings()  # restores the filters and `showwarning` on leaving
+            self._warnings.__enter__()
+            warnings.filterwarnings("always", message=SYNC_WARNING)
+            show = warnings.showwarning
+
+            def shown(message, *args, **kwargs) -> None:
+                if SYNC_WARNING in str(message):
+                    self.synced_at[call_site()] += 1
+                else:
+                    show(message, *args, **kwargs)
+
+            warnings.showwarning = shown
+            torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, *exc) -> None:
         torch.cuda.Event.synchronize = self._synchronize
+        if self._warnings is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._warnings.__exit__(*exc)
+            self._warnings = None
+
+    def take_sites(self) -> tuple[Counter, Counter, Counter]:
+        """(seconds waited, event waits, synchronizing calls) by site since the last call, and counting starts anew."""
+        taken = self.waited_at, self.waits_at, self.synced_at
+        self.waited_at, self.waits_at, self.synced_at = Counter(), Counter(), Counter()
+        return taken
+
+
+def call_site(frames: int = SITE_FRAMES) -> str:
+    """Where the caller was called from: the innermost `frames` frames of the project's code on the stack (this module
+    and the warnings machinery left out), innermost first."""
+    names, frame = [], sys._getframe(1)
+    while frame is not None and len(names) < frames:
+        file = frame.f_code.co_filename
+        if is_projects(file, exclude=__file__):
+            names.append(f"{Path(file).name}:{frame.f_lineno}({frame.f_code.co_name})")
+        frame = frame.f_back
+    return " < ".join(names) or "(outside the project)"

@@ -184,6 +184,9 @@ def test_host_profile_level_lists_the_host_functions_of_each_kind_of_step(tmp_pa
         assert own and all(us >= 0 and calls > 0 for _, us, calls in own)
         # the engine's step heads the project's list; the benchmark's own wrappers are left out
         assert inclusive[0][0].startswith("engine.py:") and not any("bench_load.py" in f for f, _, _ in inclusive)
+        # where the host waited: none on the CPU (no CUDA events), the lists there and empty
+        assert p["waited_ms"] == 0 and p["wait_sites"] == [] and p["synced"] == []
     speculative = [f for f, _, _ in profiles[2]["functions"]["host_functions_inclusive"]]
     assert any(f.startswith("speculator.py:") for f in speculative)
-    assert "DFlash, concurrency 4, with prefill:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "DFlash, concurrency 4, with prefill:" in out and "where the host waited for the GPU: median 0.00 ms" in out
