@@ -38,6 +38,7 @@ class HostWaits:
         self.synced_at: Counter[str] = Counter()  # site -> torch calls there that waited by themselves (on CUDA)
         self._synchronize = None
         self._warnings = None
+        self._sync_mode = 0
 
     def __enter__(self) -> "HostWaits":
         synchronize = self._synchronize = torch.cuda.Event.synchronize
@@ -66,13 +67,14 @@ class HostWaits:
                     show(message, *args, **kwargs)
 
             warnings.showwarning = shown
+            self._sync_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, *exc) -> None:
         torch.cuda.Event.synchronize = self._synchronize
         if self._warnings is not None:
-            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(self._sync_mode)  # as it was
             self._warnings.__exit__(*exc)
             self._warnings = None
 
@@ -84,8 +86,8 @@ class HostWaits:
 
 
 def call_site(frames: int = SITE_FRAMES) -> str:
-    """Where the caller was called from: the innermost `frames` frames of the project's code on the stack (this module
-    and the warnings machinery left out), innermost first."""
+    """A wait's site: the innermost `frames` frames of the project's code on the stack, innermost first (this module's
+    frames left out, as are those outside the project, such as the warnings machinery's)."""
     names, frame = [], sys._getframe(1)
     while frame is not None and len(names) < frames:
         file = frame.f_code.co_filename

@@ -1,5 +1,5 @@
 """scripts/bench/host_waits.py on the GPU: a tensor read back by the host counted at its site (CUDA's sync debug
-mode), an event wait counted with its time at its site, and the debug mode back to its default afterwards."""
+mode), an event wait counted with its time at its site, and the debug mode back as it was afterwards."""
 
 import warnings
 
