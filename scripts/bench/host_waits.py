@@ -55,21 +55,25 @@ class HostWaits:
 
         torch.cuda.Event.synchronize = counted
         if self.sites and torch.cuda.is_available():
-            self._warnings = warnings.catch_warnings()  # restores the filters and `showwarning` on leaving
-            self._warnings.__enter__()
-            warnings.filterwarnings("always", message=SYNC_WARNING)
-            show = warnings.showwarning
-
-            def shown(message, *args, **kwargs) -> None:
-                if SYNC_WARNING in str(message):
-                    self.synced_at[call_site()] += 1
-                else:
-                    show(message, *args, **kwargs)
-
-            warnings.showwarning = shown
-            self._sync_mode = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("warn")
+            self._count_synchronizing_calls()
         return self
+
+    def _count_synchronizing_calls(self) -> None:
+        """CUDA's sync debug mode on, its warnings counted by site (`synced_at`), not shown; `__exit__` undoes it."""
+        self._warnings = warnings.catch_warnings()  # restores the filters and `showwarning` on leaving
+        self._warnings.__enter__()
+        warnings.filterwarnings("always", message=SYNC_WARNING)
+        show = warnings.showwarning
+
+        def shown(message, *args, **kwargs) -> None:
+            if SYNC_WARNING in str(message):
+                self.synced_at[call_site()] += 1
+            else:
+                show(message, *args, **kwargs)
+
+        warnings.showwarning = shown
+        self._sync_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
 
     def __exit__(self, *exc) -> None:
         torch.cuda.Event.synchronize = self._synchronize
