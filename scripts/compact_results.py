@@ -6,8 +6,8 @@
   logs and results kept beside them;
 - every float of a JSON (or JSON lines) file is rounded to 6 significant digits, never coarser than a thousandth
   (unix times keep their milliseconds): finer digits are below what a run measures, and they compress worst;
-- a progress bar's frames in a log (lines overwritten with carriage returns) are cut to the last, as a terminal
-  shows it;
+- a progress bar's lines in a log are left out, with the frames it wrote over each other (carriage returns): they
+  time the bar (model loading, conversion), not what the run measured;
 - files compressed inside the archive (.gz, .xz) are stored plain, under their names without that suffix, so that
   the archive's own compression covers them with everything else; a tar inside is compacted likewise.
 
@@ -22,6 +22,7 @@ import io
 import json
 import lzma
 import math
+import re
 import sys
 import tarfile
 from pathlib import Path
@@ -57,12 +58,19 @@ def compact_json(data: bytes, lines: bool) -> bytes:
         return data
 
 
-def last_frames(log: bytes) -> bytes:
-    """A log's lines as a terminal leaves them: of the frames a progress bar wrote over each other, the last."""
+# a tqdm bar's frame: "desc:  50%|#####     | 4/9 [00:01<00:01, 3.2it/s]", its bar and times optional
+PROGRESS_BAR = re.compile(rb"\d+%\|.*\| *\d+/\d+")
+
+
+def without_progress_bars(log: bytes) -> bytes:
+    """A log's lines as a terminal leaves them (of the frames written over each other, the last), progress bars left
+    out."""
     lines = []
     for line in log.split(b"\n"):
         frames = [frame for frame in line.split(b"\r") if frame.strip()]
-        lines.append(frames[-1] if frames else line.replace(b"\r", b""))
+        last = frames[-1] if frames else line.replace(b"\r", b"")
+        if not PROGRESS_BAR.search(last):
+            lines.append(last)
     return b"\n".join(lines)
 
 
@@ -75,8 +83,8 @@ def compact_file(name: str, data: bytes) -> tuple[str, bytes]:
         return name, compact_tar(io.BytesIO(data))
     if name.endswith((".json", ".jsonl")):
         return name, compact_json(data, name.endswith(".jsonl"))
-    if name.endswith((".log", ".txt", ".md")) and b"\r" in data:
-        return name, last_frames(data)
+    if name.endswith((".log", ".txt", ".md", ".err")) and (b"\r" in data or PROGRESS_BAR.search(data)):
+        return name, without_progress_bars(data)
     return name, data
 
 

@@ -1,5 +1,5 @@
 """scripts/compact_results.py: a result archive rewritten compactly keeps every member's data but plots, progress
-bars' overwritten frames and digits below a millionth of a value (or a thousandth)."""
+bars and digits below a millionth of a value (or a thousandth)."""
 
 import gzip
 import io
@@ -44,7 +44,8 @@ def test_an_archive_is_rewritten_compactly_and_keeps_its_members_in_order(tmp_pa
                                        indent=1).encode(),
         "run/log.jsonl": b'{"step": 1, "loss": 2.345678901}\n{"step": 2, "loss": 1.0}\n',
         "run/curves.png": b"\x89PNG" + bytes(200),
-        "run/run.log": b"start\nconvert:   0%|  | 0/9\rconvert:  50%|# | 4/9\rconvert: 100%|##| 9/9\ndone\n",
+        "run/run.log": b"start\nconvert:   0%|  | 0/9\rconvert:  50%|# | 4/9\rconvert: 100%|##| 9/9\ndone\n"
+                      b"Loading weights: 100%|##########| 51/51 [00:00<00:00, 4574.63it/s]\nok 100% | 2/2 |\n",
         "run/gpu-all.log.gz": gzip.compress(b"145 passed\n"),
         "run/load.json.xz": lzma.compress(b'{"x": 1.23456789}'),
         "run/json.tar": inner.getvalue(),
@@ -57,7 +58,7 @@ def test_an_archive_is_rewritten_compactly_and_keeps_its_members_in_order(tmp_pa
     assert json.loads(got["run/results.json"]) == {"tokens_per_s": 439.766, "steps": [[0, 64, 2.26808]]}
     assert got["run/results.json"].startswith(b"{\n")  # still indented
     assert got["run/log.jsonl"] == b'{"step": 1, "loss": 2.34568}\n{"step": 2, "loss": 1.0}\n'
-    assert got["run/run.log"] == b"start\nconvert: 100%|##| 9/9\ndone\n"
+    assert got["run/run.log"] == b"start\ndone\nok 100% | 2/2 |\n"  # (a table's cells are no bar)
     assert got["run/gpu-all.log"] == b"145 passed\n"
     assert json.loads(got["run/load.json"]) == {"x": 1.23457}
     assert json.loads(members_of_tar(got["run/json.tar"])["inner/a.json"]) == {"t": 0.123457}
