@@ -25,7 +25,9 @@ that slow every system alike (plain decoding's steps too), so systems run one af
 system after system (A B A B ...); each row then also gives its tokens/s over the first system's in each round, whose
 median compares the systems within the same seconds, and what its decode-only steps of at least half the concurrency
 delivered a request a ms over the first system's (`step_trace.load_rate`): a level's tokens/s also counts the tail its
-last requests decode in fewer company, where speculation gains most, and long answers lengthen that tail.
+last requests decode in fewer company, where speculation gains most, and long answers lengthen that tail. Such
+periods can also last a whole process: each row's `host probe us` times a fixed Python workload on the host just before
+and after its run (`scripts/bench/host_speed.py`), to tell the rows run on a slowed host from the others.
 
 --profile C adds one level at concurrency C under the torch profiler (not counted in the table above):
 for steps with prefill and decode-only ones (a drafter's split into plain and speculative steps), the median wall
@@ -64,6 +66,7 @@ from scripts.bench.runner import environment, release_memory  # noqa: E402
 from scripts.bench.step_trace import load_rate, prompt_step_table, trace_bins, trace_table  # noqa: E402
 from scripts.bench.gpu_profile import range_activity, top_kernels  # noqa: E402
 from scripts.bench.host_profile import per_step, tables  # noqa: E402
+from scripts.bench.host_speed import probe_us  # noqa: E402
 from scripts.bench.host_waits import HostWaits  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.engine.verify_policy import TREE, Budget  # noqa: E402
@@ -112,6 +115,9 @@ class LoadRow:
     # one engine find what earlier runs left cached, as much as the decoding in between did not evict, so their steps
     # with prefill differ (a burst's prompts in one step or two)
     cached_share: float | None = None
+    # the host's speed just before and just after the level (scripts/bench/host_speed.py: microseconds of a fixed
+    # Python workload, higher is slower), to tell rows run on a slowed host from the others
+    host_probe_us: list[float] | None = None
 
 
 def parse_args(argv):
@@ -231,10 +237,12 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
     records = timed_steps(engine, waits)
     plain_steps = counted_plain_steps(engine)
     params = SamplingParams(max_new_tokens=max_new_tokens)  # answers end where the model ends them: arrivals vary
+    before = probe_us()
     started, start = time.time(), time.perf_counter()
     with waits:
         requests = engine.generate_ids(prompts, params)
     wall = time.perf_counter() - start
+    probes = [before, probe_us()]
     del engine.step, engine.scheduler.schedule  # back to the class's methods
     if plain_steps is not None:
         del engine.decoding.launch
@@ -250,7 +258,8 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
                    statistics.mean(verified) if verified else None,
                    plain_steps=len(plain_steps) if plain_steps is not None else None,
                    steps=[step_trace(r) for r in records], started=started,
-                   cached_share=sum(r.stats.cached_tokens or 0 for r in requests) / max(sum(map(len, prompts)), 1))
+                   cached_share=sum(r.stats.cached_tokens or 0 for r in requests) / max(sum(map(len, prompts)), 1),
+                   host_probe_us=probes)
 
 
 def option_label(option) -> str:
@@ -430,8 +439,8 @@ def host_profile_table(profiles: list[HostProfile]) -> str:
 def table(rows: list[LoadRow]) -> str:
     lines = ["| system | concurrency | tokens/s | decode steps x median ms (mean batch) | steps with prefill x "
              "median ms | share of wall in prefill steps | prompt tokens cached | tau | verified per step | "
-             "plain steps |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "plain steps | host probe us, before / after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tau = f"{r.tau:.2f}" if r.tau is not None else "-"
         verified = f"{r.verified:.1f}" if r.verified is not None else "-"
@@ -440,8 +449,12 @@ def table(rows: list[LoadRow]) -> str:
         lines.append(f"| {r.system} | {r.concurrency} | {r.tokens_per_s:,.0f}{spread} | {r.decode_steps} x "
                      f"{r.decode_step_ms:.2f} ({r.decode_batch:.1f}) | {r.prefill_steps} x {r.prefill_step_ms:.2f} | "
                      f"{100 * r.prefill_share:.0f}% | {100 * (r.cached_share or 0):.0f}% | {tau} | {verified} | "
-                     f"{r.plain_steps if r.plain_steps is not None else '-'} |")
+                     f"{r.plain_steps if r.plain_steps is not None else '-'} | {probes(r)} |")
     return "\n".join(lines)
+
+
+def probes(row: LoadRow) -> str:
+    return " / ".join(f"{us:,.0f}" for us in row.host_probe_us) if row.host_probe_us else "-"
 
 
 def main(argv=None) -> int:

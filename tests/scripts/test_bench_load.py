@@ -36,6 +36,7 @@ def test_quick_run_reports_every_system_and_concurrency(tmp_path, capsys):
         assert all(s[9] == 0.0 for s in steps)  # the host never waits for a GPU on the CPU
         # every request admitted once, by a step that ran prompt tokens; steps without a prompt ran none
         assert sum(s[12] for s in steps) == row["requests"] and all((s[11] > 0) == bool(s[0]) for s in steps)
+        assert len(row["host_probe_us"]) == 2 and all(us > 0 for us in row["host_probe_us"])  # before and after
     printed = capsys.readouterr().out
     assert all(r["started"] > 1.7e9 for r in rows)  # unix time
     assert "| DFlash | 4 |" in printed and "| DFlash | 4 | 1-31 | speculative |" in printed  # and the steps by batch
