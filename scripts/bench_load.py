@@ -242,7 +242,7 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
     with waits:
         requests = engine.generate_ids(prompts, params)
     wall = time.perf_counter() - start
-    probes = [before, probe_us()]
+    after = probe_us()
     del engine.step, engine.scheduler.schedule  # back to the class's methods
     if plain_steps is not None:
         del engine.decoding.launch
@@ -259,7 +259,7 @@ def run_load(llm: LLM, system: str, prompts: list[list[int]], concurrency: int, 
                    plain_steps=len(plain_steps) if plain_steps is not None else None,
                    steps=[step_trace(r) for r in records], started=started,
                    cached_share=sum(r.stats.cached_tokens or 0 for r in requests) / max(sum(map(len, prompts)), 1),
-                   host_probe_us=probes)
+                   host_probe_us=[before, after])
 
 
 def option_label(option) -> str:
