@@ -5,8 +5,9 @@ features of every committed position whose features are known). The prompt's con
 chunk by chunk as the target prefills it (`add_context`: a token step of any length, captured piecewise
 over token counts like the target's mixed steps). After a verify, the a + 1 committed positions'
 features are rows of the target's verify features (`extend` records which rows); the next draft step
-writes them. A plain step's one row per request (`add_step_context`) is copied aside and written with the
-rows of the plain steps after it, before the next draft, in one token step.
+writes them. A plain step's rows (`add_step_context`: one per running request, and the prompt chunks riding
+along) are copied aside and written with the rows of the plain steps after it, before the next draft, in one
+token step.
 
 A draft step has a fixed shape, so it is captured as CUDA graphs over the batch ladder:
 
@@ -80,6 +81,7 @@ class DFlashDrafter(ModelRunner, Drafter):
         self.unsettled: dict[int, int] = {}  # request id -> its verified anchor's position, until `settle`
         self.held_tables: list[PageTable] = []  # the table of each held row (`add_step_context`), in order
         self.held_steps: list[int] = []  # the rows each plain step held, in order
+        self.held_chunks = False  # whether a held step's rows carried prompt chunks (not one row per request)
         self.dropped: set[PageTable] = set()  # tables released while rows of theirs were held: not written
 
     # ---- setup -------------------------------------------------------------------------------
@@ -192,22 +194,34 @@ class DFlashDrafter(ModelRunner, Drafter):
     @torch.no_grad()
     def add_context(self, requests: list[DraftRequest], features: torch.Tensor, lens: list[int]) -> None:
         """Write the context K/V of each prefill chunk now (positions length .. length + n - 1 of the
-        request's context cache; a request's first chunk creates the cache)."""
+        request's context cache; a request's first chunk creates the cache), after the rows held before it (a
+        plain step may have held an earlier chunk of the same prompt)."""
+        self._write_held()
         first = self._feature_row(features)
         self._write_context(requests, lens, np.arange(first, first + sum(lens)))
 
     @torch.no_grad()
-    def add_step_context(self, requests: list[DraftRequest], features: torch.Tensor) -> None:
-        """Held: the rows are copied aside (one copy) and written with later plain steps' before the next draft."""
-        if len(self.held_tables) + len(requests) > self.held_features.shape[0]:
+    def add_step_context(self, requests: list[DraftRequest], features: torch.Tensor,
+                         lens: list[int] | None = None) -> None:
+        """Held: the rows are copied aside (one copy) and written with later plain steps' before the next draft; a
+        step with more rows than the held buffer takes (a long prompt chunk) writes its rows now, after those held."""
+        rows, capacity = features.shape[0], self.held_features.shape[0]
+        if len(self.held_tables) + rows > capacity:
             self._write_held()
+            if rows > capacity:
+                self.add_context(requests, features, [1] * len(requests) if lens is None else lens)
+                return
         start = len(self.held_tables)
-        self.held_features[start:start + len(requests)].copy_(features)
-        try:  # every request of a plain step has its table (its prompt's context made it): a third of `_table`'s time
-            self.held_tables += [self.tables[r.request_id] for r in requests]
-        except KeyError:
-            self.held_tables += [self._table(r) for r in requests]
-        self.held_steps.append(len(requests))
+        self.held_features[start:start + rows].copy_(features)
+        try:  # a running request has its table (its prompt's context made it): a third of `_table`'s time
+            tables = [self.tables[r.request_id] for r in requests]
+        except KeyError:  # a prompt's first chunk creates its table
+            tables = [self._table(r) for r in requests]
+        if lens is not None and rows > len(tables):  # a table listed once per row (`_stage_held`)
+            tables = [table for table, n in zip(tables, lens) for _ in range(n)]
+            self.held_chunks = True
+        self.held_tables += tables
+        self.held_steps.append(rows)
 
     def catch_up(self, requests: list[DraftRequest]) -> None:
         self.queued = {}  # its context rows are written and settled already
@@ -224,13 +238,14 @@ class DFlashDrafter(ModelRunner, Drafter):
         """The held rows' context K/V, written now in one token step (the rows of released requests dropped)."""
         tables, self.held_tables = self.held_tables, []
         steps, self.held_steps = self.held_steps, []
+        chunks, self.held_chunks = self.held_chunks, False
         dropped, self.dropped = self.dropped, set()
         rows = [i for i, table in enumerate(tables) if table not in dropped] if dropped else range(len(tables))
         if len(rows) < len(tables):
             tables = [tables[i] for i in rows]
         if not tables:
             return
-        batch = steps[0] if len(rows) == sum(steps) and all(n == steps[0] for n in steps) else 0
+        batch = steps[0] if not chunks and len(rows) == sum(steps) and all(n == steps[0] for n in steps) else 0
         if batch and all(tables[start:start + batch] == tables[:batch] for start in range(batch, len(tables), batch)):
             total = self._stage_repeated(tables[:batch], len(steps))  # the same requests at every held step
         else:

@@ -22,6 +22,15 @@ def build_random_drafter(path, target_config, seed=0, dtype=torch.float32, std=0
                                norm_std=0.1, dtype=dtype)
 
 
+def drafter_context(engine, request) -> list:
+    """The drafter's context K/V of every position its cache holds for `request`, layer by layer."""
+    table = engine.drafter.context_table(request)
+    positions = torch.arange(table.length)
+    pages = torch.as_tensor(table.array, dtype=torch.long)[positions // table.pool.page_size]
+    offsets = positions % table.pool.page_size
+    return [torch.cat(layer.read(pages, offsets, torch.float32)) for layer in engine.drafter.kv.layers]
+
+
 class ScriptedDrafter(Drafter):
     """Proposes from a known continuation of each prompt: `script(request) -> list of tokens`.
 

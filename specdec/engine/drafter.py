@@ -105,12 +105,13 @@ class Drafter(ABC):
         request: the target features of its next lens[i] positions (the first chunk starts at position
         0). `features` are rows of the buffer given at attach (`DraftContext.features`)."""
 
-    def add_step_context(self, requests: list[DraftRequest], features: torch.Tensor) -> None:
-        """A plain step computed one position per request: features [len(requests), F], request by request, the
-        target features of each request's next position. A drafter may hold them and write them before its next
-        draft (`propose`, `propose_candidates`, `propose_next`, `catch_up`); `context_table` then lags until it
-        does. The default writes them now."""
-        self.add_context(requests, features, [1] * len(requests))
+    def add_step_context(self, requests: list[DraftRequest], features: torch.Tensor,
+                         lens: list[int] | None = None) -> None:
+        """A plain step's forward computed the next lens[i] positions of request i (None: one each): a running
+        request's next position, or a prompt chunk riding along. features [sum(lens), F], request by request. A
+        drafter may hold them and write them before its next draft (`propose`, `propose_candidates`, `propose_next`,
+        `catch_up`); `context_table` then lags until it does. The default writes them now."""
+        self.add_context(requests, features, [1] * len(requests) if lens is None else lens)
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest], length: int | None = None) -> torch.Tensor:
@@ -155,8 +156,8 @@ class Drafter(ABC):
 
     def catch_up(self, requests: list[DraftRequest]) -> None:
         """A plain decoding step comes next (no draft; its forward overwrites the features buffer): a draft queued
-        ahead is dropped, and context rows `extend` left pending are written now. After it, `add_context` gives the
-        context of the positions the plain step computes. Nothing to do for a drafter without such state."""
+        ahead is dropped, and context rows `extend` left pending are written now. After it, `add_step_context` gives
+        the context of the positions the plain step computes. Nothing to do for a drafter without such state."""
 
     @abstractmethod
     def extend(self, requests: list[DraftRequest], features: torch.Tensor, rows: list[int], counts: list[int]) -> None:

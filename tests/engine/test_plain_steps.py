@@ -7,12 +7,14 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 
 from drafters import dflash
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import PLAIN, TREE, StepCosts, VerifyPolicy, verify_lengths
 from tests import engine_helpers
 from tests.conftest import VOCAB
+from tests.drafter_helpers import drafter_context
 from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, first_draft_logits,
                                   module_target, run_staggered, spec_engine)
 
@@ -237,6 +239,52 @@ def test_decode_only_speculative_steps_teach_the_policy_their_overhead(target_di
     assert policy.overhead and all(seconds > 1e-4 for seconds in policy.overhead.values())
     assert launched  # the learned overhead made plain steps pay
     assert_no_leak(engine)
+
+
+# (prompts, the step each arrives at): requests joining every other step; a long prompt chunked beside one request
+# decoding, so that held steps of equal rows repeat the same tables (one listed per chunk row)
+CHUNK_WORKLOADS = {"staggered": (MANY_PROMPTS, [2 * i for i in range(len(MANY_PROMPTS))]),
+                   "long-prompt": (MANY_PROMPTS[:1] + [[(7 * j) % (VOCAB - 3) + 3 for j in range(70)]], [0, 2])}
+
+
+@pytest.mark.parametrize("workload", CHUNK_WORKLOADS)
+def test_prompt_chunks_beside_plain_steps_are_held_and_written_as_at_once(target_dir, tmp_path, workload):
+    """A plain step's prompt chunks riding along are held with its rows and written with later plain steps' (in one
+    write with the same requests' decode rows after them): whenever the held rows are written, every request's
+    drafter context equals an engine's that writes each step's rows at once, and outputs stay plain decoding's."""
+    from specdec.engine.drafter import Drafter
+
+    prompts, arrivals = CHUNK_WORKLOADS[workload]
+    params_list = [SamplingParams(max_new_tokens=8 + 5 * i) for i in range(len(prompts))]
+    want = plain_outputs(target_dir, prompts, params_list)
+    held, at_once = (dflash_engine(target_dir, tmp_path, max_num_seqs=4, max_prefill_tokens=9) for _ in range(2))
+    for engine in (held, at_once):
+        random_choices(engine, 5, (PLAIN,) * 5 + (4,))
+    at_once.drafter.add_step_context = lambda requests, features, lens=None: Drafter.add_step_context(
+        at_once.drafter, requests, features, lens)
+    chunk_writes, write_held = [], held.drafter._write_held
+
+    def recorded_write_held():
+        chunk_writes.append(held.drafter.held_chunks)
+        write_held()
+
+    held.drafter._write_held = recorded_write_held
+    requests, compared = {held: [], at_once: []}, 0
+    for step in range(400):
+        for engine in (held, at_once):
+            requests[engine] += [engine.add_request(prompts[i], params_list[i]) for i, at in enumerate(arrivals)
+                                 if at == step]
+            engine.step()
+        if not held.drafter.held_tables:  # every row written: the two contexts hold the same positions
+            for a, b in zip(held.scheduler.running, at_once.scheduler.running, strict=True):
+                got, expected = drafter_context(held, a), drafter_context(at_once, b)
+                assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(got, expected, strict=True)), step
+                compared += 1
+        if not held.has_unfinished_requests and step >= max(arrivals):
+            break
+    assert [r.output_ids for r in requests[held]] == [r.output_ids for r in requests[at_once]] == want
+    assert any(chunk_writes) and compared > 3
+    assert_no_leak(held)
 
 
 def test_plain_steps_hold_their_context_rows_and_write_them_together(target_dir, tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from specdec.arguments import add_engine_arguments, engine_options
 
 from specdec.engine.sampling_params import SamplingParams
+from tests.drafter_helpers import drafter_context
 from tests.engine_helpers import (assert_no_leak, dflash_drafter, module_target, run_workload, spec_engine,
                                   tiny_engine)
 
@@ -60,15 +61,6 @@ def test_later_turns_reuse_the_cache_and_answer_exactly_as_without_it(target_dir
 def test_speculative_equals_plain_decoding_with_the_cache_on(target_dir, tmp_path):
     assert conversation(make_engine(target_dir, tmp_path, 4), GREEDY)[0] == \
         conversation(make_engine(target_dir, tmp_path, None), GREEDY)[0]
-
-
-def drafter_context(engine, request) -> list:
-    """The drafter's context K/V of every position its cache holds for `request`, layer by layer."""
-    table = engine.drafter.context_table(request)
-    positions = torch.arange(table.length)
-    pages = torch.as_tensor(table.array, dtype=torch.long)[positions // table.pool.page_size]
-    offsets = positions % table.pool.page_size
-    return [torch.cat(layer.read(pages, offsets, torch.float32)) for layer in engine.drafter.kv.layers]
 
 
 def test_the_first_block_after_a_hit_drafts_as_without_the_cache(target_dir, tmp_path):

@@ -305,8 +305,8 @@ def test_held_context_rows_of_plain_steps_draft_as_rows_written_at_once(model_di
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     prompt = prompts(1)[0]
     held, at_once = (make_engine(model_dirs, True, "auto", False, overlap_steps=True, verify="auto") for _ in range(2))
-    at_once.drafter.add_step_context = lambda requests, features: Drafter.add_step_context(
-        at_once.drafter, requests, features)
+    at_once.drafter.add_step_context = lambda requests, features, lens=None: Drafter.add_step_context(
+        at_once.drafter, requests, features, lens)
     replays = count_calls(held.drafter.token_graphs[HELD_STEP], "replay")
     (want, want_tokens, _), (got, tokens, _) = (first_draft_logits(e, prompt, params, range(1, 10))
                                                 for e in (at_once, held))
@@ -316,10 +316,10 @@ def test_held_context_rows_of_plain_steps_draft_as_rows_written_at_once(model_di
 
 def test_a_plain_step_writing_held_context_rows_and_a_prompts_context_never_waits_for_its_own_forward(
         model_dirs, monkeypatch):
-    """A plain step whose held context rows fill up writes them, and a prompt chunk riding along then writes its
-    context: two uploads of the drafter's context inputs in one step, the first queued behind the step's forward. The
-    second fills the other pinned mirror: no fill waits for a copy still queued, and the prompt's answer is plain
-    decoding's."""
+    """A plain step whose held context rows fill up writes them, and its own rows, more than the held buffer takes
+    with a prompt chunk riding along, are written next: two uploads of the drafter's context inputs in one step, the
+    first queued behind the step's forward. The second fills the other pinned mirror: no fill waits for a copy still
+    queued, and the prompt's answer is plain decoding's."""
     import drafters.dflash as dflash
     from attention.transfer import CopyFence
     from specdec.engine.verify_policy import PLAIN
@@ -346,7 +346,7 @@ def test_a_plain_step_writing_held_context_rows_and_a_prompts_context_never_wait
     writes = count_calls(drafter, "_run_context")
     torch.cuda._sleep(200_000_000)  # the GPU busy (~0.1 s) with earlier work while the step is queued
     engine.step()
-    assert len(writes) == 2  # the held rows, then the arrival's context, in one step
+    assert len(writes) == 2  # the held rows, then the step's own (4 + the prompt's > 8), in one step
     assert not blocked
     monkeypatch.setattr(CopyFence, "wait", wait)
     while engine.has_unfinished_requests:
