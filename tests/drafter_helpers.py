@@ -31,6 +31,13 @@ def drafter_context(engine, request) -> list:
     return [torch.cat(layer.read(pages, offsets, torch.float32)) for layer in engine.drafter.kv.layers]
 
 
+def write_step_context_at_once(drafter) -> None:
+    """Makes `drafter` write each step's context rows at once (the base class's `add_step_context`) instead of
+    holding them: the reference a held drafter's context is compared with."""
+    drafter.add_step_context = lambda requests, features, lens=None: Drafter.add_step_context(
+        drafter, requests, features, lens)
+
+
 class ScriptedDrafter(Drafter):
     """Proposes from a known continuation of each prompt: `script(request) -> list of tokens`.
 

@@ -14,7 +14,7 @@ from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.verify_policy import PLAIN, TREE, StepCosts, VerifyPolicy, verify_lengths
 from tests import engine_helpers
 from tests.conftest import VOCAB
-from tests.drafter_helpers import drafter_context
+from tests.drafter_helpers import drafter_context, write_step_context_at_once
 from tests.engine_helpers import (MANY_PROMPTS, assert_logprobs_close, assert_no_leak, first_draft_logits,
                                   module_target, run_staggered, spec_engine)
 
@@ -252,16 +252,13 @@ def test_prompt_chunks_beside_plain_steps_are_held_and_written_as_at_once(target
     """A plain step's prompt chunks riding along are held with its rows and written with later plain steps' (in one
     write with the same requests' decode rows after them): whenever the held rows are written, every request's
     drafter context equals an engine's that writes each step's rows at once, and outputs stay plain decoding's."""
-    from specdec.engine.drafter import Drafter
-
     prompts, arrivals = CHUNK_WORKLOADS[workload]
     params_list = [SamplingParams(max_new_tokens=8 + 5 * i) for i in range(len(prompts))]
     want = plain_outputs(target_dir, prompts, params_list)
     held, at_once = (dflash_engine(target_dir, tmp_path, max_num_seqs=4, max_prefill_tokens=9) for _ in range(2))
     for engine in (held, at_once):
         random_choices(engine, 5, (PLAIN,) * 5 + (4,))
-    at_once.drafter.add_step_context = lambda requests, features, lens=None: Drafter.add_step_context(
-        at_once.drafter, requests, features, lens)
+    write_step_context_at_once(at_once.drafter)
     chunk_writes, write_held = [], held.drafter._write_held
 
     def recorded_write_held():

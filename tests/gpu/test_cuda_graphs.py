@@ -299,14 +299,13 @@ def test_held_context_rows_of_plain_steps_draft_as_rows_written_at_once(model_di
     draft, give that draft the logits it gets when each plain step writes its row at once (the same target
     features; only the projection's rounding over 9 rows against 1 may differ)."""
     from drafters.dflash import HELD_STEP
-    from specdec.engine.drafter import Drafter
+    from tests.drafter_helpers import write_step_context_at_once
     from tests.engine_helpers import first_draft_logits
 
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     prompt = prompts(1)[0]
     held, at_once = (make_engine(model_dirs, True, "auto", False, overlap_steps=True, verify="auto") for _ in range(2))
-    at_once.drafter.add_step_context = lambda requests, features, lens=None: Drafter.add_step_context(
-        at_once.drafter, requests, features, lens)
+    write_step_context_at_once(at_once.drafter)
     replays = count_calls(held.drafter.token_graphs[HELD_STEP], "replay")
     (want, want_tokens, _), (got, tokens, _) = (first_draft_logits(e, prompt, params, range(1, 10))
                                                 for e in (at_once, held))
