@@ -7,20 +7,22 @@ the target would have made outside them is missed (that position is rejected), a
 target's own choice as before. Frequency-ranked drafting (FR-Spec) and EAGLE-3's draft vocabulary do the same;
 SGLang takes such a ranking as `--speculative-token-map`.
 
-The ranking lives beside the drafter's weights (`RANKING_FILE`, int32 token ids); a drafter without one scores the
-whole vocabulary. `rank_tokens` builds it from token sequences: the training answers (the best source: the drafter
+The ranking lives beside the drafter's weights (`RANKING_FILE`, int32 token ids, compressed: ~half the bytes of the
+plain array, which is also read, as `PLAIN_RANKING_FILE`); a drafter without one scores the whole vocabulary. `rank_tokens` builds it from token sequences: the training answers (the best source: the drafter
 predicts exactly those), or texts of the kind the target answers.
 """
 
 from __future__ import annotations
 
 import os
+import zipfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-RANKING_FILE = "token_ranking.npy"
+RANKING_FILE = "token_ranking.npz"
+PLAIN_RANKING_FILE = "token_ranking.npy"  # a ranking written as a plain array (as rankings once were)
 
 
 def rank_tokens(sequences: Iterable[Sequence[int]], vocab_size: int, first: Sequence[int] = ()) -> np.ndarray:
@@ -40,18 +42,27 @@ def rank_tokens(sequences: Iterable[Sequence[int]], vocab_size: int, first: Sequ
 
 def write_token_ranking(directory: str | os.PathLike, ranking: np.ndarray) -> Path:
     path = Path(directory) / RANKING_FILE
-    np.save(path, np.asarray(ranking, dtype=np.int32))
+    np.savez_compressed(path, ranking=np.asarray(ranking, dtype=np.int32))
+    (Path(directory) / PLAIN_RANKING_FILE).unlink(missing_ok=True)  # one ranking a drafter: the new one
     return path
+
+
+def _load_ranking(path: Path) -> np.ndarray:
+    loaded = np.load(path, allow_pickle=False)
+    if isinstance(loaded, np.ndarray):
+        return loaded
+    with loaded:
+        return loaded["ranking"]
 
 
 def read_token_ranking(directory: str | os.PathLike) -> np.ndarray | None:
     """The drafter's ranking (None: it has none and drafts over the whole vocabulary)."""
-    path = Path(directory) / RANKING_FILE
-    if not path.is_file():
+    path = next((p for p in (Path(directory) / f for f in (RANKING_FILE, PLAIN_RANKING_FILE)) if p.is_file()), None)
+    if path is None:
         return None
     try:
-        ranking = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as err:
+        ranking = _load_ranking(path)
+    except (ValueError, OSError, KeyError, zipfile.BadZipFile) as err:
         raise ValueError(f"cannot read the token ranking {path}: {err}; write it again with "
                          "scripts/rank_draft_tokens.py or remove it to draft over the whole vocabulary") from err
     if ranking.ndim != 1 or ranking.dtype.kind not in "iu" or len(np.unique(ranking)) != len(ranking):

@@ -147,7 +147,7 @@ class EngineConfig:
     # reads. Off by default: with the shipped drafter's ranking (MATH training solutions and library source) 32,768
     # tokens took 2-3% of tau at batch 1 and gave it back in step time (BENCHMARKS.md). Outputs stay exact
     draft_vocab: int = _setting(0, "DFlash drafting: score only the drafter's N most frequent tokens (its "
-                                   "token_ranking.npy; 0 = the whole vocabulary)")
+                                   "token_ranking.npz; 0 = the whole vocabulary)")
     # full pages of committed tokens (the target's KV and the drafter's context) are kept and shared by later
     # requests that start with the same tokens (attention/prefix_cache.py)
     enable_prefix_caching: bool = _setting(True, "reuse the KV (and drafter context) of cached prompt prefixes "

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from drafters import load_drafter
-from drafters.token_ranking import RANKING_FILE, draft_vocabulary, rank_tokens, read_token_ranking, write_token_ranking
+from drafters.token_ranking import (PLAIN_RANKING_FILE, RANKING_FILE, draft_vocabulary, rank_tokens, read_token_ranking,
+                                    write_token_ranking)
 from specdec.engine.config import EngineConfig
 from specdec.engine.sampling_params import SamplingParams
 from tests.conftest import VOCAB
@@ -30,12 +31,24 @@ def test_a_ranking_is_read_back_as_written_and_a_bad_one_is_refused(tmp_path):
     assert read_token_ranking(tmp_path) is None  # none: the whole vocabulary
     write_token_ranking(tmp_path, np.array([4, 1, 9]))
     assert read_token_ranking(tmp_path).tolist() == [4, 1, 9]
-    np.save(tmp_path / RANKING_FILE, np.array([4, 4, 1]))
+    write_token_ranking(tmp_path, np.array([4, 4, 1]))
     with pytest.raises(ValueError, match="distinct token ids"):
         read_token_ranking(tmp_path)
-    (tmp_path / RANKING_FILE).write_bytes(b"not an array")
+    for content in (b"not an array", b"PK\x03\x04 a broken zip"):
+        (tmp_path / RANKING_FILE).write_bytes(content)
+        with pytest.raises(ValueError, match="cannot read the token ranking"):
+            read_token_ranking(tmp_path)
+    np.savez_compressed(tmp_path / RANKING_FILE, other=np.array([4, 1, 9]))
     with pytest.raises(ValueError, match="cannot read the token ranking"):
         read_token_ranking(tmp_path)
+
+
+def test_a_ranking_written_as_a_plain_array_is_read_and_a_new_ranking_replaces_it(tmp_path):
+    np.save(tmp_path / PLAIN_RANKING_FILE, np.array([7, 2, 5], dtype=np.int32))
+    assert read_token_ranking(tmp_path).tolist() == [7, 2, 5]
+    write_token_ranking(tmp_path, np.array([3, 8]))
+    assert not (tmp_path / PLAIN_RANKING_FILE).exists()
+    assert read_token_ranking(tmp_path).tolist() == [3, 8]
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_ids_ascending():
