@@ -7,9 +7,10 @@ the target would have made outside them is missed (that position is rejected), a
 target's own choice as before. Frequency-ranked drafting (FR-Spec) and EAGLE-3's draft vocabulary do the same;
 SGLang takes such a ranking as `--speculative-token-map`.
 
-The ranking lives beside the drafter's weights (`RANKING_FILE`, int32 token ids, compressed: ~half the bytes of the
-plain array, which is also read, as `PLAIN_RANKING_FILE`); a drafter without one scores the whole vocabulary. `rank_tokens` builds it from token sequences: the training answers (the best source: the drafter
-predicts exactly those), or texts of the kind the target answers.
+The ranking lives beside the drafter's weights (`RANKING_FILE`, int32 token ids, compressed: about half the bytes of
+the plain array, which is also read, as `PLAIN_RANKING_FILE`); a drafter without one scores the whole vocabulary.
+`rank_tokens` builds it from token sequences: the training answers (the best source: the drafter predicts exactly
+those), or texts of the kind the target answers.
 """
 
 from __future__ import annotations
