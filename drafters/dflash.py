@@ -208,8 +208,8 @@ class DFlashDrafter(ModelRunner, Drafter):
         rows, capacity = features.shape[0], self.held_features.shape[0]
         if len(self.held_tables) + rows > capacity:
             self._write_held()
-            if rows > capacity:
-                self.add_context(requests, features, [1] * len(requests) if lens is None else lens)
+            if rows > capacity:  # written at once, as the base class does
+                Drafter.add_step_context(self, requests, features, lens)
                 return
         start = len(self.held_tables)
         self.held_features[start:start + rows].copy_(features)
