@@ -255,6 +255,21 @@ def test_drafting_ahead_equals_drafting_in_order(model_dirs, kv):
     assert ahead.pool.num_free == ahead.pool.num_pages and ahead.drafter.pool.num_free == ahead.drafter.pool.num_pages
 
 
+def where_answers_part(ordered: Engine, ahead: Engine, ids: list[list[int]]) -> list[dict]:
+    """`ids` through both DFlash engines, all added at once (request i ending after 24 + i % 17 tokens): where their
+    answers part (`divergences`, against `ordered`). Both pools are free after."""
+    runs = []
+    for engine in (ordered, ahead):
+        requests = [engine.add_request(p, SamplingParams(max_new_tokens=24 + i % 17, ignore_eos=True))
+                    for i, p in enumerate(ids)]
+        while engine.has_unfinished_requests:
+            engine.step()
+        runs.append(requests)
+        assert engine.pool.num_free == engine.pool.num_pages
+        assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
+    return divergences(ordered, *runs)
+
+
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_batches_verifies_queued_ahead_equal_verifies_in_order(model_dirs, kv, monkeypatch):
     """A batch's next verify queued with its draft (`verify_ahead_batches`): a rung that keeps each request's KV in one
@@ -277,17 +292,7 @@ def test_batches_verifies_queued_ahead_equal_verifies_in_order(model_dirs, kv, m
 
     monkeypatch.setattr(speculator.VerifiedAhead, "blocks_of", recorded)
     for batch in (17, 64, 100):
-        ids = prompts(batch)
-        runs = []
-        for engine in (ordered, ahead):
-            requests = [engine.add_request(p, SamplingParams(max_new_tokens=24 + i % 17, ignore_eos=True))
-                        for i, p in enumerate(ids)]
-            while engine.has_unfinished_requests:
-                engine.step()
-            runs.append(requests)
-            assert engine.pool.num_free == engine.pool.num_pages
-            assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
-        found = divergences(ordered, runs[0], runs[1])
+        found = where_answers_part(ordered, ahead, prompts(batch))
         assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in found), (batch, found)
         if batch == 17:
             assert not taken
@@ -316,17 +321,7 @@ def test_prompts_riding_in_batches_verifies_queued_ahead_equal_prompts_in_order(
         return kept
 
     monkeypatch.setattr(speculator.SpeculativeDecoding, "keeps_prompts_ahead", recorded)
-    ids = prompts(112)
-    runs = []
-    for engine in (ordered, ahead):
-        requests = [engine.add_request(p, SamplingParams(max_new_tokens=24 + i % 17, ignore_eos=True))
-                    for i, p in enumerate(ids)]
-        while engine.has_unfinished_requests:
-            engine.step()
-        runs.append(requests)
-        assert engine.pool.num_free == engine.pool.num_pages
-        assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
-    found = divergences(ordered, runs[0], runs[1])
+    found = where_answers_part(ordered, ahead, prompts(112))
     assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in found), found
     assert len(carried) >= 3 and min(batch for batch, _ in carried) > 48, carried
 
