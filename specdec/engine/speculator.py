@@ -155,11 +155,21 @@ class SpeculativeDecoding:
         drafting = running + starting
         feature_rows = [block * q for block in blocks]
         ahead = self._queue_next_draft(running, starting, bonus, accepted, first_tokens, q, feature_rows)
-        if ahead and budget is None and rows is None and drafts_host is None and prefill is None:
-            self.ahead = self._queue_next_verify(running, bonus, accepted, q)
+        # after prompt chunks, only where each completes its prompt: the next step then runs these requests and those
+        # (a prompt's first token is its anchor, its start its prefill's end)
+        prompts_done = prefill is None or len(starting) == len(prefill.requests)
+        if ahead and budget is None and rows is None and drafts_host is None and prompts_done:
+            anchors, taken = bonus, accepted
+            if starting:  # a prompt's verify starts where its table ends: as if every draft of q had been accepted
+                anchors = torch.cat([bonus.long(), first_tokens.long()])
+                taken = torch.cat([accepted.long(), accepted.new_full((len(starting),), q - 1).long()])
+            self.ahead = self._queue_next_verify(drafting, anchors, taken, q)
         host = transfer.read()
         tokens, counts = [], []
         room = self.tokens_per_step
+        if self.ahead is not None:  # the verify queued ahead grew the new prompts' tables too: back to their prompts
+            for request in starting:
+                request.target_pages.truncate(request.prefill_len, room=room)
         for row, table, start in zip(host, tables, starts):
             count = row[q] + 1
             tokens.append(row[:count])
@@ -203,7 +213,8 @@ class SpeculativeDecoding:
 
     def _queue_next_verify(self, running: list[Request], bonus: torch.Tensor, accepted: torch.Tensor,
                            q: int) -> "VerifiedAhead | None":
-        """The next step's verify, queued right after its draft and before this step's tokens reach the host
+        """The next step's verify of `running` (with the requests whose prompts this step completed, their anchors
+        their first tokens), queued right after its draft and before this step's tokens reach the host
         (`TargetRunner.run_block_ahead`): the host then plans it while the GPU verifies this step, and the GPU goes
         from the draft to the verify while the host commits. Where the next step is known to run these requests (none
         can join), or where requests that can join are admitted for it now (`admit_ahead`) and their prompts ride in
