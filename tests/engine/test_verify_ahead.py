@@ -317,7 +317,8 @@ def test_requests_joining_a_batch_ride_in_its_verify_queued_ahead_and_commit_wha
     """Requests arriving every third step while a batch decodes with verifies queued ahead: with `prompts_ahead` they
     are admitted while the step before the one they join runs, and their prompts run in that step's verify queued
     ahead; every step commits what it commits when they join in a step planned in order (`prompts_ahead` off), they
-    join at the same step, and at T=0 in the model's dtype every answer is plain decoding's. No page leaks."""
+    join at the same step, and at T=0 in the model's dtype every answer is plain decoding's. Either way a step whose
+    chunks complete their prompts queues the next verify with the new requests in it. No page leaks."""
     answers = batch_run(spec_engine(target_dir, None, eos=(2, 9)), MANY_PROMPTS, 0.0)
     runs = []
     for prompts_ahead in (True, False):
@@ -325,6 +326,14 @@ def test_requests_joining_a_batch_ride_in_its_verify_queued_ahead_and_commit_wha
                                prompts_ahead=prompts_ahead)
         follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, error_rate)
         carried, requests = count_carried(engine), []
+        queue, with_new = engine.decoding._queue_next_verify, []
+
+        def queued(running, *args):  # a verify queued by a step that completed prompts: their requests have no output
+            out = queue(running, *args)
+            with_new.append(out is not None and any(not r.output_ids for r in running))
+            return out
+
+        engine.decoding._queue_next_verify = queued
         for i, prompt in enumerate(MANY_PROMPTS):
             requests.append(engine.add_request(prompt, params_for(i, temperature)))
             for _ in range(3):
@@ -332,6 +341,7 @@ def test_requests_joining_a_batch_ride_in_its_verify_queued_ahead_and_commit_wha
         while engine.has_unfinished_requests:
             engine.step()
         assert_no_leak(engine)
+        assert any(with_new)  # prompt steps queue the next verify, their new requests' rows in it
         runs.append((requests, carried))
     (ahead, carried), (in_order, none) = runs
     assert [r.output_ids for r in ahead] == [r.output_ids for r in in_order]
