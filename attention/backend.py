@@ -44,18 +44,9 @@ class AttentionBackend(ABC):
         self.write_offsets: torch.Tensor | None = None
 
     @abstractmethod
-    def plan(self, layout: BatchLayout, write_slots: bool = True, upper_bounds: bool = False) -> None:
+    def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
         """Prepare the metadata of one forward step, shared by all layers; write_slots=False when the
-        step sets its own (`set_write_slots`). upper_bounds: the layout's KV lengths are upper bounds of the real
-        ones, which the step gives on the device (`use_device_lengths`) before its first layer; only where
-        `upper_bounds_plan_serves`."""
-
-    def upper_bounds_plan_serves(self, kv_lens: np.ndarray, queries: int) -> bool:
-        """Whether an eager plan of a step of `queries` query rows over requests of KV lengths `kv_lens` (counting
-        the step's), made for those as upper bounds (`plan(..., upper_bounds=True)`), runs it as well at the real
-        lengths given on the device (`use_device_lengths`): a step queued before the host knows them. False by
-        default (no such plans)."""
-        return False
+        step sets its own (`set_write_slots`)."""
 
     def set_write_slots(self, pages: torch.Tensor, offsets: torch.Tensor) -> None:
         """(page, offset) of every K/V row the step's layers write, in the order they pass them."""
@@ -93,9 +84,8 @@ class AttentionBackend(ABC):
 
     def use_device_lengths(self, kv_lens: torch.Tensor) -> None:
         """The planned step's real KV lengths [batch] on the device (called by the step itself, inside its CUDA
-        graph, or before the first layer of an eager step planned with `upper_bounds`), for a step planned with upper
-        bounds of them: its attention and write slots then read each request's first pages up to its real length.
-        A no-op where plans are exact (the default)."""
+        graph), for a step planned with upper bounds of them: its attention and write slots then read each
+        request's first pages up to its real length. A no-op where plans are exact (the default)."""
 
     def lengths_plan_serves(self, slot) -> bool:
         """Whether graph rung `slot`'s plan, made for upper bounds of its requests' KV lengths, runs a step as well at

@@ -76,10 +76,6 @@ upper bounds of the lengths (the next draft step, queued before the verify's acc
 the step itself writes the real page metadata into the rung's buffers first (`use_device_lengths`). Its plans
 keep each request's KV in one piece (no split-KV): a split kernel lays out its partial results by the number of
 KV chunks it derives from the real length, while the plan sized and merges them by the planned one.
-An eager step may be planned so too (`plan(..., upper_bounds=True)`, where `upper_bounds_plan_serves`): a batch's
-next verify with the prompt chunks of requests joining it, queued before the host knows the verifies' starts
-(`TargetRunner.run_mixed_ahead`), fa2 with each request's KV in one piece; `use_device_lengths` then writes the real
-page metadata into the wrappers' own buffers before the step's first layer.
 """
 
 from __future__ import annotations
@@ -91,8 +87,8 @@ import numpy as np
 import torch
 
 from attention.backend import AttentionBackend
-from attention.batch_layout import (BatchLayout, real_page_metadata, slots_on_device, write_node_row_metadata,
-                                    write_query_row_metadata, write_real_page_metadata)
+from attention.batch_layout import (BatchLayout, slots_on_device, write_node_row_metadata, write_query_row_metadata,
+                                    write_real_page_metadata)
 from attention.fused import fused_if, fusing
 from attention.kv_cache import FP8_DTYPE, LayerKV
 from attention.node_rows import NodeRowCopies, chunks_agree, node_pages_per_row, node_rows_layout
@@ -243,8 +239,6 @@ class FlashInferBackend(AttentionBackend):
         # an eager plan's kernel calls kept from its first layer's run, by cache dtype (`attention/planned_run.py`; a
         # dtype whose call was not kept maps to None); None after a graph plan, whose steps replay their kernels
         self.planned_runs: dict[torch.dtype, PlannedRun | None] | None = None
-        # the last eager plan was made for upper bounds of the KV lengths (`plan(..., upper_bounds=True)`)
-        self.eager_upper_bounds = False
 
     def fa2(self, layout: BatchLayout | None) -> bool:
         """Whether steps of `layout` run the fa2 kernels whatever the cache dtype: every step of a backend of
@@ -355,18 +349,9 @@ class FlashInferBackend(AttentionBackend):
             return layout.query_rows(split, padding_page), dict(fixed_split_size=split, uniform_q_len=None)
         return layout, {}
 
-    def upper_bounds_plan_serves(self, kv_lens: np.ndarray, queries: int) -> bool:
-        """fa2 with each request's KV in one piece, whose plan depends on the query counts alone: for a step of more
-        than one request that is no large prefill (fa3's, `prefill_heavy`) and where no request's KV is far longer than
-        the others' (`even_lengths`)."""
-        batch = len(kv_lens)
-        return batch > 1 and not heavy_prefill(queries, batch) and even_lengths(kv_lens)
-
-    def plan(self, layout: BatchLayout, write_slots: bool = True, upper_bounds: bool = False) -> None:
-        """An eager step of any layout; write_slots=False leaves the write slots to the caller. upper_bounds: each
-        request's KV in one piece, the wrappers over page indices of their own, which `use_device_lengths` rewrites."""
+    def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
+        """An eager step of any layout; write_slots=False leaves the write slots to the caller."""
         self.layout, self.slot, self.written, self.planned_runs = layout, None, None, {}
-        self.eager_upper_bounds = upper_bounds
         requests, positions = layout.new_kv_rows() if write_slots else (np.zeros(0, np.int32),) * 2
         kv_indptr = layout.kv_indptr()
         nodes = self.node_rows(layout)
@@ -388,9 +373,7 @@ class FlashInferBackend(AttentionBackend):
             self.set_write_slots(*slots_on_device(self.kv_indices, self.kv_indptr, requests_gpu, positions_gpu,
                                                   layout.page_size))
         self.wrappers = self.eager_wrappers[self.fa2(layout)]
-        one_piece = upper_bounds or (self.one_piece(layout) and self.one_piece_suits(layout.kv_lens))
-        if upper_bounds:  # rewritten in place for the real lengths: the step's own page indices stay as planned
-            planned_indices, separate = self.kv_indices.clone(), True
+        one_piece = self.one_piece(layout) and self.one_piece_suits(layout.kv_lens)
         self.eager_fence.wait()
         self._plan_wrappers(planned, pinned(planned.qo_indptr()), pinned(planned.kv_indptr()),
                             planned_indices if separate else self.kv_indices, pinned(planned.last_page_lens()),
@@ -519,26 +502,9 @@ class FlashInferBackend(AttentionBackend):
         the device, with no host work. Captured in the step's graph; with exact lengths it rewrites what is already
         there."""
         slot = self.slot
-        if slot is None and self.eager_upper_bounds:
-            self._write_eager_lengths(kv_lens)
         if slot is None or not self.lengths_plan_serves(slot):
             return
         write_real_page_metadata(slot.kv_indptr, slot.last_page_len, slot.kv_indices, kv_lens, self.layout.page_size)
-
-    def _write_eager_lengths(self, kv_lens: torch.Tensor) -> None:
-        """An eager plan for upper bounds: the page metadata its wrappers copied to the device (FlashInfer's own
-        buffers, which its kernels read) becomes the real lengths'. Each wrapper has its indptr and last-page lengths;
-        they share the page indices."""
-        wrappers = list(self.wrappers.values())
-        names = ("_paged_kv_indptr_buf", "_paged_kv_last_page_len_buf", "_paged_kv_indices_buf")
-        real = real_page_metadata(*(getattr(wrappers[0], name) for name in names), kv_lens, self.layout.page_size)
-        written = set()
-        for wrapper in wrappers:
-            for name, values in zip(names, real):
-                buffer = getattr(wrapper, name)
-                if id(buffer) not in written:
-                    buffer.copy_(values)
-                    written.add(id(buffer))
 
     def _plan_wrappers(self, layout: BatchLayout, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                        kv_indices_gpu: torch.Tensor, last_page_len: torch.Tensor, kv_lens: torch.Tensor,
@@ -694,9 +660,5 @@ PREFILL_FA3_MIN_MEAN_QUERIES = 64
 
 def prefill_heavy(layout: BatchLayout) -> bool:
     """A step of enough query rows, per request and in all, for fa3 to be the faster kernel: large prefills."""
-    return heavy_prefill(layout.num_queries, layout.batch_size)
-
-
-def heavy_prefill(queries: int, batch: int) -> bool:
-    """`prefill_heavy` of a step of `queries` query rows over `batch` requests."""
-    return queries >= PREFILL_FA3_MIN_QUERIES and queries >= PREFILL_FA3_MIN_MEAN_QUERIES * batch
+    queries = layout.num_queries
+    return queries >= PREFILL_FA3_MIN_QUERIES and queries >= PREFILL_FA3_MIN_MEAN_QUERIES * layout.batch_size

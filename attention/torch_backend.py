@@ -22,9 +22,7 @@ class TorchBackend(AttentionBackend):
         super().__init__(num_qo_heads, num_kv_heads, head_dim, sm_scale, window_left)
         self.device = torch.device(device)
 
-    def plan(self, layout: BatchLayout, write_slots: bool = True, upper_bounds: bool = False) -> None:
-        if upper_bounds:
-            raise ValueError("the torch backend plans exact KV lengths only (upper_bounds_plan_serves is False)")
+    def plan(self, layout: BatchLayout, write_slots: bool = True) -> None:
         self.layout = layout
         dev = self.device
         self.kv_indices = torch.from_numpy(layout.kv_indices).to(dev)

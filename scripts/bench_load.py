@@ -74,13 +74,11 @@ from specdec.engine.verify_policy import TREE, Budget  # noqa: E402
 
 OVERLAPPED = "AR overlapped"  # plain decoding with overlapped steps (--overlap-steps)
 # by verify policy (--verify); "budget": auto with its budget steps (`budget_steps`); "in-order": auto with every
-# batch's verify planned after its step's tokens are read (`verify_ahead_batches="off"`); "prompts-in-order": auto with
-# arrivals joining in a step planned after the one before it landed (`prompts_ahead=False`)
+# batch's verify planned after its step's tokens are read (`verify_ahead_batches="off"`)
 DFLASH = {"chain": "DFlash", "auto": "DFlash auto", "tree": "DFlash tree", "budget": "DFlash auto+budgets",
-          "in-order": "DFlash auto, verifies in order", "prompts-in-order": "DFlash auto, prompts in order"}
+          "in-order": "DFlash auto, verifies in order"}
 SETTINGS = {"budget": {"verify": "auto", "budget_steps": True},
-            "in-order": {"verify": "auto", "verify_ahead_batches": "off"},
-            "prompts-in-order": {"verify": "auto", "prompts_ahead": False}}
+            "in-order": {"verify": "auto", "verify_ahead_batches": "off"}}
 AHEAD = ", drafted ahead"  # a DFlash row's suffix with --overlap-steps: each step's next draft queued early
 
 
@@ -137,8 +135,7 @@ def parse_args(argv):
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="the target's KV cache")
     p.add_argument("--verify", nargs="+", choices=tuple(DFLASH), default=["auto"],
                    help="the DFlash rows' verify policies (a row each; default: auto, the engine's; budget: auto "
-                        "with budget steps; in-order: auto without batches' verifies queued ahead; prompts-in-order: "
-                        "auto without arrivals' prompts in them)")
+                        "with budget steps; in-order: auto without batches' verifies queued ahead)")
     p.add_argument("--dataset", default="chat", choices=("chat", "mixed", "math500", "code"),
                    help="chat: math500 and coding requests alternating; the others: bench_serve.py's prompts")
     p.add_argument("--system-repeat", type=int, default=0,

@@ -115,12 +115,6 @@ class EngineConfig:
                                                  "queued with its draft, before this step's tokens are read (needs "
                                                  "overlap_steps; auto = on CUDA, on = the CPU too)",
                                          choices=VERIFY_AHEAD_BATCHES)
-    # with verify_ahead_batches, requests that can join the step a verify is queued for are admitted then, and their
-    # whole prompts (each one chunk of the prefill budget) run in that verify's forward; off, they join the step after
-    # it and their prompts run in a step planned after the one before it landed
-    prompts_ahead: bool = _setting(True, "speculative decoding with verify_ahead_batches: requests that can join "
-                                         "the step a verify is queued for are admitted then, their prompts run in "
-                                         "its forward")
     # speculative steps (specdec/engine/verify_policy.py): chain = every draft of the block every step;
     # auto = per step the chain length (the block, a half, three eighths, a quarter, an eighth) with the most committed
     # tokens per second, from running acceptance and step times measured after graph capture (without CUDA graphs:

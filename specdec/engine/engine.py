@@ -22,7 +22,6 @@ first prefill: the host prepares the next step while the GPU prefills; a specula
 
 from __future__ import annotations
 
-import functools
 import logging
 import statistics
 import time
@@ -47,8 +46,8 @@ from specdec.engine.request import Request
 from specdec.engine.request_limits import RequestLimits
 from specdec.engine.sampler import make_generator, sample_rows
 from specdec.engine.sampling_params import SamplingParams
-from specdec.engine.scheduler import Scheduler, StepPlan
-from specdec.engine.speculator import PromptsAhead, SpeculativeDecoding
+from specdec.engine.scheduler import Scheduler
+from specdec.engine.speculator import SpeculativeDecoding
 from specdec.engine.tree_speculator import CANDIDATES_PER_POSITION, TreeDecoding
 from specdec.engine.verify_policy import PLAIN, TREE, StepCosts, VerifyPolicy, verify_budgets, verify_lengths
 from specdec.models.kv_precision import calibrated_fp8_errors, full_precision_layers
@@ -161,8 +160,6 @@ class Engine:
                         else range(TREE_GRAPH_MAX_BATCH + 1))
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_prefill_tokens, block,
                                    self.prefix_cache, (tree_nodes + 1 if trees else 0, tree_batches))
-        if drafter is not None and config.prompts_ahead:  # arrivals join a verify queued ahead
-            self.decoding.admit_ahead = functools.partial(admit_ahead, self.scheduler, self.prefix_cache, drafter)
         self.limits = RequestLimits(self.max_context, mc.vocab_size, self.num_pages, config.page_size, lookahead)
         self._next_id = 0
         self._grammars: Grammars | ValueError | None = None  # `grammars`, or why this model has none
@@ -354,10 +351,9 @@ class Engine:
         # (they wait one step; its verify would otherwise run for nothing)
         plan = self.scheduler.schedule(admit=self.drafter is None or self.decoding.ahead is None)
         if self.drafter is not None:
-            plan = self._take_or_release_prompts_ahead(plan)
             for request in plan.preempted:
                 self.drafter.release(request)
-            adopt_cached_context(self.prefix_cache, self.drafter, plan.admitted)
+            self._adopt_cached_context(plan.admitted)
             self.decoding.room = plan.room  # what a speculative step may write past each request's length
             # nothing can join (none waits, or the batch is full): the next step runs the same requests unless one
             # ends (or one arrives meanwhile)
@@ -375,10 +371,7 @@ class Engine:
         # after the step in flight has landed. With a drafter, the policy's plain steps (no draft pays at this
         # batch) run overlapped as well; a speculative step needs the tokens in flight on the host first
         adjusting = any(r.params.adjusts_logits for r in decode)  # asked once: a scan of every request
-        # prompt chunks of requests admitted for this step, run in its verify queued ahead: a speculative step takes it
-        carried = self.decoding.prompts_ahead if self.drafter is not None else None
-        plain = (self.drafter is not None and bool(decode) and not adjusting and carried is None
-                 and self.decoding.plain_pays(len(decode)))
+        plain = self.drafter is not None and bool(decode) and not adjusting and self.decoding.plain_pays(len(decode))
         # with a drafter, a step of prompt chunks alone is overlapped too: the next step (speculative or plain) finds
         # their first tokens as it would a plain step's, and the host prepares it while the GPU prefills
         prompts_only = self.drafter is not None and self.config.overlap_steps and not decode and bool(plan.prefill)
@@ -396,13 +389,13 @@ class Engine:
         if (self.overlap and not in_order) or plain or prompts_only:
             self._overlapped(decode, plan.prefill, commit)
         elif decode:  # prompt chunks ride along in the decode forward: an arrival never stalls the batch
-            self._decode(decode, commit, plan.prefill, carried)
+            self._decode(decode, commit, plan.prefill)
         elif plan.prefill:
             self._prefill(plan.prefill, commit)
         if self.prefix_cache is not None:
             self._cache_committed_pages(self.scheduler.running)
         out.finished = self._retire()
-        if self.drafter is not None and decode and not plan.prefill and carried is None and not after_prompts:
+        if self.drafter is not None and decode and not plan.prefill and not after_prompts:
             # a decode-only step's wall time tells the policy what its kind takes beyond its measured cost (a steady
             # step) or what a switch costs (a step after one)
             option = PLAIN if plain else self.decoding.option
@@ -480,18 +473,16 @@ class Engine:
         if request.params.stop:
             request.use_detokenizer(self.tokenizer)
 
-    def _take_or_release_prompts_ahead(self, plan: StepPlan) -> StepPlan:
-        """The step's plan, where the verify queued for it carries prompt chunks (`SpeculativeDecoding.
-        keeps_prompts_ahead`): as it is where the step takes them, else planned again, their requests now back to
-        before them, so that they prefill in this step (preemptions and admissions made stay made)."""
-        if self.decoding.keeps_prompts_ahead(plan.decode, bool(plan.preempted or plan.prefill)):
-            return plan
-        again = self.scheduler.schedule()
-        again.preempted[:0] = plan.preempted
-        again.admitted[:0] = plan.admitted  # (a plan of no decodes admits whatever could join it)
-        return again
-
     # ---- the prefix cache ----------------------------------------------------------------------
+    def _adopt_cached_context(self, admitted: list[Request]) -> None:
+        """The drafter's context cache starts with the cached pages the scheduler found for the target's."""
+        if self.prefix_cache is None or len(self.prefix_cache.pools) < 2:
+            return
+        for request in admitted:
+            if request.prefix_chain:
+                self.drafter.adopt_context(request, self.prefix_cache.pool_pages(request.prefix_chain, 1),
+                                           request.num_cached)
+
     def _cache_committed_pages(self, requests: list[Request]) -> None:
         """Every full page of committed tokens whose K/V (and drafter context) are written enters the
         prefix cache, once per request. A token in flight is not known yet: only committed ones count."""
@@ -556,6 +547,36 @@ class Engine:
     def ids_tensor(self, ids) -> torch.Tensor:
         return upload(np.asarray(ids, dtype=np.int64), self.device)
 
+    def _prefill_chunks(self, chunks: list[tuple[Request, int]]) -> tuple[PrefillChunks, list[Request]]:
+        """The next `n` prefill tokens of each request, and the fresh requests whose prompt they complete:
+        those get logits and sample their first token (a recomputed one already has its pending token)."""
+        ids = np.concatenate([np.asarray(r.token_slice(r.num_cached, r.num_cached + n), dtype=np.int64)
+                              for r, n in chunks])
+        lens = [n for _, n in chunks]
+        first = [i for i, (r, n) in enumerate(chunks) if not r.output_ids and r.num_cached + n == r.prefill_len]
+        starting = [chunks[i][0] for i in first]
+        prefill = PrefillChunks([r.target_pages for r, _ in chunks], ids, lens, (np.cumsum(lens) - 1)[first],
+                                requests=[r for r, _ in chunks], starting=starting)
+        if starting:
+            prefill.sample_first = lambda logits: sample_rows(logits, None, starting, 1)
+        self._plan_prompt_logprobs(prefill, chunks)
+        return prefill, starting
+
+    def _plan_prompt_logprobs(self, prefill: PrefillChunks, chunks: list[tuple[Request, int]]) -> None:
+        """The chunk rows whose logits give the prompt logprobs a request asked for: row k of a chunk starting at
+        position s predicts prompt token s + k + 1 (the row of the prompt's last token predicts the first output
+        token, whose logprob is the output's)."""
+        rows = []
+        for (request, n), offset in zip(chunks, np.cumsum([0] + [n for _, n in chunks])):
+            start, wanted = request.num_cached, request.prompt_logprobs
+            if wanted is None or len(wanted) != start + 1:  # none asked, or recorded before a preemption
+                continue
+            count = min(n, len(request.prompt_ids) - 1 - start)
+            if count > 0:
+                prefill.echo_plan.append((request, len(rows), count))  # (request, its first echo row, rows)
+                rows.extend(range(offset, offset + count))
+        prefill.echo_rows = np.asarray(rows, dtype=np.int64)
+
     def _record_prompt_logprobs(self, prefill: PrefillChunks) -> None:
         """After the chunks' forward: each planned request's prompt logprobs (one host transfer)."""
         plan = prefill.echo_plan
@@ -571,7 +592,7 @@ class Engine:
 
     def _prefill(self, chunks: list[tuple[Request, int]], on_commit: OnCommit) -> None:
         """A step with prompt chunks only: one forward over them."""
-        prefill, starting = prefill_chunks(chunks)
+        prefill, starting = self._prefill_chunks(chunks)
         self.runner.run_prefill(prefill)
         prefill.read_first_tokens()  # set up to sample only when chunks complete prompts (`starting`)
         self._prefilled(chunks, prefill, starting, on_commit)
@@ -608,7 +629,7 @@ class Engine:
         if running or chunks:
             if running:  # not before the first prefill: it may calibrate the FP8 scales the graphs bake in
                 self._capture_graphs_if_due()
-            prefill, starting = prefill_chunks(chunks) if chunks else (None, [])
+            prefill, starting = self._prefill_chunks(chunks) if chunks else (None, [])
             launched = Flight.launch(self.decoding, running, prefill, starting, self.flight, self.device)
             if prefill is not None:
                 self._record_prompt_logprobs(prefill)  # waits for this step, only when a request asked
@@ -619,14 +640,10 @@ class Engine:
             self.scheduler.drop_finished_waiting()  # a request preempted with a token in flight may have ended
 
     def _decode(self, running: list[Request], on_commit: OnCommit,
-                chunks: list[tuple[Request, int]] | None = None, carried: PromptsAhead | None = None) -> None:
-        """One decode phase for the running requests; prompt `chunks`, if any, ride along in its forward, or those
-        `carried` by its verify queued ahead ran in that one's."""
+                chunks: list[tuple[Request, int]] | None = None) -> None:
+        """One decode phase for the running requests; prompt `chunks`, if any, ride along in its forward."""
         self._capture_graphs_if_due()
-        if carried is not None:
-            chunks, prefill, starting = carried.chunks, carried.prefill, carried.starting
-        else:
-            prefill, starting = prefill_chunks(chunks) if chunks else (None, [])
+        prefill, starting = self._prefill_chunks(chunks) if chunks else (None, [])
         tokens = self.decoding.step(running, prefill)
         logprobs = self.decoding.logprobs or [None] * len(running)
         if prefill is not None:  # arrivals first, as in a step that prefills alone
@@ -663,56 +680,3 @@ class Engine:
         self.run(requests, on_commit)
         self.last_wall_time = time.perf_counter() - start
         return requests
-
-
-def prefill_chunks(chunks: list[tuple[Request, int]]) -> tuple[PrefillChunks, list[Request]]:
-    """The next `n` prefill tokens of each request, and the fresh requests whose prompt they complete:
-    those get logits and sample their first token (a recomputed one already has its pending token)."""
-    ids = np.concatenate([np.asarray(r.token_slice(r.num_cached, r.num_cached + n), dtype=np.int64)
-                          for r, n in chunks])
-    lens = [n for _, n in chunks]
-    first = [i for i, (r, n) in enumerate(chunks) if not r.output_ids and r.num_cached + n == r.prefill_len]
-    starting = [chunks[i][0] for i in first]
-    prefill = PrefillChunks([r.target_pages for r, _ in chunks], ids, lens, (np.cumsum(lens) - 1)[first],
-                            requests=[r for r, _ in chunks], starting=starting)
-    if starting:
-        prefill.sample_first = lambda logits: sample_rows(logits, None, starting, 1)
-    plan_prompt_logprobs(prefill, chunks)
-    return prefill, starting
-
-
-def plan_prompt_logprobs(prefill: PrefillChunks, chunks: list[tuple[Request, int]]) -> None:
-    """The chunk rows whose logits give the prompt logprobs a request asked for: row k of a chunk starting at
-    position s predicts prompt token s + k + 1 (the row of the prompt's last token predicts the first output
-    token, whose logprob is the output's)."""
-    rows = []
-    for (request, n), offset in zip(chunks, np.cumsum([0] + [n for _, n in chunks])):
-        start, wanted = request.num_cached, request.prompt_logprobs
-        if wanted is None or len(wanted) != start + 1:  # none asked, or recorded before a preemption
-            continue
-        count = min(n, len(request.prompt_ids) - 1 - start)
-        if count > 0:
-            prefill.echo_plan.append((request, len(rows), count))  # (request, its first echo row, rows)
-            rows.extend(range(offset, offset + count))
-    prefill.echo_rows = np.asarray(rows, dtype=np.int64)
-
-
-def adopt_cached_context(prefix_cache: PrefixCache | None, drafter, admitted: list[Request]) -> None:
-    """The drafter's context cache starts with the cached pages the scheduler found for the target's."""
-    if prefix_cache is None or len(prefix_cache.pools) < 2:
-        return
-    for request in admitted:
-        if request.prefix_chain:
-            drafter.adopt_context(request, prefix_cache.pool_pages(request.prefix_chain, 1), request.num_cached)
-
-
-def admit_ahead(scheduler: Scheduler, prefix_cache: PrefixCache | None, drafter, planned: int) -> PromptsAhead | None:
-    """Waiting requests admitted for the next step while this one runs (`Scheduler.admit_ahead`; `planned`: the pages
-    the running requests' next verify takes), with their chunks for that step's verify queued ahead: the drafter's
-    context starts from the cached pages the scheduler found for them, as at any admission. A function of the
-    engine's parts, not a method: the speculator holds it, and a bound method would hold the engine in a cycle."""
-    chunks = scheduler.admit_ahead(planned)
-    if not chunks:
-        return None
-    adopt_cached_context(prefix_cache, drafter, [r for r, _ in chunks])
-    return PromptsAhead(chunks, *prefill_chunks(chunks))

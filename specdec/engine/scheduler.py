@@ -141,19 +141,8 @@ class Scheduler:
             self._admit(plan, planned, budget, room)
         return plan
 
-    def admit_ahead(self, planned: int) -> list[tuple[Request, int]]:
-        """Waiting requests admitted for the next step before it is planned (the step in flight has not committed its
-        tokens yet), each with the rest of its prefill as one chunk, while the prefill budget, the seats and the pool
-        less `planned` pages (what the running requests' next step takes) allow them: (request, tokens) each. Their
-        chunks run in that step's verify queued ahead (`SpeculativeDecoding`); their tables then hold their prefill,
-        so `schedule` gives them no chunk of their own."""
-        plan = StepPlan(room=self.room(len(self.running)))
-        self._admit(plan, planned, self.max_prefill_tokens, plan.room, one_chunk=True)
-        return plan.prefill
-
-    def _admit(self, plan: StepPlan, planned: int, budget: int, room: int, one_chunk: bool = False) -> None:
-        """Waiting requests join while their whole prefill (and one step after it) fits beside the plan. one_chunk:
-        only while each one's prefill fits in its chunk of this step."""
+    def _admit(self, plan: StepPlan, planned: int, budget: int, room: int) -> None:
+        """Waiting requests join while their whole prefill (and one step after it) fits beside the plan."""
         while self.can_admit and budget > 0:
             request = self.waiting[0]
             if request.in_flight:  # preempted with a token on its way back: it recomputes once that has landed
@@ -161,8 +150,6 @@ class Scheduler:
             if self._lead_prefilling(request):  # its prompt's pages are about to be cached: wait for them
                 break
             hit = self._cached_prefix(request)
-            if one_chunk and request.prefill_len - len(hit) * self.pool.page_size > self._chunk_limit(request, budget):
-                break
             # new pages, plus the cached ones nobody holds: adopting those takes them out of the free count
             whole = self.pool.pages_for(request.prefill_len + room) - len(hit)
             if whole + (self.prefix_cache.evictable_among(hit) if hit else 0) > self.pool.num_free - planned:
@@ -179,16 +166,12 @@ class Scheduler:
             planned += whole  # held back from later admissions in this step, though only a chunk runs now
             budget -= tokens
 
-    @classmethod
-    def _chunk(cls, request: Request, budget: int) -> int:
-        """The prefill tokens a request runs this step: the rest of its prefill within `_chunk_limit`."""
-        return min(request.prefill_len - request.num_cached, cls._chunk_limit(request, budget))
-
     @staticmethod
-    def _chunk_limit(request: Request, budget: int) -> int:
-        """The most prefill tokens a request runs in a step: the budget; a request that wants its prompt's logprobs
-        takes at most PROMPT_LOGPROBS_CHUNK (each of its rows' logits)."""
-        return min(budget, PROMPT_LOGPROBS_CHUNK) if request.params.prompt_logprobs is not None else budget
+    def _chunk(request: Request, budget: int) -> int:
+        """The prefill tokens a request runs this step: the rest of its prefill within the budget; a request
+        that wants its prompt's logprobs takes at most PROMPT_LOGPROBS_CHUNK (each of its rows' logits)."""
+        tokens = min(request.prefill_len - request.num_cached, budget)
+        return min(tokens, PROMPT_LOGPROBS_CHUNK) if request.params.prompt_logprobs is not None else tokens
 
     def _lead_prefilling(self, request: Request) -> bool:
         """Whether the request's lead (another answer of its prompt) is still prefilling what it would share."""

@@ -18,10 +18,8 @@ for the next step's batch then, and that step verifies no more drafts than it ho
 request) or `verify_ahead_batches` (a batch whose graph rung keeps each request's KV in one piece) a chain step also
 queues the next step's verify right after that draft (`_queue_next_verify`, planned for the latest starts it may
 have, the real ones written on the device), which that step then takes instead of planning its verify once the host
-has read this step's tokens. Where requests wait to join that step, the engine admits them then (`admit_ahead`) and
-their prompts ride in the verify's forward (`TargetRunner.run_mixed_ahead`): the step they join takes it as a step
-with prompt chunks, which would otherwise be planned in order after this one's tokens are read. The engine commits the
-tokens;
+has read this step's tokens; a step whose prompt chunks complete their prompts queues it too, the new requests' rows
+after the others'. The engine commits the tokens;
 one it cuts short (EOS, a stop, max_new_tokens) finishes the request, which then gives back its
 target pages and drafter state, so the rollback and the drafter's context need not wait for it.
 """
@@ -29,7 +27,6 @@ target pages and drafter state, so the rollback and the drafter's context need n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -40,7 +37,7 @@ from specdec.engine.acceptance import accept
 from specdec.engine.decoding import Launched, PlainDecoding, StepTransfer
 from specdec.engine.drafter import Drafter
 from specdec.engine.logprobs import LogprobRows, TokenLogprob, wants_logprobs
-from specdec.engine.request import Request, Status
+from specdec.engine.request import Request
 from specdec.engine.sampler import sample_block
 from specdec.engine.tree_speculator import TreeDecoding
 from specdec.engine.verify_policy import PLAIN, TREE, Budget, VerifyPolicy
@@ -70,9 +67,6 @@ class SpeculativeDecoding:
         # these requests unless one ends
         self.next_step_known = False
         self.ahead: VerifiedAhead | None = None  # the next step's verify, queued by this one (`_queue_next_verify`)
-        # the engine's: waiting requests admitted for the next step before it is planned, given the pages the running
-        # requests' next verify takes (None: no such admissions)
-        self.admit_ahead: Callable[[int], PromptsAhead | None] | None = None
         self.logprobs: list[list[TokenLogprob] | None] | None = None  # the last step's, per request (None: none asked)
 
     def _prefilled(self, prefill: PrefillChunks | None) -> torch.Tensor | None:
@@ -101,9 +95,7 @@ class SpeculativeDecoding:
                        and (wants_logprobs(running) or any(r.params.adjusts_logits for r in running)))
         no_room = self.room is not None and nodes + 1 > self.room  # for a tree: a chain's room was planned
         # a budget step carries no prompt chunks (its forward runs the block rows alone)
-        # a verify queued ahead with prompt chunks is taken whatever the policy would pick now: its chunks ran
-        carries = verified is not None and verified.prompts is not None
-        q = self.policy.choose(batch, nodes, trees=not chains_only and not no_room and not carries, plain=False,
+        q = self.policy.choose(batch, nodes, trees=not chains_only and not no_room, plain=False,
                                budgets=not chains_only and prefill is None)
         self.option, self.request_lengths = q, None
         if q == TREE:
@@ -156,7 +148,7 @@ class SpeculativeDecoding:
         feature_rows = [block * q for block in blocks]
         ahead = self._queue_next_draft(running, starting, bonus, accepted, first_tokens, q, feature_rows)
         # after prompt chunks, only where each completes its prompt: the next step then runs these requests and those
-        # (a prompt's first token is its anchor, its start its prefill's end)
+        # (a prompt's first token is its anchor, its start its prompt's end)
         prompts_done = prefill is None or len(starting) == len(prefill.requests)
         if ahead and budget is None and rows is None and drafts_host is None and prompts_done:
             anchors, taken = bonus, accepted
@@ -216,48 +208,18 @@ class SpeculativeDecoding:
         """The next step's verify of `running` (with the requests whose prompts this step completed, their anchors
         their first tokens), queued right after its draft and before this step's tokens reach the host
         (`TargetRunner.run_block_ahead`): the host then plans it while the GPU verifies this step, and the GPU goes
-        from the draft to the verify while the host commits. Where the next step is known to run these requests (none
-        can join), or where requests that can join are admitted for it now (`admit_ahead`) and their prompts ride in
-        the verify's forward (`TargetRunner.run_mixed_ahead`); with nothing they must follow on the host (penalties).
-        None where not queued (requests admitted then still join the next step). A step after which some of them
-        ended takes it without their rows (`VerifiedAhead.blocks_of`)."""
-        if (not self.runner.queues_verify_ahead(len(running)) or (not self.next_step_known and self.admit_ahead is None)
+        from the draft to the verify while the host commits. Only where the next step is known to run these requests
+        (none can join), with nothing they must follow on the host (penalties); None where not queued. A step after
+        which some of them ended takes it without their rows (`VerifiedAhead.blocks_of`)."""
+        if (not self.runner.queues_verify_ahead(len(running)) or not self.next_step_known
                 or any(r.params.adjusts_logits for r in running)):
             return None
         drafts = self.drafter.drafts_ahead(running)
         if drafts is None:
             return None
         length, tables = drafts.shape[1] + 1, [r.target_pages for r in running]
-        if self.next_step_known:
-            out, prompts = self.runner.run_block_ahead(tables, length, bonus, drafts, accepted, q), None
-        else:  # requests may join the next step: admitted now, their prompts ride along (or wait: they join it anyway)
-            prompts = self.admit_ahead(growth_pages(tables, length))
-            if prompts is None:
-                return None
-            out = self.runner.run_mixed_ahead(tables, length, bonus, drafts, accepted, q, prompts.prefill)
-        return VerifiedAhead(running, tables, length, out, prompts) if out is not None else None
-
-    def keeps_prompts_ahead(self, decode: list[Request], plan_changed: bool) -> bool:
-        """Before a step of `decode` runs: whether it takes the prompt chunks its verify queued ahead carries (True
-        where it carries none). Not where any of their requests ended since, where the step's plan changed from what
-        was admitted for it (`plan_changed`: a preemption, other prompt chunks), or where the step does not take the
-        verify (`VerifiedAhead.blocks_of`): the verify is dropped, and the chunks' requests go back to before them
-        (`VerifiedAhead.release_prompts`), to prefill in a step of their own."""
-        verified = self.ahead
-        if verified is None or verified.prompts is None:
-            return True
-        prompts = verified.prompts
-        if (not plan_changed and decode and all(r.status is Status.RUNNING and not r.finished for r in prompts.requests)
-                and verified.blocks_of(decode, prompts.prefill, None) is not None):
-            return True
-        verified.release_prompts()
-        self.ahead = None
-        return False
-
-    @property
-    def prompts_ahead(self) -> PromptsAhead | None:
-        """The prompt chunks the verify queued for the next step carries (None: none)."""
-        return self.ahead.prompts if self.ahead is not None else None
+        out = self.runner.run_block_ahead(tables, length, bonus, drafts, accepted, q)
+        return VerifiedAhead(running, tables, length, out) if out is not None else None
 
     def plain_pays(self, batch: int) -> bool:
         """Whether the policy runs a step of `batch` requests as a plain decoding step (PLAIN): no draft pays at this
@@ -294,45 +256,21 @@ class SpeculativeDecoding:
 
 
 @dataclass
-class PromptsAhead:
-    """Prompt chunks of requests admitted for a step before it was planned (`Scheduler.admit_ahead`), each the rest of
-    its prefill, run in the forward of the verify queued for that step: `prefill` (its `out` set by that forward) and
-    the requests whose prompts they complete (`starting`)."""
-
-    chunks: list[tuple[Request, int]]
-    prefill: PrefillChunks
-    starting: list[Request]
-
-    @property
-    def requests(self) -> list[Request]:
-        return [r for r, _ in self.chunks]
-
-
-def growth_pages(tables: list[PageTable], q: int) -> int:
-    """The pages `tables` take to grow by q (a verify queued ahead grows them before the step it serves is planned)."""
-    page_size = tables[0].pool.page_size
-    return sum(max(0, -(-(t.length + q) // page_size) - t.num_pages) for t in tables)
-
-
-@dataclass
 class VerifiedAhead:
     """A verify queued by the step before (`SpeculativeDecoding._queue_next_verify`): q rows of each of `requests`,
-    after the tokens that step committed, their outputs in `out`; with `prompts`, the chunks that ran in its forward."""
+    after the tokens that step committed, their outputs in `out`."""
 
     requests: list[Request]
     tables: list[PageTable]
     q: int
     out: BlockOutput
-    prompts: PromptsAhead | None = None
 
     def blocks_of(self, running: list[Request], prefill: PrefillChunks | None, budget: Budget | None
                   ) -> list[int] | None:
         """Where this step finds each request's rows (block i: rows i * q ..), if it is the step the verify was queued
         for: a chain step of the same requests in the same order (their same tables), less any that ended or left
-        meanwhile (their rows are not read), with the prompt chunks that ran in its forward (or none). None where it is
-        not."""
-        ran = self.prompts.prefill if self.prompts is not None else None
-        if prefill is not ran or budget is not None or len(running) > len(self.requests):
+        meanwhile (their rows are not read), with no prompt chunks. None where it is not."""
+        if prefill is not None or budget is not None or len(running) > len(self.requests):
             return None
         blocks, block = [], 0
         for request in running:
@@ -343,13 +281,6 @@ class VerifiedAhead:
             blocks.append(block)
             block += 1
         return blocks
-
-    def release_prompts(self) -> None:
-        """The verify is not taken: each of its chunks' requests still running goes back to its length before the
-        chunk, so that its prefill runs again (the K/V the chunk wrote past that length is not read)."""
-        for request, tokens in self.prompts.chunks if self.prompts is not None else ():
-            if request.status is Status.RUNNING and not request.finished:
-                request.target_pages.truncate(request.target_pages.length - tokens)
 
     def output(self, blocks: list[int], running: list[Request]) -> BlockOutput:
         """The rows of `running` (`blocks_of`), request by request: the outputs as they are where none ended, else

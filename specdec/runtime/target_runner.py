@@ -283,35 +283,6 @@ class TargetRunner(ModelRunner):
         self.dispatch(q, batch, layout, inputs, lambda b: self._block_body(q, b), after_upload=device_inputs)
         return self._block_output(batch * q)
 
-    def run_mixed_ahead(self, tables: list[PageTable], q: int, anchors: torch.Tensor, rest: torch.Tensor,
-                        accepted: torch.Tensor, most: int, prefill: PrefillChunks) -> BlockOutput | None:
-        """`run_block_ahead` with the prompt chunks `prefill` of requests joining the next step: its verify and the
-        chunks in one forward, queued before this step's acceptance reaches the host, where a verify alone would be
-        queued (`_plan_serves_ahead`), the pool holds the chunks' pages too, and the backend plans such a step for the
-        verifies' latest starts with each request's KV in one piece (`AttentionBackend.upper_bounds_plan_serves`).
-        The verify rows' positions, K/V slots and the attention's page metadata are made on the device from the real
-        starts. Sets `prefill.out`. None where not queued. On the CPU the acceptance is read back and the step runs
-        at its real starts."""
-        batch = len(tables)
-        if self.device.type != "cuda":
-            for table, count in zip(tables, accepted.tolist()):
-                table.truncate(table.length - most + count + 1)
-            chunk_ends = table_lengths(prefill.tables) + np.asarray(prefill.lens)
-            if not pool_holds(tables + prefill.tables, np.concatenate([table_lengths(tables) + q, chunk_ends])):
-                return None
-            return self._run_mixed(tables, anchors.tolist(), rest, q, prefill)
-        latest = table_lengths(tables)
-        ends = np.concatenate([latest + q, table_lengths(prefill.tables) + np.asarray(prefill.lens)])
-        if (not self.queues_verify_ahead(batch) or not self._plan_serves_ahead(tables, q, latest, most)
-                or not pool_holds(tables + prefill.tables, ends)
-                or not self.attn.upper_bounds_plan_serves(ends, batch * q + sum(prefill.lens))):
-            return None
-        # each verify's start against its latest: the drafts this step accepts, and its bonus, past the latest start
-        # less the rows it verified
-        shift = accepted.long() + 1 - most
-        return self._run_mixed(tables, [0] * batch, rest, q, prefill, Carried(self.arange[:batch], anchors.long()),
-                               shift=shift)
-
     def _plan_serves_ahead(self, tables: list[PageTable], q: int, latest: np.ndarray, most: int) -> bool:
         """Whether a verify of q rows planned at the latest starts `latest` serves every start down to `most` - 1
         before them (see `run_block_ahead`), with room in the pool for the latest."""
@@ -481,13 +452,11 @@ class TargetRunner(ModelRunner):
 
     def _run_mixed(self, tables: list[PageTable], first_tokens: list[int], rest: torch.Tensor | None, q: int,
                    prefill: PrefillChunks | None, carried: Carried | None = None,
-                   tree: TreeRows | None = None, shift: torch.Tensor | None = None) -> BlockOutput:
+                   tree: TreeRows | None = None) -> BlockOutput:
         """The block step and the prompt chunks in one forward (ragged queries, causal): block rows first,
         then the chunks. Replayed from the piecewise graphs of the next larger token count when they are
         captured, else eager. Block outputs land in the static buffers, as a block step's do. With `tree`,
-        the block rows are token trees (no chunks). With `shift` [B] (on the device), each block starts that many
-        tokens before its table's length (`run_mixed_ahead`): planned for the tables' lengths, moved there on the
-        device."""
+        the block rows are token trees (no chunks)."""
         n = len(tables) * q
         if n > self.logits_out.shape[0]:
             raise ValueError(f"a step of {n} verify rows exceeds the {self.logits_out.shape[0]} the runner was "
@@ -504,16 +473,13 @@ class TargetRunner(ModelRunner):
         layout = replace(self._grow([*tables, *chunk_tables], [q] * len(tables) + chunk_lens), prompts=len(chunk_lens))
         if tree is not None:
             layout = layout.with_query_masks(tree.masks, tree.packed, tree.chain)
-        # the step writes K/V to the slots staged here
-        self.attn.plan(layout, write_slots=False, upper_bounds=shift is not None)
+        self.attn.plan(layout, write_slots=False)  # the step writes K/V to the slots staged here
         # what attention reads as this step's slots between the pieces (a token tree's rows, read back)
         self.attn.set_write_slots(self.mixed.inputs["pages"], self.mixed.inputs["offsets"])
         self.stage_token_rows(self.mixed_step, layout)
         self.mixed.inputs.fill("ids", ids)
         self.mixed.inputs.upload()
         write_device_tokens(self.mixed.inputs["ids"][:n].view(-1, q), rest, carried)
-        if shift is not None:
-            self._shift_blocks(layout, shift, q)
         if tree is not None:  # a node sits at the anchor's position plus its depth
             positions = self.mixed.inputs["positions"][:n].view(-1, q)
             positions[:, 1:] = positions[:, :1] + tree.depths
@@ -539,22 +505,6 @@ class TargetRunner(ModelRunner):
         features = self.features_out[n:total] if self.features_out is not None else None
         prefill.out = ForwardOutput(logits, features)
         return self._block_output(n)
-
-    def _shift_blocks(self, layout: BatchLayout, shift: torch.Tensor, q: int) -> None:
-        """A mixed step staged for its blocks' latest starts, moved by `shift` [B] on the device: the block rows'
-        positions and K/V slots (from the planned page metadata, whose pages hold the latest starts' rows and so the
-        real ones), then the attention's page metadata for the real KV lengths."""
-        batch = len(shift)
-        rows = batch * q
-        positions = self.mixed.inputs["positions"][:rows]
-        positions.add_(shift.repeat_interleave(q))
-        pages, offsets = slots_on_device(self.attn.kv_indices, self.attn.kv_indptr,
-                                         self.arange[:batch].repeat_interleave(q), positions, self.page_size)
-        self.mixed.inputs["pages"][:rows].copy_(pages)
-        self.mixed.inputs["offsets"][:rows].copy_(offsets)
-        kv_lens = upload(layout.kv_lens.astype(np.int64), self.device)
-        kv_lens[:batch].add_(shift)
-        self.attn.use_device_lengths(kv_lens)
 
     def _lm_head_rows(self, batch: int, q: int) -> int:
         """The rows a mixed step's output layer runs over for its `batch` requests' blocks of q: those of the block

@@ -36,7 +36,7 @@ SAMPLE_VALUES = dict(device="cuda:1", dtype="float16", kv_cache_dtype="fp8", pag
                      gpu_memory_utilization=0.5, cpu_kv_cache_gib=1.5, max_num_seqs=3, max_prefill_tokens=128,
                      attention_backend="torch", calibrate_fp8_scales=True, drafter_kv_cache_dtype="fp8_e4m3",
                      enforce_eager=True, kv_cache_full_precision_layers="0,1", overlap_steps=False, verify_ahead=True,
-                     verify_ahead_batches="off", prompts_ahead=False,
+                     verify_ahead_batches="off",
                      verify="tree", tree_nodes=31, budget_steps=True, draft_window=2048, draft_vocab=16384,
                      enable_prefix_caching=False)
 

@@ -225,8 +225,8 @@ def test_rollback_leaves_cache_equal_to_fresh_prefill(target_dir):
     fresh = tiny_engine(target_dir, eos=())
     decode, checked = engine._decode, []
 
-    def checked_decode(running, on_commit, *chunks):
-        decode(running, on_commit, *chunks)
+    def checked_decode(running, on_commit, chunks=None):
+        decode(running, on_commit, chunks)
         for request in running:
             if request.finished:
                 continue

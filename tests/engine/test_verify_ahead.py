@@ -226,11 +226,21 @@ def test_requests_joining_a_batch_wait_a_step_for_its_queued_verify_and_aborts_l
                                                                                                   tmp_path,
                                                                                                   monkeypatch):
     """Requests arriving every third step while a verify is queued for the running batch join the step after the one
-    that takes it, and a request aborted between steps with a verify queued for its batch gives everything back; the
-    others' outputs are plain decoding's."""
+    that takes it, whose chunks complete their prompts and which queues the next verify with them in it; a request
+    aborted between steps with a verify queued for its batch gives everything back; the others' outputs are plain
+    decoding's."""
     answers = batch_run(spec_engine(target_dir, None, eos=(2, 9)), MANY_PROMPTS, 0.0)
     engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches="on")
+    queue, with_new = engine.decoding._queue_next_verify, []
+
+    def queued(running, *args):  # a verify queued by a step that completed prompts: their requests have no output yet
+        out = queue(running, *args)
+        with_new.append(out is not None and any(not r.output_ids for r in running))
+        return out
+
+    engine.decoding._queue_next_verify = queued
     requests, counts, deferred = arriving_every_third_step(engine, answers, monkeypatch)
+    assert any(with_new)  # a step whose chunks completed prompts queued the next verify, the new requests in it
     aborted = requests[-1]
     for _ in range(20):
         if engine.decoding.ahead is not None and not aborted.finished:
@@ -293,115 +303,3 @@ def test_block_steps_of_a_batch_write_its_real_page_metadata_only_with_verify_ah
     assert bool(seen) is (setting == "on")
     assert all(len(kv_lens) > 1 and any(kv_lens == step_ends[:len(kv_lens)] for step_ends in by_q.values())
                for kv_lens, by_q in seen)
-
-
-def count_carried(engine) -> list[int]:
-    """For each step that took prompt chunks its verify queued ahead carried: how many requests they joined."""
-    carried, decide = [], engine.decoding.keeps_prompts_ahead
-
-    def recorded(decode, plan_changed):
-        prompts = engine.decoding.prompts_ahead
-        kept = decide(decode, plan_changed)
-        if kept and prompts is not None:
-            carried.append(len(prompts.chunks))
-        return kept
-
-    engine.decoding.keeps_prompts_ahead = recorded
-    return carried
-
-
-@pytest.mark.parametrize("temperature,error_rate,kv", [(0.0, 0.0, "auto"), (0.0, 0.3, "auto"), (0.0, 1.0, "auto"),
-                                                       (0.8, 0.3, "auto"), (0.0, 0.3, "fp8")])
-def test_requests_joining_a_batch_ride_in_its_verify_queued_ahead_and_commit_what_joining_in_order_commits(
-        target_dir, tmp_path, monkeypatch, temperature, error_rate, kv):
-    """Requests arriving every third step while a batch decodes with verifies queued ahead: with `prompts_ahead` they
-    are admitted while the step before the one they join runs, and their prompts run in that step's verify queued
-    ahead; every step commits what it commits when they join in a step planned in order (`prompts_ahead` off), they
-    join at the same step, and at T=0 in the model's dtype every answer is plain decoding's. Either way a step whose
-    chunks complete their prompts queues the next verify with the new requests in it. No page leaks."""
-    answers = batch_run(spec_engine(target_dir, None, eos=(2, 9)), MANY_PROMPTS, 0.0)
-    runs = []
-    for prompts_ahead in (True, False):
-        engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches="on", kv_cache_dtype=kv,
-                               prompts_ahead=prompts_ahead)
-        follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, error_rate)
-        carried, requests = count_carried(engine), []
-        queue, with_new = engine.decoding._queue_next_verify, []
-
-        def queued(running, *args):  # a verify queued by a step that completed prompts: their requests have no output
-            out = queue(running, *args)
-            with_new.append(out is not None and any(not r.output_ids for r in running))
-            return out
-
-        engine.decoding._queue_next_verify = queued
-        for i, prompt in enumerate(MANY_PROMPTS):
-            requests.append(engine.add_request(prompt, params_for(i, temperature)))
-            for _ in range(3):
-                engine.step()
-        while engine.has_unfinished_requests:
-            engine.step()
-        assert_no_leak(engine)
-        assert any(with_new)  # prompt steps queue the next verify, their new requests' rows in it
-        runs.append((requests, carried))
-    (ahead, carried), (in_order, none) = runs
-    assert [r.output_ids for r in ahead] == [r.output_ids for r in in_order]
-    assert [r.stats.acceptance_lengths for r in ahead] == [r.stats.acceptance_lengths for r in in_order]
-    assert [r.finish_reason for r in ahead] == [r.finish_reason for r in in_order]
-    assert carried and not none
-    if temperature == 0.0 and kv == "auto":
-        assert [r.output_ids for r in ahead] == [r.output_ids for r in answers]
-
-
-def test_a_request_admitted_ahead_and_aborted_before_its_step_leaves_nothing_held(target_dir, tmp_path, monkeypatch):
-    """Two requests admitted while the step before their own runs, their prompts in the verify queued for their step;
-    one is aborted between the two steps: that step drops the verify, the other request's prompt runs again in a step
-    of its own, every answer is plain decoding's, and nothing is held."""
-    answers = batch_run(spec_engine(target_dir, None, eos=(2, 9)), MANY_PROMPTS, 0.0)
-    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches="on")
-    follow_the_target(engine.drafter, {tuple(p): a.output_ids for p, a in zip(MANY_PROMPTS, answers)}, 0.2)
-    requests = [engine.add_request(p, params_for(i, 0.0)) for i, p in enumerate(MANY_PROMPTS[:3])]
-    for _ in range(2):
-        engine.step()
-    joining = [engine.add_request(p, params_for(i + 3, 0.0)) for i, p in enumerate(MANY_PROMPTS[3:5])]
-    for _ in range(10):
-        engine.step()
-        if engine.decoding.prompts_ahead is not None:
-            break
-    assert engine.decoding.prompts_ahead is not None
-    assert engine.decoding.prompts_ahead.requests == joining
-    engine.abort(joining[0].request_id)
-    while engine.has_unfinished_requests:
-        engine.step()
-    assert joining[0].finish_reason == "abort" and not joining[0].output_ids
-    assert [r.output_ids for r in requests + joining[1:]] == [r.output_ids for r in answers[:3] + answers[4:5]]
-    assert_no_leak(engine)
-
-
-@pytest.mark.parametrize("point", ["queueing", "taking"])
-def test_a_failure_around_a_verify_with_prompts_ahead_leaves_the_engine_clean(target_dir, tmp_path, point):
-    """Queueing a batch's next verify with the prompts of requests admitted for it fails, or the step it was queued
-    for fails as it comes to take them: every request ends, no page leaks, and the engine then gives what a fresh one
-    gives."""
-    params = SamplingParams(max_new_tokens=14)
-    prompts = MANY_PROMPTS[:6]
-    engine = dflash_engine(target_dir, tmp_path, overlap_steps=True, verify_ahead_batches="on", max_num_seqs=3)
-    fresh = [r.output_ids for r in dflash_engine(target_dir, tmp_path, overlap_steps=False).generate_ids(prompts,
-                                                                                                          params)]
-    if point == "queueing":
-        assert run_failing(engine, engine.runner, "run_mixed_ahead", 1, prompts, params)
-    else:
-        decide = engine.decoding.keeps_prompts_ahead
-
-        def failing(decode, plan_changed):
-            if engine.decoding.prompts_ahead is not None:
-                raise KeyboardInterrupt("taking prompts ahead")
-            return decide(decode, plan_changed)
-
-        engine.decoding.keeps_prompts_ahead = failing
-        requests = [engine.make_request(p, params) for p in prompts]
-        with pytest.raises(KeyboardInterrupt):
-            engine.run(requests)
-        engine.decoding.keeps_prompts_ahead = decide
-        assert all(r.finished for r in requests) and engine.scheduler.idle
-        assert_no_leak(engine)
-    assert [r.output_ids for r in engine.generate_ids(prompts, params)] == fresh

@@ -255,21 +255,6 @@ def test_drafting_ahead_equals_drafting_in_order(model_dirs, kv):
     assert ahead.pool.num_free == ahead.pool.num_pages and ahead.drafter.pool.num_free == ahead.drafter.pool.num_pages
 
 
-def where_answers_part(ordered: Engine, ahead: Engine, ids: list[list[int]]) -> list[dict]:
-    """`ids` through both DFlash engines, all added at once (request i ending after 24 + i % 17 tokens): where their
-    answers part (`divergences`, against `ordered`). Both pools are free after."""
-    runs = []
-    for engine in (ordered, ahead):
-        requests = [engine.add_request(p, SamplingParams(max_new_tokens=24 + i % 17, ignore_eos=True))
-                    for i, p in enumerate(ids)]
-        while engine.has_unfinished_requests:
-            engine.step()
-        runs.append(requests)
-        assert engine.pool.num_free == engine.pool.num_pages
-        assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
-    return divergences(ordered, *runs)
-
-
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_batches_verifies_queued_ahead_equal_verifies_in_order(model_dirs, kv, monkeypatch):
     """A batch's next verify queued with its draft (`verify_ahead_batches`): a rung that keeps each request's KV in one
@@ -292,38 +277,21 @@ def test_batches_verifies_queued_ahead_equal_verifies_in_order(model_dirs, kv, m
 
     monkeypatch.setattr(speculator.VerifiedAhead, "blocks_of", recorded)
     for batch in (17, 64, 100):
-        found = where_answers_part(ordered, ahead, prompts(batch))
+        ids = prompts(batch)
+        runs = []
+        for engine in (ordered, ahead):
+            requests = [engine.add_request(p, SamplingParams(max_new_tokens=24 + i % 17, ignore_eos=True))
+                        for i, p in enumerate(ids)]
+            while engine.has_unfinished_requests:
+                engine.step()
+            runs.append(requests)
+            assert engine.pool.num_free == engine.pool.num_pages
+            assert engine.drafter.pool.num_free == engine.drafter.pool.num_pages
+        found = divergences(ordered, runs[0], runs[1])
         assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in found), (batch, found)
         if batch == 17:
             assert not taken
     assert len(taken) > 10 and min(taken) > 48  # rung 64 (49-64 requests) and up keep the KV in one piece
-
-
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_prompts_riding_in_batches_verifies_queued_ahead_equal_prompts_in_order(model_dirs, kv, monkeypatch):
-    """Requests joining a batch of 49+ as others end (`prompts_ahead`): admitted while the step before theirs runs,
-    their prompts ride in the verify queued for their step (`TargetRunner.run_mixed_ahead`: planned eagerly for the
-    verifies' latest starts with each request's KV in one piece, the real starts, K/V slots and page metadata made on
-    the device). Every answer is what joining in a step planned in order gives, up to near-ties (that step's attention
-    splits the KV). Pools free after."""
-    from specdec.engine import speculator
-
-    config = dict(overlap_steps=True, verify="chain", verify_ahead_batches="on", max_num_seqs=64)
-    ordered = make_engine(model_dirs, True, kv, False, prompts_ahead=False, **config)
-    ahead = make_engine(model_dirs, True, kv, False, prompts_ahead=True, **config)
-    carried, keeps = [], speculator.SpeculativeDecoding.keeps_prompts_ahead
-
-    def recorded(self, decode, plan_changed):
-        prompts_ahead = self.prompts_ahead
-        kept = keeps(self, decode, plan_changed)
-        if kept and prompts_ahead is not None:
-            carried.append((len(decode), len(prompts_ahead.chunks)))
-        return kept
-
-    monkeypatch.setattr(speculator.SpeculativeDecoding, "keeps_prompts_ahead", recorded)
-    found = where_answers_part(ordered, ahead, prompts(112))
-    assert all(abs(d["logit_gap"]) <= NEAR_TIE for d in found), found
-    assert len(carried) >= 3 and min(batch for batch, _ in carried) > 48, carried
 
 
 def test_held_context_rows_of_plain_steps_draft_as_rows_written_at_once(model_dirs):

@@ -587,34 +587,3 @@ def test_a_plans_later_layers_kernel_calls_give_what_run_gives(history, new_kv, 
     for case, out in zip(cases, outs):
         assert torch.equal(out, wrapper.run(case.q, case.layer.data, out=torch.empty_like(case.q)))
     assert rel_error(outs[-1], cases[-1].expected(D ** -0.5)) <= REL_BOUND
-
-
-@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
-def test_a_prompt_among_verifies_planned_for_later_starts_attends_as_at_its_real_starts(kv):
-    """A batch's verify with a prompt chunk, queued before the verifies' starts are known
-    (`TargetRunner.run_mixed_ahead`): planned eagerly for later starts with each request's KV in one piece
-    (`plan(..., upper_bounds=True)`), then given the real lengths on the device (`use_device_lengths`), it writes the
-    step's K/V where a plan at the real starts does and attends as the torch reference does at those starts."""
-    scales = (0.05, 0.03) if kv == "fp8" else (1.0, 1.0)
-    history, extra = [300, 700, 1200, 45, 900, 0], [3, 0, 2, 1, 3, 0]  # the last: a prompt chunk of 60 tokens
-    new = [4, 4, 4, 4, 4, 60]
-    make = lambda: PagedCase(history, new, new, True, page_size=16, kv_dtype=KV_DTYPES[kv],  # noqa: E731
-                             device="cuda", dtype=torch.bfloat16, scales=scales, seed=11)
-    ours, reference = make(), make()
-    backend = flashinfer_backend(KV_DTYPES[kv])
-    real = ours.layout
-    for table, n in zip(ours.tables, extra):  # the latest starts: more tokens, their pages taken from the pool
-        table.grow(n)
-    latest = BatchLayout.build(tuple(new), tuple(t.length for t in ours.tables), tuple(new),
-                               tuple(tuple(t.pages) for t in ours.tables), 16, True)
-    assert backend.upper_bounds_plan_serves(latest.kv_lens, sum(new))
-    backend.plan(latest, write_slots=False, upper_bounds=True)
-    backend.set_write_slots(*real.new_kv_slots(torch.device("cuda")))
-    backend.use_device_lengths(torch.tensor(real.kv_lens, dtype=torch.long, device="cuda"))
-    backend.write_kv(ours.layer, ours.new_k, ours.new_v)
-    out = backend.attend(ours.q, ours.layer)
-    ref = run(TorchBackend(HQ, HKV, D, D ** -0.5, device="cuda"), reference)
-    assert torch.equal(ours.layer.data.view(torch.uint8), reference.layer.data.view(torch.uint8))
-    err = rel_error(out, ref)
-    print(f"prompt among verifies planned for later starts {kv}: rel err {err:.2e}")
-    assert err <= REL_BOUND
