@@ -146,14 +146,15 @@ class SpeculativeDecoding:
         starting = prefill.starting if first_tokens is not None else []
         drafting = running + starting
         feature_rows = [block * q for block in blocks]
-        ahead = self._queue_next_draft(running, starting, bonus, accepted, first_tokens, q, feature_rows)
+        # the next step's anchors: the bonus of each verified request, then the first token of each prompt completed
+        anchors = torch.cat([bonus.long(), first_tokens.long()]) if starting else bonus
+        ahead = self._queue_next_draft(running, starting, anchors, accepted, q, feature_rows)
         # after prompt chunks, only where each completes its prompt: the next step then runs these requests and those
-        # (a prompt's first token is its anchor, its start its prompt's end)
+        # (a prompt's start its prompt's end)
         prompts_done = prefill is None or len(starting) == len(prefill.requests)
         if ahead and budget is None and rows is None and drafts_host is None and prompts_done:
-            anchors, taken = bonus, accepted
+            taken = accepted
             if starting:  # a prompt's verify starts where its table ends: as if every draft of q had been accepted
-                anchors = torch.cat([bonus.long(), first_tokens.long()])
                 taken = torch.cat([accepted.long(), accepted.new_full((len(starting),), q - 1).long()])
             self.ahead = self._queue_next_verify(drafting, anchors, taken, q)
         host = transfer.read()
@@ -182,23 +183,21 @@ class SpeculativeDecoding:
             self.drafter.extend(running, out.features, feature_rows, counts)
         return tokens
 
-    def _queue_next_draft(self, running: list[Request], starting: list[Request], bonus: torch.Tensor,
-                          accepted: torch.Tensor, first_tokens: torch.Tensor | None, q: int,
-                          feature_rows: list[int]) -> bool:
+    def _queue_next_draft(self, running: list[Request], starting: list[Request], anchors: torch.Tensor,
+                          accepted: torch.Tensor, q: int, feature_rows: list[int]) -> bool:
         """The next step's draft, queued before this step's tokens reach the host (`Drafter.propose_next`): for the
         verified requests (anchor: the bonus; a + 1 context rows from `feature_rows` of the verify's features) and those
-        whose prompts this step completed (anchor: the first token; no rows, their chunks' context is added).
-        Not with trees only (a tree step drafts its own candidates). True when queued."""
+        whose prompts this step completed (anchor: the first token; no rows, their chunks' context is added), their
+        anchors in that order. Not with trees only (a tree step drafts its own candidates). True when queued."""
         if not (self.draft_ahead and self.policy.lengths):
             return False
         option = self.policy.choose(len(running) + len(starting), trees=False)  # the next step's, as now seen
         length = (option.q if isinstance(option, Budget) else option) - 1
         if length == 0:  # a plain step: nothing to draft
             return False
-        anchors, counts = bonus, accepted + 1
+        counts = accepted + 1
         if starting:
-            anchors = torch.cat([bonus.long(), first_tokens.long()])
-            counts = torch.cat([counts.long(), torch.zeros_like(first_tokens, dtype=torch.long)])
+            counts = torch.cat([counts.long(), counts.new_zeros(len(starting), dtype=torch.long)])
         batch = len(running)
         return self.drafter.propose_next(running + starting, anchors, counts, feature_rows + [0] * len(starting),
                                          [q] * batch + [0] * len(starting), length)
