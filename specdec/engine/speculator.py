@@ -202,7 +202,7 @@ class SpeculativeDecoding:
         return self.drafter.propose_next(running + starting, anchors, counts, feature_rows + [0] * len(starting),
                                          [q] * batch + [0] * len(starting), length)
 
-    def _queue_next_verify(self, running: list[Request], bonus: torch.Tensor, accepted: torch.Tensor,
+    def _queue_next_verify(self, running: list[Request], anchors: torch.Tensor, accepted: torch.Tensor,
                            q: int) -> "VerifiedAhead | None":
         """The next step's verify of `running` (with the requests whose prompts this step completed, their anchors
         their first tokens), queued right after its draft and before this step's tokens reach the host
@@ -217,7 +217,7 @@ class SpeculativeDecoding:
         if drafts is None:
             return None
         length, tables = drafts.shape[1] + 1, [r.target_pages for r in running]
-        out = self.runner.run_block_ahead(tables, length, bonus, drafts, accepted, q)
+        out = self.runner.run_block_ahead(tables, length, anchors, drafts, accepted, q)
         return VerifiedAhead(running, tables, length, out) if out is not None else None
 
     def plain_pays(self, batch: int) -> bool:
