@@ -66,22 +66,22 @@ class VllmPeer:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        spec, batched = None, {}
+        spec, verify_sized = None, {}
         if job["drafter"]:
             spec = {"method": "dflash", "model": job["drafter"], "num_speculative_tokens": job["block_size"] - 1}
+            full_verify = job["max_num_seqs"] * job["block_size"]  # tokens of a step verifying every request's block
             # vLLM reserves each running request's draft slots out of a step's token budget and refuses to start
             # when they exceed it (the default budget, 2,048 tokens here, at 256 requests): room for them and
-            # 2,048 prompt tokens, at least 8,192
-            batched = {"max_num_batched_tokens": max(8192, job["max_num_seqs"] * job["block_size"] + 2048)}
-            # vLLM captures CUDA graphs for steps of up to 512 tokens by default and runs larger steps without
-            # them; a verify of block_size tokens a request passes that at 33 requests, and from 64 up its DFlash
-            # then ran below its own plain decoding (BENCHMARKS.md, 2026-11-26 and 2026-12-07): graphs for every
-            # step a full batch of verifies can make
-            batched["compilation_config"] = {"max_cudagraph_capture_size": job["max_num_seqs"] * job["block_size"]}
+            # 2,048 prompt tokens, at least 8,192. It captures CUDA graphs for steps of up to 512 tokens by default
+            # and runs larger steps without them; a verify of block_size tokens a request passes that at 33
+            # requests, and from 64 up its DFlash then ran below its own plain decoding (BENCHMARKS.md, 2026-11-26
+            # and 2026-12-07): graphs for every step a full batch of verifies can make
+            verify_sized = {"max_num_batched_tokens": max(8192, full_verify + 2048),
+                            "compilation_config": {"max_cudagraph_capture_size": full_verify}}
         args = AsyncEngineArgs(model=job["model"], dtype="bfloat16", seed=0, max_num_seqs=job["max_num_seqs"],
                                max_model_len=job["max_model_len"], enable_prefix_caching=False,
                                gpu_memory_utilization=job["gpu_memory_utilization"], speculative_config=spec,
-                               generation_config="vllm", disable_log_stats=False, **batched)
+                               generation_config="vllm", disable_log_stats=False, **verify_sized)
         self.engine = AsyncLLM.from_engine_args(args)
         self.sampling = lambda n: SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=job["stop_token_ids"],
                                                  repetition_penalty=1.0)
