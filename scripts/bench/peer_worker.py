@@ -66,7 +66,7 @@ class VllmPeer:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        spec, verify_sized = None, {}
+        spec, verify_sized, memory = None, {}, job["gpu_memory_utilization"]
         if job["drafter"]:
             spec = {"method": "dflash", "model": job["drafter"], "num_speculative_tokens": job["block_size"] - 1}
             full_verify = job["max_num_seqs"] * job["block_size"]  # tokens of a step verifying every request's block
@@ -75,17 +75,17 @@ class VllmPeer:
             # 2,048 prompt tokens, at least 8,192. It captures CUDA graphs for steps of up to 512 tokens by default
             # and runs larger steps without them; a verify of block_size tokens a request passes that at 33
             # requests, and from 64 up its DFlash then ran below its own plain decoding (BENCHMARKS.md, 2026-11-26
-            # and 2026-12-07): graphs for every step a full batch of verifies can make. Its warm-up then samples
-            # a step of that many tokens after the KV cache has taken its share, and its memory profile leaves
-            # that out: at 0.9 of an H100 it ran out of memory on the 1.16 GiB of logits of 4,096 rows, at 0.8 it
-            # ran (2026-12-07)
+            # and 2026-12-07): graphs for every step a full batch of verifies can make
             verify_sized = {"max_num_batched_tokens": max(8192, full_verify + 2048),
-                            "compilation_config": {"max_cudagraph_capture_size": full_verify},
-                            "gpu_memory_utilization": min(job["gpu_memory_utilization"], 0.8)}
+                            "compilation_config": {"max_cudagraph_capture_size": full_verify}}
+            # Its warm-up then samples a step of that many tokens after the KV cache has taken its share, and its
+            # memory profile leaves that out: at 0.9 of an H100 it ran out of memory on the 1.16 GiB of logits of
+            # 4,096 rows, at 0.8 it ran (2026-12-07)
+            memory = min(memory, 0.8)
         args = AsyncEngineArgs(model=job["model"], dtype="bfloat16", seed=0, max_num_seqs=job["max_num_seqs"],
                                max_model_len=job["max_model_len"], enable_prefix_caching=False,
-                               speculative_config=spec, generation_config="vllm", disable_log_stats=False,
-                               **{"gpu_memory_utilization": job["gpu_memory_utilization"], **verify_sized})
+                               gpu_memory_utilization=memory, speculative_config=spec,
+                               generation_config="vllm", disable_log_stats=False, **verify_sized)
         self.engine = AsyncLLM.from_engine_args(args)
         self.sampling = lambda n: SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=job["stop_token_ids"],
                                                  repetition_penalty=1.0)
