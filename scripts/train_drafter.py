@@ -4,18 +4,19 @@
         [--target qwen2.5-coder-1.5b-instruct] [--max-steps 3000] [--batch-size 8] \
         [--anchors-per-seq 256] [--time-budget-s 540] [--resume]
 
-Drafter shape: --draft-layers, --heads, --kv-heads, --head-dim, --intermediate-size,
---target-layer-ids, --block-size, --mask-token-id. With --resume and a checkpoint in --out, the
-checkpoint's shape and state win and training continues where it stopped (same batches, same
-anchors as an uninterrupted run). --init-from DRAFTER starts a new run from an exported drafter's
-weights and shape (any storage), e.g. to train a shipped drafter further with a fresh schedule; shape
-flags given with it grow that drafter (more draft layers, a wider MLP, more target layers) without
-changing what it computes (`drafters.training.grow`). --quant-aware STORAGE trains with the weights that
+Drafter shape: --draft-layers, --heads, --kv-heads, --head-dim, --intermediate-size, --target-layer-ids,
+--block-size, --mask-token-id. With --resume and a checkpoint in --out, the checkpoint's shape and state win and
+training continues where it stopped (same batches, same anchors as an uninterrupted run). --init-from DRAFTER starts
+a new run from an exported drafter's weights and shape (any storage), e.g. to train a shipped drafter further with a
+fresh schedule; shape flags given with it grow that drafter (more draft layers, a wider MLP, more target layers)
+without changing what it computes (`drafters.training.grow`). --quant-aware STORAGE trains with the weights that
 export's --storage STORAGE writes (`drafters.training.quant_aware`). --eval-only scores the starting weights and
-stops: with --init-from a stored drafter, what its storage costs on held-out acceptance. Held-out data: the prompts whose hash falls in the lowest --eval-fraction (the same
-prompts in every run, whatever the data's order or recipe), scored per domain (math, code, ...). Progress: a tqdm bar (loss, lr, batch tau, held-out tau), a line of held-out tau
-per domain at each evaluation, and <out>/log.jsonl (one line per evaluation, per-domain numbers under
-"domains"). Export with scripts/export_drafter.py.
+stops: with --init-from a stored drafter, what its storage costs on held-out acceptance. Held-out data: the prompts
+whose hash falls in the lowest --eval-fraction (the same prompts in every run, whatever the data's order or recipe),
+scored per domain (math, code, ...); --domain-repeats math=2 counts each training sample of that domain twice per
+epoch (held-out scoring unchanged). Progress: a tqdm bar (loss, lr, batch tau, held-out tau), a line of held-out tau
+per domain at each evaluation, and <out>/log.jsonl (one line per evaluation, per-domain numbers under "domains").
+Export with scripts/export_drafter.py.
 """
 
 from __future__ import annotations
@@ -31,11 +32,22 @@ from drafters.training.quant_aware import QUANT_AWARE_STORAGES
 from specdec.weights.demo_models import DEFAULT_TARGET
 
 
+def domain_repeat(text: str) -> tuple[str, int]:
+    """DOMAIN=N of --domain-repeats."""
+    name, sep, count = text.partition("=")
+    if not sep or not name or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"expected DOMAIN=N with N a whole number >= 1 (e.g. math=2), got {text!r}")
+    return name, int(count)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, nargs="+", metavar="DIR",
                    help="directories of training shards (several: their samples together, e.g. data generated "
                         "from different prompt lists)")
+    p.add_argument("--domain-repeats", nargs="+", type=domain_repeat, default=[], metavar="DOMAIN=N",
+                   help="train on each sample of DOMAIN N times per epoch (held-out scoring unchanged), e.g. math=2 "
+                        "beside twice as many code answers")
     p.add_argument("--out", required=True, help="run directory: checkpoint.pt and log.jsonl")
     p.add_argument("--target", default=DEFAULT_TARGET, help="demo name or HF model directory")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt when present")
@@ -147,6 +159,7 @@ def main(argv=None) -> None:
           + " MiB")
 
     train_data, eval_data = load_samples(*args.data).split_held_out(args.eval_fraction, seed=args.seed)
+    train_data = train_data.with_domain_repeats(dict(args.domain_repeats))
     if args.eval_only and len(eval_data) == 0:
         raise SystemExit(f"--eval-only: no held-out sequences in {' '.join(args.data)} at --eval-fraction {args.eval_fraction}; "
                          f"raise it")

@@ -3,6 +3,7 @@ inference drafter, learning, resume, export (bf16 and fp8 storage) and data shar
 
 import copy
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -364,6 +365,28 @@ def test_train_script_starts_from_an_exported_drafter(setup, tmp_path):
         main(["--data", str(data), "--out", str(tmp_path / "other"), "--target", str(root / "target"),
               "--init-from", str(tmp_path / "shipped"), "--device", "cpu", "--eval-fraction", "0.2",
               "--time-budget-s", "0"])
+
+
+def test_train_script_repeats_a_domain_of_the_training_split_only(setup, tmp_path, capsys):
+    root, _, _ = setup
+    data = toy_data_dir(tmp_path / "data")
+    from scripts.train_drafter import main
+
+    def data_line(*extra):
+        main(["--data", str(data), "--out", str(tmp_path / f"run{len(extra)}"), "--target", str(root / "target"),
+              "--device", "cpu", "--mask-token-id", str(MASK), "--eval-fraction", "0.5", "--time-budget-s", "0",
+              *extra])
+        return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("data:"))
+
+    plain, doubled = data_line(), data_line("--domain-repeats", "math=2")
+    trained, held = map(int, re.match(r"data: (\d+) training sequences, (\d+) held out", plain).groups())
+    assert trained > 0 and held > 0
+    assert doubled.startswith(f"data: {2 * trained} training sequences, {held} held out")
+    with pytest.raises(ValueError, match="no samples of domain code to repeat; the data holds math"):
+        data_line("--domain-repeats", "code=2")
+    with pytest.raises(SystemExit):
+        data_line("--domain-repeats", "math")
+    assert "expected DOMAIN=N" in capsys.readouterr().err
 
 
 # ---- (f) data shards ----------------------------------------------------------------------------

@@ -125,6 +125,21 @@ def test_domains_travel_with_samples_and_held_out_tau_is_per_domain(setup, tmp_p
     assert torch.isfinite(torch.tensor(record["eval_loss"]))
 
 
+def test_domain_repeats_weight_a_domain_in_every_epoch():
+    rows = [([1, 2, i], [3, 4, 5 + i], i) for i in range(5)]
+    samples = TokenSamples.from_lists(rows, ["code", "math", "code", "math", "general"])
+    repeated = samples.with_domain_repeats({"math": 3, "general": 2})
+    answers = [repeated[i][0][-1].item() - 5 for i in range(len(repeated))]
+    assert answers == [0, 1, 1, 1, 2, 3, 3, 3, 4, 4]  # each sample in place, as many times as its domain says
+    assert {name: len(v) for name, v in repeated.by_domain().items()} == {"code": 2, "general": 2, "math": 6}
+    assert repeated.domain_indices()["code"] == [0, 4] and repeated.prompt_lens.tolist() == [3] * 10
+    assert torch.equal(samples.with_domain_repeats({}).tokens, samples.tokens)
+    with pytest.raises(ValueError, match="no samples of domain libcode to repeat; the data holds code, general, math"):
+        samples.with_domain_repeats({"libcode": 2})
+    with pytest.raises(ValueError, match="whole numbers >= 1"):
+        samples.with_domain_repeats({"math": 0})
+
+
 def test_a_prompt_is_held_out_in_every_data_set_that_holds_it():
     """Held-out status follows the prompt, not its place in a list: two runs over other recipes, orders
     or amounts of data from the same sources never train on a prompt the other holds out."""
