@@ -99,6 +99,8 @@ class TokenSamples:
         """These samples with each one of domain d appearing repeats[d] times (once where d is not given): a
         domain's integer weight in every epoch, e.g. to keep a drafter trained further on mostly code from
         forgetting math. Apply it to the training split only, so that no held-out sample is scored twice."""
+        if not repeats:  # the common case: no copy of every sample
+            return self
         present = self.domain_indices()
         unknown = sorted(set(repeats) - set(present))
         if unknown:
@@ -107,10 +109,9 @@ class TokenSamples:
         bad = {name: n for name, n in repeats.items() if not isinstance(n, int) or n < 1}
         if bad:
             raise ValueError(f"domain repeats must be whole numbers >= 1, got {bad}")
-        index = {name: i for i, name in enumerate(self.domains)}
         times = torch.ones(len(self.domains), dtype=torch.long)
         for name, n in repeats.items():
-            times[index[name]] = n
+            times[self.domains.index(name)] = n
         return self.subset(torch.arange(len(self)).repeat_interleave(times[self.domain_ids.long()]))
 
     def prompt_ids(self, i: int) -> list[int]:
