@@ -496,7 +496,7 @@ def main(argv=None) -> int:
 def load_system(args, model: str, system: tuple, device: torch.device, **options) -> tuple[LLM, list[list[int]]]:
     """A system's engine, warmed up (graphs, kernels, allocator), and its prompts."""
     name, draft, verify, overlap = system
-    llm = LLM(model, draft, device=str(device), max_num_seqs=max(args.concurrency), kv_cache_dtype=args.kv_cache_dtype,
+    llm = LLM(model, draft, device=str(device), max_num_seqs=most_in_flight(args), kv_cache_dtype=args.kv_cache_dtype,
               overlap_steps=overlap, enable_prefix_caching=not args.no_prefix_caching,
               **SETTINGS.get(verify, {"verify": verify}),
               **({setting: value for setting, value in (("draft_window", args.draft_window),
@@ -507,6 +507,12 @@ def load_system(args, model: str, system: tuple, device: torch.device, **options
                else chat_prompts(llm, args.requests, args.dataset, args.system_repeat))
     run_load(llm, name, prompts[:min(4, len(prompts))], 1, 4)
     return llm, prompts
+
+
+def most_in_flight(args) -> int:
+    """The engines' max_num_seqs: the highest concurrency run, the profiled levels' included (a level sets the
+    scheduler's limit, and the engine's buffers must hold that many requests)."""
+    return max([*args.concurrency, *(c for c in (args.profile, args.host_profile) if c is not None)])
 
 
 def level_prompts(args, prompts: list[list[int]], concurrency: int) -> list[list[int]]:

@@ -115,6 +115,13 @@ def test_profile_level_splits_steps_by_kind(tmp_path, capsys):
     assert "| busy / wall |" in capsys.readouterr().out
 
 
+def test_a_profiled_level_above_the_measured_concurrencies_runs_in_engines_sized_for_it(tmp_path):
+    out = tmp_path / "load.json"  # --quick measures 1 and 4 in flight; its 6 requests all run at once in the profile
+    assert main(["--quick", *IN_ORDER, "--profile", "6", "--host-profile", "6", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert {p["concurrency"] for p in results["profiles"] + results["host_profiles"]} == {6}
+
+
 def test_repeats_report_the_median_run_and_every_runs_tokens_per_s(tmp_path, capsys):
     out = tmp_path / "load.json"
     assert main(["--quick", *IN_ORDER, "--repeats", "3", "--out", str(out)]) == 0
