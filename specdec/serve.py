@@ -14,11 +14,13 @@ import argparse
 import asyncio
 import functools
 import logging
+import os
 import signal
 import sys
 
 from specdec.arguments import (DefaultsHelpFormatter, add_engine_arguments, add_model_arguments, chosen_drafter,
                                engine_options)
+from specdec.server.api_key import API_KEY_ENV, checked_api_key
 from specdec.server.body_limit import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from specdec.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S, header_timeout_protocol
 
@@ -32,6 +34,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --target)")
+    p.add_argument("--api-key", default=None,
+                   help="a key every request but /health and /metrics must send as 'Authorization: Bearer KEY' (the "
+                        f"openai client's api_key); default: ${API_KEY_ENV} if set, else no key is asked for")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM")
     p.add_argument("--engine-thread", action="store_true",
@@ -58,6 +63,7 @@ def main(argv=None, prog: str = PROG) -> int:
     from specdec.server.startup_heap import freeze_startup_heap
 
     try:
+        api_key = chosen_api_key(args)
         llm_args = dict(target=args.target, drafter=chosen_drafter(args), **engine_options(args))
         engine = start_engine(llm_args, args.engine_thread, args.log_level.upper())
     except (EngineStartError, ValueError, FileNotFoundError, ImportError) as err:
@@ -67,7 +73,7 @@ def main(argv=None, prog: str = PROG) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     app = build_app(engine, args.served_model_name or args.target, max_body_bytes=args.max_request_bytes,
-                    body_timeout_s=args.request_body_timeout)
+                    body_timeout_s=args.request_body_timeout, api_key=api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                             http=header_timeout_protocol(args.request_header_timeout))
@@ -79,6 +85,13 @@ def main(argv=None, prog: str = PROG) -> int:
     freeze_startup_heap()  # this process serves until it exits (specdec/server/startup_heap.py)
     server.run()
     return 0 if server.started else 1
+
+
+def chosen_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $SPECDEC_API_KEY (a key kept out of the command line, which other users of the machine can
+    read), checked before the model loads; None: no key."""
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    return checked_api_key(key) if key is not None else None
 
 
 def draining_server(uvicorn, config, engine, grace_s: float):

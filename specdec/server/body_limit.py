@@ -9,9 +9,8 @@ app then reads the body from memory; later messages (a disconnect) come from the
 from __future__ import annotations
 
 import asyncio
-import json
 
-from specdec.server.openai_protocol import error_body
+from specdec.server.asgi_error import send_error
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # far above any request a model's context can hold (a 128k-token prompt)
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -37,15 +36,15 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send, 413, f"the request body has {int(declared)} bytes; the limit is {self.max_bytes}")
+            await send_error(send, 413, f"the request body has {int(declared)} bytes; the limit is {self.max_bytes}")
             return
         try:
             body = await asyncio.wait_for(self._read(receive), self.timeout_s)
         except _TooLarge:
-            await self._refuse(send, 413, f"the request body is over the limit of {self.max_bytes} bytes")
+            await send_error(send, 413, f"the request body is over the limit of {self.max_bytes} bytes")
             return
         except asyncio.TimeoutError:
-            await self._refuse(send, 408, f"the request body did not arrive within {self.timeout_s:g} s")
+            await send_error(send, 408, f"the request body did not arrive within {self.timeout_s:g} s")
             return
         except _Disconnected:
             return
@@ -73,11 +72,3 @@ class BodyLimit:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
-
-    @staticmethod
-    async def _refuse(send, status: int, message: str) -> None:
-        body = json.dumps(error_body(message)).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})

@@ -29,6 +29,7 @@ from specdec.engine.prompt_encoder import PromptEncoder
 from specdec.engine.prompts import encode_chat, token_ids
 from specdec.engine.request_limits import RequestLimits
 from specdec.engine.sampling_params import SamplingParams
+from specdec.server.api_key import ApiKeyCheck
 from specdec.server.async_engine import AsyncEngine
 from specdec.server.body_limit import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from specdec.server.engine_loop import RequestOutput
@@ -49,10 +50,11 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went aw
 
 
 def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
+              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, api_key: str | None = None) -> FastAPI:
     """The API over `engine` (a `ThreadedEngine` or a `ProcessEngine`), serving it as `model_name`. The app
     stops the engine when it shuts down. Request bodies are read within `max_body_bytes` and
-    `body_timeout_s` before anything parses them (`body_limit.py`)."""
+    `body_timeout_s` before anything parses them (`body_limit.py`); with `api_key`, only requests that carry it
+    get that far (`api_key.py`)."""
     limits = engine.limits
     prompt_encoder = PromptEncoder(engine.tokenizer)  # a shared system prompt, earlier turns: tokenized once
     started = int(time.time())
@@ -75,6 +77,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
+    if api_key is not None:  # added last, so it runs first: a request without the key is not read
+        app.add_middleware(ApiKeyCheck, key=api_key)
 
     def refuse(err: APIError) -> JSONResponse:
         invalid_requests.labels(str(err.status)).inc()
