@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API over an `AsyncEngine`: FastAPI routes, streaming as server-sent events.
 
-    POST /v1/completions, /v1/chat/completions   (stream true/false)
+    POST /v1/completions, /v1/chat/completions   (stream true/false; completions: one prompt or a list of them)
     GET  /v1/models, /health, /metrics
     POST /reset_prefix_cache (what no running request holds leaves the prefix cache)
 
@@ -19,6 +19,7 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,6 +48,7 @@ from specdec.server.openai_protocol import (
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away (nobody receives it)
+MAX_CHOICES = 1024  # a request's answers at most (prompts x n): each is a request of the engine's
 
 
 def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -121,12 +123,18 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         arrived = time.perf_counter()
-        prompt_ids = await asyncio.to_thread(completion_prompt_ids, engine.tokenizer, body.prompt)
-        prepared = prepare(body, prompt_ids, body.max_tokens)
-        shape = ResponseShape(False, model_name, token_text(prepared[1]))
-        if body.echo:  # the answer starts with the prompt (and its logprobs, when asked)
-            shape.echo = (await asyncio.to_thread(engine.tokenizer.decode, prompt_ids), prompt_ids)
-        return await answer(request, body, shape, *prepared, arrived)
+        prompts = await asyncio.to_thread(completion_prompts, engine.tokenizer, body.prompt)
+        prepared = [prepare(body, ids, body.max_tokens, f"prompt {i}: " if len(prompts) > 1 else "")
+                    for i, ids in enumerate(prompts)]  # every prompt checked before any runs
+        n = prepared[0][1].n
+        if len(prompts) * n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n={n} answers is over the {MAX_CHOICES} a request may ask "
+                                "for; send the prompts in several requests", param="prompt")
+        shape = ResponseShape(False, model_name, token_text(prepared[0][1]))
+        if body.echo:  # each answer starts with its prompt (and its logprobs, when asked)
+            texts = await asyncio.to_thread(lambda: [engine.tokenizer.decode(ids) for ids in prompts])
+            shape.echo = {i * n + j: (text, ids) for i, (text, ids) in enumerate(zip(texts, prompts)) for j in range(n)}
+        return await answer(request, body, shape, prepared, arrived)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -137,7 +145,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
         shape = ResponseShape(True, model_name, token_text(prepared[1]))
         if body.tool_dicts:  # the answer's tool calls are parsed out of its text
             shape.tool_texts = {}
-        return await answer(request, body, shape, *prepared, arrived)
+        return await answer(request, body, shape, [prepared], arrived)
 
     def token_text(params: SamplingParams):
         """A token id's text for answers with logprobs (None when the request asked for none)."""
@@ -145,52 +153,60 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
             return None
         return lambda token: engine.tokenizer.decode([token])
 
-    def prepare(body: GenerationFields, prompt_ids: list[int], max_tokens: int | None):
-        """Check everything up front; returns (prompt ids, sampling params)."""
+    def prepare(body: GenerationFields, prompt_ids: list[int], max_tokens: int | None, which: str = ""):
+        """Check everything up front; returns (prompt ids, sampling params). `which` heads the errors that concern
+        the prompt (one of several: "prompt 2: ")."""
         if body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found", kind="not_found_error")
         unsupported = body.unsupported()
         if unsupported:
             raise APIError(400, f"not supported: {', '.join(unsupported)}")
-        max_new = check_lengths(limits, len(prompt_ids), max_tokens)
+        max_new = check_lengths(limits, len(prompt_ids), max_tokens, which)
         try:
             params = body.sampling_params(max_new)
         except ValueError as err:
             raise APIError(400, str(err)) from err
         problem = limits.why_invalid(prompt_ids, params.max_new_tokens, params.logit_bias)
         if problem is not None:
-            raise APIError(400, problem)
+            raise APIError(400, which + problem)
         return prompt_ids, params
 
-    async def answer(request: Request, body: GenerationFields, shape: ResponseShape, prompt_ids, params,
-                     arrived: float):
+    async def answer(request: Request, body: GenerationFields, shape: ResponseShape,
+                     prepared: list[tuple[list[int], SamplingParams]], arrived: float):
+        """The answers to `prepared` (prompt ids, params) each: prompt i's answer j is choice i * n + j, as OpenAI's
+        and vLLM's."""
         if not engine.healthy:
             raise APIError(503, "the engine is not running", kind="service_unavailable")
-        # (choice index, output), n choices; submitted now: the engine starts while the response is set up
-        outputs = await ChoiceOutputs.start(engine.generate_samples(prompt_ids, params))
+        # (choice index, output), n choices a prompt; submitted now: the engine starts while the response is set up
+        outputs = await ChoiceOutputs.start([stream for prompt_ids, params in prepared
+                                             for stream in engine.generate_samples(prompt_ids, params)])
+        choices = Choices(len(prepared), prepared[0][1].n)
         if body.stream:
             first = lambda: first_text.observe(time.perf_counter() - arrived)  # noqa: E731
-            return EventStream(stream_events(outputs, shape, body.include_usage, params.n, first), outputs)
-        return await whole_answer(request, outputs, shape, params.n)
+            return EventStream(stream_events(outputs, shape, body.include_usage, choices, first), outputs)
+        return await whole_answer(request, outputs, shape, choices)
 
     return app
 
 
-def completion_prompt_ids(tokenizer, prompt) -> list[int]:
-    """One prompt: a string, token ids, or a list holding one of those."""
+def completion_prompts(tokenizer, prompt) -> list[list[int]]:
+    """The token ids of each prompt: a string, token ids, or a list of either (a batch, answered in order)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, f"one prompt per request is supported, got {len(prompt)}; send them separately",
-                           param="prompt")
-        prompt = prompt[0]
+        return [completion_prompt_ids(tokenizer, one, f"prompt {i}: " if len(prompt) > 1 else "")
+                for i, one in enumerate(prompt)]
+    return [completion_prompt_ids(tokenizer, prompt)]
+
+
+def completion_prompt_ids(tokenizer, prompt: str | list[int], which: str = "") -> list[int]:
+    """One prompt's token ids (`which` heads its errors)."""
     if isinstance(prompt, str):
-        check_text(prompt, "prompt")
+        check_text(prompt, "prompt", which.rstrip(": ") or "prompt")
         return tokenizer.encode(prompt)
     try:
         return token_ids(prompt)
     except ValueError as err:
-        raise APIError(400, str(err), param="prompt") from err
+        raise APIError(400, which + str(err), param="prompt") from err
 
 
 def chat_prompt_ids(encoder: PromptEncoder, body: ChatCompletionRequest) -> list[int]:
@@ -206,27 +222,29 @@ def chat_prompt_ids(encoder: PromptEncoder, body: ChatCompletionRequest) -> list
                        param="messages") from err
 
 
-def check_text(text: str, param: str) -> None:
-    """Text that cannot be encoded (a lone UTF-16 surrogate, which JSON's \\u escapes can carry) is refused."""
+def check_text(text: str, param: str, label: str | None = None) -> None:
+    """Text that cannot be encoded (a lone UTF-16 surrogate, which JSON's \\u escapes can carry) is refused; `label`
+    names it in the error (default: `param`)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise APIError(400, f"{param} is not valid Unicode text: {err.reason} at character {err.start}",
+        raise APIError(400, f"{label or param} is not valid Unicode text: {err.reason} at character {err.start}",
                        param=param) from err
 
 
-def check_lengths(limits: RequestLimits, prompt_len: int, max_tokens: int | None) -> int:
-    """max_tokens checked against the context (the default: as many as the context and the KV pool allow)."""
+def check_lengths(limits: RequestLimits, prompt_len: int, max_tokens: int | None, which: str = "") -> int:
+    """max_tokens checked against the context (the default: as many as the context and the KV pool allow); `which`
+    heads the errors (one prompt of several)."""
     context = limits.max_context
     if prompt_len >= context:
-        raise APIError(400, f"this model's maximum context length is {context} tokens, but the prompt has "
+        raise APIError(400, f"{which}this model's maximum context length is {context} tokens, but the prompt has "
                             f"{prompt_len}; shorten the prompt", param="messages", code="context_length_exceeded")
     if max_tokens is None:
         return max(1, limits.max_new_tokens_that_fit(prompt_len))
     if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        raise APIError(400, f"{which}max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     if prompt_len + max_tokens > context:
-        raise APIError(400, f"this model's maximum context length is {context} tokens, but {prompt_len + max_tokens} "
+        raise APIError(400, f"{which}this model's maximum context length is {context} tokens, but {prompt_len + max_tokens} "
                             f"were requested ({prompt_len} in the prompt, {max_tokens} for the completion); lower "
                             f"max_tokens to at most {context - prompt_len}", param="max_tokens",
                        code="context_length_exceeded")
@@ -299,17 +317,29 @@ class EventStream(StreamingResponse):
             await self.outputs.aclose()
 
 
-def total_usage(finals: list[RequestOutput]) -> dict:
-    """One prompt for all choices; their completions added up; the cache as the first choice found it."""
-    return usage(finals[0].prompt_tokens, sum(f.completion_tokens for f in finals), finals[0].cached_tokens)
+@dataclass(frozen=True)
+class Choices:
+    """A request's answers: `n` to each of `prompts` prompts, prompt i's answer j being choice i * n + j."""
+
+    prompts: int = 1
+    n: int = 1
+
+    def __len__(self) -> int:
+        return self.prompts * self.n
+
+    def usage(self, finals: list[RequestOutput]) -> dict:
+        """Each prompt counted once, every answer's completion; the cache as each prompt's first answer found it."""
+        firsts = finals[::self.n]
+        return usage(sum(f.prompt_tokens for f in firsts), sum(f.completion_tokens for f in finals),
+                     sum(f.cached_tokens for f in firsts))
 
 
-async def stream_events(outputs, shape: ResponseShape, include_usage: bool, choices: int = 1,
+async def stream_events(outputs, shape: ResponseShape, include_usage: bool, choices: Choices = Choices(),
                         on_first_text: Callable[[], None] | None = None):
     """Server-sent events: chunks as text comes (each with its choice's index), each choice's finish reason,
     usage if asked, then [DONE]; `on_first_text` is called as the first chunk with text goes out. The response
     (`EventStream`) closes `outputs` when it ends, early or not."""
-    for index in range(choices):
+    for index in range(len(choices)):
         first = shape.first_chunk(index)
         if first is not None:
             yield sse(first)
@@ -319,7 +349,7 @@ async def stream_events(outputs, shape: ResponseShape, include_usage: bool, choi
         if out.finished and out.finish_reason in ("error", "abort"):
             yield sse(error_body(out.error or "the request was aborted", "internal_server_error"))
             break
-        text, logprobs = shape.echoed(out, index not in started)
+        text, logprobs = shape.echoed(out, index not in started, index)
         started.add(index)
         if text and on_first_text is not None:
             on_first_text()
@@ -328,18 +358,19 @@ async def stream_events(outputs, shape: ResponseShape, include_usage: bool, choi
             yield sse(shape.chunk(text, out.finish_reason if out.finished else None, logprobs, index))
         if out.finished:
             finals[index] = out
-    if len(finals) == choices and include_usage:
-        yield sse(shape.usage_chunk(total_usage([finals[i] for i in range(choices)])))
+    if len(finals) == len(choices) and include_usage:
+        yield sse(shape.usage_chunk(choices.usage([finals[i] for i in range(len(choices))])))
     yield "data: [DONE]\n\n"
 
 
-async def whole_answer(request: Request, outputs, shape: ResponseShape, choices: int = 1):
+async def whole_answer(request: Request, outputs, shape: ResponseShape, choices: Choices = Choices()):
     """Collect every choice's whole text, unless the client disconnects first (then the requests are aborted)."""
 
     async def collect():
-        texts, logprobs, finals = [[] for _ in range(choices)], [[] for _ in range(choices)], [None] * choices
+        count = len(choices)
+        texts, logprobs, finals = [[] for _ in range(count)], [[] for _ in range(count)], [None] * count
         async for index, out in outputs:
-            text, entries = shape.echoed(out, finals[index] is None)
+            text, entries = shape.echoed(out, finals[index] is None, index)
             texts[index].append(text)
             logprobs[index] += entries or []
             finals[index] = out
@@ -365,7 +396,7 @@ async def whole_answer(request: Request, outputs, shape: ResponseShape, choices:
                                        "internal_server_error"), status_code=500 if reason == "error" else 503)
     asked = shape.token_text is not None
     return shape.whole([(text, final.finish_reason, lp if asked else None)
-                        for text, final, lp in zip(texts, finals, logprobs)], total_usage(finals))
+                        for text, final, lp in zip(texts, finals, logprobs)], choices.usage(finals))
 
 
 async def wait_for_disconnect(request: Request) -> None:

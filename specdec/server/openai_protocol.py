@@ -287,7 +287,8 @@ class ResponseShape:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.text_offsets: dict[int, int] = {}  # completions: where choice i's next token's text starts
-        self.echo: tuple[str, list[int]] | None = None  # completions' echo: the prompt's text and token ids
+        # completions' echo: each choice's prompt, its text and token ids (empty: no echo)
+        self.echo: dict[int, tuple[str, list[int]]] = {}
         # chat with tools: each choice's tool calls, parsed out of its text as it comes (None: no tools)
         self.tool_texts: dict[int, ToolCallText] | None = None
 
@@ -311,12 +312,12 @@ class ResponseShape:
                                  for e in entries],
                 "text_offset": offsets}
 
-    def echoed(self, out, first: bool) -> tuple[str, list[TokenLogprob] | None]:
-        """An output's text and logprobs, the prompt's before them on a choice's first output when echoing
-        (completions' echo: the prompt's first token has no logprob)."""
-        if self.echo is None or not first:
+    def echoed(self, out, first: bool, index: int = 0) -> tuple[str, list[TokenLogprob] | None]:
+        """An output of choice `index`: its text and logprobs, its prompt's before them on the choice's first output
+        when echoing (completions' echo: the prompt's first token has no logprob)."""
+        if index not in self.echo or not first:
             return out.text, out.logprobs
-        prompt_text, prompt_ids = self.echo
+        prompt_text, prompt_ids = self.echo[index]
         if out.prompt_logprobs is None:
             return prompt_text + out.text, out.logprobs
         head = [TokenLogprob(prompt_ids[0], None), *out.prompt_logprobs[1:]]

@@ -307,6 +307,44 @@ def test_echo_returns_the_prompt_and_its_logprobs(server, client, reference, str
     assert_pools_full(server)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_list_of_prompts_gets_each_prompts_answers_in_order(server, client, reference, stream):
+    """A batch of completions prompts (as lm-evaluation-harness sends them): prompt i's answer j is choice i * n + j,
+    the library's answer to that prompt seeded with seed + j, echoed after that prompt; usage counts each prompt
+    once and every answer's tokens."""
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[1]]
+    want = [library_text(reference, p, False, max_new_tokens=10, temperature=0.9, seed=40 + j)
+            for p in prompts for j in range(2)]
+    echoes = [reference.tokenizer.decode(reference.tokenizer.encode(p)) for p in prompts for _ in range(2)]
+    kwargs = dict(model=MODEL, prompt=prompts, max_tokens=10, temperature=0.9, seed=40, n=2, echo=True)
+    if stream:
+        chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+        texts, reasons = [""] * 6, [None] * 6
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+                reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+        answer_usage = chunks[-1].usage
+    else:
+        whole = client.completions.create(**kwargs)
+        assert [c.index for c in whole.choices] == list(range(6))
+        texts, reasons = [c.text for c in whole.choices], [c.finish_reason for c in whole.choices]
+        answer_usage = whole.usage
+    assert texts == [echo + w[0] for echo, w in zip(echoes, want)] and reasons == [w[1] for w in want]
+    assert answer_usage.prompt_tokens == sum(len(reference.tokenizer.encode(p)) for p in prompts)
+    assert answer_usage.completion_tokens == sum(w[2] for w in want)
+    assert_pools_full(server)
+
+
+def test_a_list_of_token_id_prompts_answers_each_as_alone(server, client, reference):
+    ids = [reference.tokenizer.encode(p) for p in PROMPTS[:4]]
+    alone = [client.completions.create(model=MODEL, prompt=one, max_tokens=8, temperature=0).choices[0].text
+             for one in ids]
+    together = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert [c.text for c in together.choices] == alone and len(set(alone)) > 1
+    assert_pools_full(server)
+
+
 def metric_value(server, name: str) -> float:
     for line in httpx.get(f"{server.base_url}/metrics").text.splitlines():
         if line.startswith(name + " "):
@@ -425,7 +463,10 @@ def bad_bodies() -> list[tuple[str, dict | str, int, str]]:
         ("/v1/completions", {**done, "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {**done, "prompt": ""}, 400, "empty"),
         ("/v1/completions", {**done, "prompt": [5, 10**6]}, 400, "vocabulary"),
-        ("/v1/completions", {**done, "prompt": ["a", "b"]}, 400, "one prompt"),
+        ("/v1/completions", {**done, "prompt": ["a", ""]}, 400, "prompt 1: "),
+        ("/v1/completions", {**done, "prompt": [[5, 6], [5, 10**6]]}, 400, "prompt 1: "),
+        ("/v1/completions", {**done, "prompt": ["a", "b", LONG_PROMPT]}, 400, "prompt 2: this model's maximum context"),
+        ("/v1/completions", {**done, "prompt": ["a"] * 513, "n": 2}, 400, "several requests"),
     ]
 
 
