@@ -1,8 +1,8 @@
 """OpenAI-compatible server: `python -m specdec.serve [--target NAME|PATH] [--drafter ...] [--port 8000]`.
 
 Loads the model (and its drafter) like `python -m specdec.generate`, in an engine process of its own
-(specdec/server/engine_process.py), then serves /v1/completions, /v1/chat/completions, /v1/models, /health
-and /metrics on --host:--port (127.0.0.1:8000 by default). Requests join the running batch as they
+(specdec/server/engine_process.py), then serves /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
+/detokenize, /health and /metrics on --host:--port (127.0.0.1:8000 by default). Requests join the running batch as they
 arrive. SIGINT / SIGTERM stop accepting
 connections, let in-flight requests finish for up to --timeout-graceful-shutdown seconds, abort what
 is left, and exit 0. Exit status 2: bad arguments or a model that cannot be loaded.

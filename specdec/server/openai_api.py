@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an `AsyncEngine`: FastAPI routes, streaming as server-sent events.
 
     POST /v1/completions, /v1/chat/completions   (stream true/false; completions: one prompt or a list of them)
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /v1/models/{model}, /health, /metrics
+    POST /tokenize, /detokenize (vLLM's: a prompt's or chat messages' token ids, and ids back into text)
     POST /reset_prefix_cache (what no running request holds leaves the prefix cache)
 
 Every request is checked before it reaches the engine (model name, sampling values, prompt and
@@ -39,8 +40,10 @@ from specdec.server.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerationFields,
     ResponseShape,
+    TokenizeRequest,
     error_body,
     usage,
 )
@@ -113,10 +116,36 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
             message = str(err) or "the engine did not answer"
             return JSONResponse(error_body(message, "internal_server_error"), status_code=503)
 
+    card = {"id": model_name, "object": "model", "created": started, "owned_by": "specdec",
+            "max_model_len": limits.max_context}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
-                                            "owned_by": "specdec", "max_model_len": limits.max_context}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")  # a served name may hold slashes (a model directory's path)
+    async def model(model: str):
+        check_model(model)
+        return card
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model if body.model is not None else model_name)
+        chat = body.chat(model_name)
+        if chat is not None:
+            ids = await asyncio.to_thread(chat_prompt_ids, prompt_encoder, chat)
+        else:
+            [ids] = await asyncio.to_thread(completion_prompts, engine.tokenizer, body.prompt)
+        return {"count": len(ids), "max_model_len": limits.max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model if body.model is not None else model_name)
+        bad = [t for t in body.tokens if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary (size {limits.vocab_size})",
+                           param="tokens")
+        return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, body.tokens)}
 
     # tokenizing and chat templating run on worker threads: a long prompt never holds up the event loop
     # (other requests' streams, /health)
@@ -153,12 +182,15 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
             return None
         return lambda token: engine.tokenizer.decode([token])
 
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found", kind="not_found_error")
+
     def prepare(body: GenerationFields, prompt_ids: list[int], max_tokens: int | None, which: str = ""):
         """Check everything up front; returns (prompt ids, sampling params). `which` heads the errors that concern
         the prompt (one of several: "prompt 2: ")."""
-        if body.model != model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found", kind="not_found_error")
+        check_model(body.model)
         unsupported = body.unsupported()
         if unsupported:
             raise APIError(400, f"not supported: {', '.join(unsupported)}")

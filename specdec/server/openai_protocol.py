@@ -278,6 +278,32 @@ class ChatCompletionRequest(GenerationFields):
         return [m.for_template() for m in self.messages]
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): the ids of a completions prompt, or of chat messages (with the tools shown to the
+    model) as the chat endpoint renders them."""
+
+    model: str | None = None
+    prompt: str | list[StrictInt] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = None
+
+    def chat(self, model: str) -> ChatCompletionRequest | None:
+        """The chat request whose prompt these messages make (None: a completions prompt was given)."""
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt (as /v1/completions takes it) or messages (as "
+                                "/v1/chat/completions takes them)", param="prompt")
+        if self.messages is None:
+            return None
+        return ChatCompletionRequest(model=model, messages=self.messages, tools=self.tools)
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids back into text."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 class ResponseShape:
     """The JSON of one endpoint's answers: whole and streamed. With `token_text` (a token id's text), answers
     carry the logprobs they are given, in the endpoint's format."""

@@ -373,6 +373,40 @@ def test_a_second_turn_reports_its_cached_prompt_tokens(server, client, referenc
     assert_pools_full(server)
 
 
+def test_tokenize_gives_the_ids_each_endpoint_runs_and_detokenize_reverses_them(server, client, reference):
+    """/tokenize (vLLM's): a completions prompt's ids, and chat messages' as the chat endpoint renders them (the
+    prompt tokens its usage counts); /detokenize turns ids back into text; both check the model and their input."""
+    url = server.base_url
+    ids = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": PROMPTS[3]}).json()
+    assert ids["tokens"] == reference.tokenizer.encode(PROMPTS[3]) and ids["count"] == len(ids["tokens"])
+    assert ids["max_model_len"] == server.llm.engine.limits.max_context
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[1]}]
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == encode_chat(reference.prompt_encoder, messages)
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert answer.usage.prompt_tokens == chat["count"]
+    text = httpx.post(f"{url}/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+    assert text == reference.tokenizer.decode(ids["tokens"]) and text.strip() == PROMPTS[3].strip()
+    for path, body, status, words in [
+        ("/tokenize", {"prompt": "x", "messages": messages}, 400, "either prompt"),
+        ("/tokenize", {"model": MODEL}, 400, "either prompt"),
+        ("/tokenize", {"prompt": "x", "model": "gpt-9"}, 404, "does not exist"),
+        ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+        ("/detokenize", {"tokens": [5, 10**6]}, 400, "vocabulary"),
+        ("/detokenize", {"tokens": ["5"]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [5], "model": "gpt-9"}, 404, "does not exist"),
+    ]:
+        refused = httpx.post(f"{url}{path}", json=body)
+        assert refused.status_code == status and words in refused.json()["error"]["message"], (body, refused.text)
+    assert_pools_full(server)
+
+
+def test_a_model_is_retrieved_by_its_name(client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
 def cached_tokens_of(client, messages) -> int:
     answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     return answer.usage.prompt_tokens_details.cached_tokens
