@@ -303,7 +303,7 @@ class Engine:
 
     def why_invalid(self, prompt_ids: list[int], params: SamplingParams) -> str | None:
         """Why a request can never be served (None if it can)."""
-        return self.limits.why_invalid(prompt_ids, params.max_new_tokens, params.logit_bias)
+        return self.limits.why_invalid(prompt_ids, params.max_new_tokens, params.logit_bias, params.stop_token_ids)
 
     # ---- the loop ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, lead: Request | None = None) -> Request:

@@ -7,7 +7,9 @@ output's counts plus those of drafts[:j] (a row only matters when those drafts a
 are committed). Order, as vLLM's: logit bias, then repetition (logits of tokens seen in the prompt or output
 divided by the penalty when positive, multiplied when negative), then frequency (minus penalty x count) and
 presence (minus penalty once a token appeared in the output); temperature and filtering come after
-(specdec/engine/sampler.py). Computed in float32 for the requests that ask, all of them at once.
+(specdec/engine/sampler.py). A request with min_tokens cannot end before its output has that many tokens: at rows
+that would give an earlier token its ending ids (`Request.ending_ids`) are masked. Computed in float32 for the
+requests that ask, all of them at once.
 """
 
 from __future__ import annotations
@@ -56,7 +58,19 @@ def penalized_rows(logits: torch.Tensor, requests: list, drafts: torch.Tensor | 
         out = out - _per_request([p.frequency_penalty for p in params], device) * counts
     if any(p.presence_penalty for p in params):
         out = out - _per_request([p.presence_penalty for p in params], device) * (counts > 0).float()
+    _hold_ending(out, requests)
     return out.view(batch * rows, vocab)
+
+
+def _hold_ending(out: torch.Tensor, requests: list) -> None:
+    """Ending ids masked (-inf) in the rows [batch, rows, vocab] whose token would come before a request's
+    min_tokens-th output token (row j gives output token len(output) + j), in place."""
+    rows = out.shape[1]
+    held = [(i, j, token) for i, r in enumerate(requests)
+            for j in range(min(rows, r.params.min_tokens - len(r.output_ids))) for token in r.ending_ids]
+    if held:
+        index = upload(np.asarray(held, dtype=np.int64).T.reshape(-1), out.device).view(3, -1)
+        out[index[0], index[1], index[2]] = float("-inf")
 
 
 def _per_request(values: list[float], device) -> torch.Tensor:

@@ -6,6 +6,7 @@ import enum
 import random
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from attention.page_pool import PageTable
 from specdec.engine.detokenizer import IncrementalDetokenizer
@@ -117,6 +118,13 @@ class Request:
             return self.prompt_ids[start:end]
         return self.prompt_ids[start:] + self.output_ids[max(start - n, 0):end - n]
 
+    @cached_property
+    def ending_ids(self) -> frozenset[int]:
+        """The token ids that end the answer (it keeps that token): end of sequence unless ignored, and the
+        request's stop_token_ids."""
+        ids = frozenset() if self.params.ignore_eos else self.eos_token_ids
+        return ids | frozenset(self.params.stop_token_ids or ())
+
     def use_detokenizer(self, tokenizer) -> None:
         """Turn committed tokens into text as they come; stop matching and streaming share it."""
         if self.detokenizer is None:
@@ -138,7 +146,7 @@ class Request:
         now = time.perf_counter()
         if self.stats.first_token_time is None:
             self.stats.first_token_time = now
-        if token in self.eos_token_ids and not self.params.ignore_eos:
+        if token in self.ending_ids:
             self.finish("stop")
         elif self.params.stop and self._matches_stop(new_text):
             self.finish("stop")
@@ -168,8 +176,9 @@ class Request:
         # commit() takes one token even past the limits, then finishes (most steps fit: no copy)
         taken = tokens if len(tokens) <= room else tokens[:max(room, 1)]
         reason = "length" if len(taken) >= room else None
-        if not self.params.ignore_eos and not self.eos_token_ids.isdisjoint(taken):
-            end = next(n for n, token in enumerate(taken, start=1) if token in self.eos_token_ids)
+        ending = self.ending_ids
+        if ending and not ending.isdisjoint(taken):
+            end = next(n for n, token in enumerate(taken, start=1) if token in ending)
             taken, reason = taken[:end], "stop"
         output.extend(taken)
         stats.generated_tokens = len(output)

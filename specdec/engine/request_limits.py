@@ -30,7 +30,8 @@ class RequestLimits:
         """The largest max_new_tokens a prompt of this length can be served with (context and pool)."""
         return max(0, min(self.max_context, self.num_pages * self.page_size - self.lookahead) - prompt_len)
 
-    def why_invalid(self, prompt_ids: list[int], max_new_tokens: int, logit_bias: dict | None = None) -> str | None:
+    def why_invalid(self, prompt_ids: list[int], max_new_tokens: int, logit_bias: dict | None = None,
+                    stop_token_ids: tuple[int, ...] | None = None) -> str | None:
         """Why a request can never be served (None if it can)."""
         n = len(prompt_ids)
         if n == 0:
@@ -40,9 +41,10 @@ class RequestLimits:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})"
-        outside = [t for t in (logit_bias or ()) if t >= self.vocab_size]
-        if outside:
-            return f"logit_bias names token ids {outside[:5]} outside the vocabulary (size {self.vocab_size})"
+        for name, ids in (("logit_bias", logit_bias), ("stop_token_ids", stop_token_ids)):
+            outside = [t for t in (ids or ()) if t >= self.vocab_size]
+            if outside:
+                return f"{name} names token ids {outside[:5]} outside the vocabulary (size {self.vocab_size})"
         need = self.worst_case_pages(n, max_new_tokens)
         if need > self.num_pages:
             return (f"the request needs up to {need} KV pages (prompt {n} + max_new_tokens {max_new_tokens}) but the "

@@ -18,6 +18,7 @@ MAX_TEMPERATURE = 100.0
 # limits (OpenAI takes 4), so one request cannot slow everyone's steps
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 64  # token ids that end an answer besides the model's end of sequence (vLLM's stop_token_ids)
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 MAX_SAMPLES = 64  # answers per prompt (n)
 MAX_LOGIT_BIAS = 300  # token ids one logit_bias may name (OpenAI's limit)
@@ -43,6 +44,11 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] | None = None
     ignore_eos: bool = False
+    # token ids that end the answer as the model's end-of-sequence ids do (also with ignore_eos; the token is the
+    # answer's last), and the output tokens before which neither those nor end-of-sequence ids can be sampled
+    # (vLLM's stop_token_ids and min_tokens; stop strings still apply)
+    stop_token_ids: tuple[int, ...] | None = None
+    min_tokens: int = 0
     chat: bool = False  # apply the tokenizer's chat template to string prompts
     # the target's log-probability of each generated token and of its `logprobs` most likely alternatives
     # (0 to 20); None: none
@@ -76,8 +82,22 @@ class SamplingParams:
                 problems.append(f"stop must be a string or a list of strings, got {stop!r}")
                 stop = None
         object.__setattr__(self, "stop", stop)
+        stop_ids = self.stop_token_ids
+        if stop_ids is not None and not isinstance(stop_ids, (str, bytes)):
+            try:
+                stop_ids = tuple(stop_ids)
+            except TypeError:
+                pass
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+        if stop_ids is not None and (not isinstance(stop_ids, tuple) or len(stop_ids) > MAX_STOP_TOKEN_IDS
+                                     or not all(is_int(t) and t >= 0 for t in stop_ids)):
+            problems.append(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids (integers >= 0), "
+                            f"got {_shown(self.stop_token_ids)}")
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             problems.append(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= (
+                self.max_new_tokens if is_int(self.max_new_tokens) else 0):
+            problems.append(f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}")
         if not is_real(self.temperature) or not (
                 self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
             problems.append(f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, "
@@ -130,9 +150,9 @@ class SamplingParams:
 
     @cached_property
     def penalized(self) -> bool:
-        """Penalties or a logit bias on the target's logits (specdec/engine/penalties.py)."""
+        """Penalties, a logit bias or min_tokens on the target's logits (specdec/engine/penalties.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_tokens)
 
     @cached_property
     def adjusts_logits(self) -> bool:

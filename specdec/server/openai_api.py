@@ -199,7 +199,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
             params = body.sampling_params(max_new)
         except ValueError as err:
             raise APIError(400, str(err)) from err
-        problem = limits.why_invalid(prompt_ids, params.max_new_tokens, params.logit_bias)
+        problem = limits.why_invalid(prompt_ids, params.max_new_tokens, params.logit_bias, params.stop_token_ids)
         if problem is not None:
             raise APIError(400, which + problem)
         return prompt_ids, params

@@ -74,6 +74,8 @@ class GenerationFields(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # an extension (vLLM's)
+    stop_token_ids: list[StrictInt] | None = None  # an extension (vLLM's): ids that end the answer as EOS does
+    min_tokens: StrictInt = 0  # an extension (vLLM's): no EOS or stop token id before this many output tokens
     presence_penalty: StrictFloat = 0.0
     frequency_penalty: StrictFloat = 0.0
     repetition_penalty: StrictFloat = 1.0  # an extension (vLLM's)
@@ -137,7 +139,8 @@ class GenerationFields(BaseModel):
                               temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if top_k == -1 else top_k,
                               seed=self.seed, stop=None if self.stop in (None, []) else self.stop,
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+                              min_tokens=self.min_tokens)
 
 
 class CompletionRequest(GenerationFields):

@@ -30,9 +30,9 @@ def engine_params(params: SamplingParams) -> SamplingParams:
 class RequestText:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer):
         self.tokenizer = tokenizer
-        # end-of-sequence and length are the engine's to decide: the mirror has no EOS ids and the
-        # engine ends at max_new_tokens at the same token as the mirror
-        self.mirror = Request(-1, list(prompt_ids), params, frozenset())
+        # end-of-sequence, stop token ids and length are the engine's to decide: the mirror has none of those ids,
+        # and the engine ends at max_new_tokens at the same token as the mirror
+        self.mirror = Request(-1, list(prompt_ids), replace(params, stop_token_ids=None), frozenset())
         self.mirror.use_detokenizer(tokenizer)
         self.stream = TextStream(self.mirror)
         self.stopped_early = False

@@ -282,6 +282,24 @@ def test_penalties_and_bias_are_the_librarys(server, client, reference):
     assert_pools_full(server)
 
 
+def test_stop_token_ids_and_min_tokens_are_the_librarys(server, client, reference):
+    """vLLM's stop_token_ids and min_tokens reach the engine as the library's: the answer ends at its first stop
+    token id, and none comes before the min_tokens-th token."""
+    free = reference.generate([PROMPTS[0]], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    stop = free.token_ids[5]
+    for extra in (dict(stop_token_ids=[stop]), dict(stop_token_ids=[stop], min_tokens=free.token_ids.index(stop) + 2)):
+        want = library_text(reference, PROMPTS[0], False, max_new_tokens=16, temperature=0.0, **extra)
+        answer = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                           extra_body=extra)
+        assert (answer.choices[0].text, answer.choices[0].finish_reason, answer.usage.completion_tokens) == want
+    assert library_text(reference, PROMPTS[0], False, max_new_tokens=16, temperature=0.0,
+                        stop_token_ids=[stop])[2] == free.token_ids.index(stop) + 1
+    bad = httpx.post(f"{server.base_url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                                 "min_tokens": 3})
+    assert bad.status_code == 400 and "min_tokens" in bad.json()["error"]["message"]
+    assert_pools_full(server)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_echo_returns_the_prompt_and_its_logprobs(server, client, reference, stream):
     """Completions' echo (what lm-evaluation-harness's loglikelihood asks): the text starts with the prompt,
