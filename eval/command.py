@@ -90,7 +90,7 @@ def remove_if_empty(out: Path) -> None:
 
 
 def make_llm(args, drafter) -> LLM:
-    return LLM(args.target, drafter, **engine_options(args))
+    return LLM(args.target, drafter, chat_template=args.chat_template, **engine_options(args))
 
 
 def device_name(device) -> str:

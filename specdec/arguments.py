@@ -54,6 +54,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="DFlash drafter directory (z-lab format) or shipped name; "
                                                    "None = the target's shipped drafter, if any")
     p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding")
+    p.add_argument("--chat-template", default=None,
+                   help="a chat template (a file, or its Jinja text) used instead of the model's own; default: the "
+                        "model's")
 
 
 def flag_name(setting: Field) -> str:

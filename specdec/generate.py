@@ -121,7 +121,7 @@ def _run(args) -> int:
                                 chat=args.chat)
         prompts = read_prompts(args)
         drafter = chosen_drafter(args)
-        llm = LLM(args.target, drafter, **engine_options(args))
+        llm = LLM(args.target, drafter, chat_template=args.chat_template, **engine_options(args))
     except (InputError, ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from specdec.engine.engine import Engine
 from specdec.engine.metrics import RequestStats, Summary, summarize
 from specdec.engine.logprobs import TokenLogprob
 from specdec.engine.prompt_encoder import PromptEncoder
-from specdec.engine.prompts import Prompt, encode_chat, prompt_list, token_ids
+from specdec.engine.prompts import Prompt, chat_template_text, encode_chat, prompt_list, token_ids
 from specdec.engine.request import Request
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.text_stream import TextStream, final_text
@@ -47,14 +47,16 @@ class LLM:
     target: a demo model name (see `specdec.weights.demo_models.DEMO_MODELS`), an HF model directory
     or a .gguf file. drafter: "auto" (the default: the target's shipped drafter when it has one, as the
     command line does), None (plain decoding), a DFlash checkpoint directory, a shipped drafter's name,
-    or a `drafters.Drafter` instance. Other keyword arguments are `EngineConfig` fields.
+    or a `drafters.Drafter` instance. chat_template: a chat template (a file or its Jinja text) used instead of
+    the tokenizer's own. Other keyword arguments are `EngineConfig` fields.
     """
 
     def __init__(self, target: str | os.PathLike = DEFAULT_TARGET, drafter="auto", *,
                  device: str = "auto", dtype: str = "auto", kv_cache_dtype: str = "auto", page_size: int = 16,
-                 **engine_options):
+                 chat_template: str | os.PathLike | None = None, **engine_options):
         self.config = EngineConfig(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
                                    **engine_options)
+        template = chat_template_text(chat_template) if chat_template is not None else None  # before loading
         device_obj = self.config.torch_device()
         loaded = load_target(resolve_model(target), device_obj, self.config.torch_dtype(device_obj))
         loaded.cache_dir = default_cache_dir() / "calibration"
@@ -67,6 +69,10 @@ class LLM:
         draft_model = drafter if drafter is None or isinstance(drafter, Drafter) else load_drafter(drafter,
                                                                                                    loaded.model)
         self.tokenizer = loaded.tokenizer
+        if template is not None:
+            if self.tokenizer is None:
+                raise ValueError("a chat template needs the model's tokenizer, and this model has none")
+            self.tokenizer.chat_template = template
         self.prompt_encoder = PromptEncoder(self.tokenizer)  # chat prompts' long pieces are tokenized once
         self.model_dir = loaded.path  # the HF directory the target was loaded from (converted, for a GGUF)
         self.engine = Engine(loaded, self.config, draft_model)

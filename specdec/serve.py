@@ -20,6 +20,7 @@ import sys
 
 from specdec.arguments import (DefaultsHelpFormatter, add_engine_arguments, add_model_arguments, chosen_drafter,
                                engine_options)
+from specdec.engine.prompts import chat_template_text
 from specdec.server.api_key import API_KEY_ENV, checked_api_key
 from specdec.server.body_limit import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from specdec.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S, header_timeout_protocol
@@ -64,8 +65,12 @@ def main(argv=None, prog: str = PROG) -> int:
 
     try:
         api_key = chosen_api_key(args)
-        llm_args = dict(target=args.target, drafter=chosen_drafter(args), **engine_options(args))
+        template = chat_template_text(args.chat_template) if args.chat_template is not None else None
+        llm_args = dict(target=args.target, drafter=chosen_drafter(args), chat_template=template,
+                        **engine_options(args))
         engine = start_engine(llm_args, args.engine_thread, args.log_level.upper())
+        if template is not None:  # the server's process templates chats with its own copy of the tokenizer
+            engine.tokenizer.chat_template = template
     except (EngineStartError, ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

@@ -4,6 +4,8 @@ such. The library and the server both build their prompts here."""
 from __future__ import annotations
 
 import numbers
+import os
+from pathlib import Path
 
 from specdec.engine.prompt_encoder import PromptEncoder
 from specdec.engine.sampling_params import is_int
@@ -32,6 +34,31 @@ def token_ids(prompt) -> list[int]:
     if not isinstance(ids, (list, tuple)) or not all(is_int(t) for t in ids):
         raise ValueError(f"a prompt must be a string or a flat list of integer token ids; got {str(prompt)[:80]!r}")
     return [int(t) for t in ids]
+
+
+def chat_template_text(template: str | os.PathLike) -> str:
+    """A chat template given as a file or as its Jinja text (vLLM's --chat-template), checked to parse: its text.
+    Raises ValueError naming what is wrong, before any model loads."""
+    path = Path(template)
+    try:
+        text = path.read_text(encoding="utf-8") if path.is_file() else None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read the chat template {path}: {err}") from err
+    except ValueError:  # a name the OS cannot take (a NUL byte): not a file
+        text = None
+    if text is None:
+        text = os.fspath(template)
+        if "{{" not in text and "{%" not in text:
+            raise ValueError(f"the chat template {text[:80]!r} is neither a file nor Jinja text ({{% ... %}}, "
+                             "{{ ... }})")
+    from jinja2.exceptions import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:  # parsed as transformers renders templates (a sandbox with loop controls)
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except TemplateSyntaxError as err:
+        raise ValueError(f"the chat template does not parse: {err.message} (line {err.lineno})") from err
+    return text
 
 
 def encode_chat(encoder: PromptEncoder, messages: list[dict], tools: list[dict] | None = None) -> list[int]:

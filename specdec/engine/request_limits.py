@@ -30,6 +30,10 @@ class RequestLimits:
         """The largest max_new_tokens a prompt of this length can be served with (context and pool)."""
         return max(0, min(self.max_context, self.num_pages * self.page_size - self.lookahead) - prompt_len)
 
+    def outside_vocabulary(self, token_ids) -> list[int]:
+        """The first few of `token_ids` that are no token of the model's (to name in an error)."""
+        return [t for t in token_ids if not 0 <= t < self.vocab_size][:5]
+
     def why_invalid(self, prompt_ids: list[int], max_new_tokens: int, logit_bias: dict | None = None,
                     stop_token_ids: tuple[int, ...] | None = None) -> str | None:
         """Why a request can never be served (None if it can)."""
@@ -38,13 +42,13 @@ class RequestLimits:
             return "the prompt is empty"
         if n >= self.max_context:
             return f"the prompt has {n} tokens but the model's context is {self.max_context}; shorten the prompt"
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        bad = self.outside_vocabulary(prompt_ids)
         if bad:
-            return f"token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})"
+            return f"token ids {bad} are outside the vocabulary (size {self.vocab_size})"
         for name, ids in (("logit_bias", logit_bias), ("stop_token_ids", stop_token_ids)):
-            outside = [t for t in (ids or ()) if t >= self.vocab_size]
+            outside = self.outside_vocabulary(ids or ())
             if outside:
-                return f"{name} names token ids {outside[:5]} outside the vocabulary (size {self.vocab_size})"
+                return f"{name} names token ids {outside} outside the vocabulary (size {self.vocab_size})"
         need = self.worst_case_pages(n, max_new_tokens)
         if need > self.num_pages:
             return (f"the request needs up to {need} KV pages (prompt {n} + max_new_tokens {max_new_tokens}) but the "

@@ -141,9 +141,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model if body.model is not None else model_name)
-        bad = [t for t in body.tokens if not 0 <= t < limits.vocab_size]
+        bad = limits.outside_vocabulary(body.tokens)
         if bad:
-            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary (size {limits.vocab_size})",
+            raise APIError(400, f"token ids {bad} are outside the vocabulary (size {limits.vocab_size})",
                            param="tokens")
         return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, body.tokens)}
 
