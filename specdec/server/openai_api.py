@@ -276,9 +276,9 @@ def check_lengths(limits: RequestLimits, prompt_len: int, max_tokens: int | None
     if max_tokens < 1:
         raise APIError(400, f"{which}max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     if prompt_len + max_tokens > context:
-        raise APIError(400, f"{which}this model's maximum context length is {context} tokens, but {prompt_len + max_tokens} "
-                            f"were requested ({prompt_len} in the prompt, {max_tokens} for the completion); lower "
-                            f"max_tokens to at most {context - prompt_len}", param="max_tokens",
+        raise APIError(400, f"{which}this model's maximum context length is {context} tokens, but "
+                            f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, {max_tokens} for "
+                            f"the completion); lower max_tokens to at most {context - prompt_len}", param="max_tokens",
                        code="context_length_exceeded")
     return max_tokens
 
