@@ -39,18 +39,14 @@ def token_ids(prompt) -> list[int]:
 def chat_template_text(template: str | os.PathLike) -> str:
     """A chat template given as a file or as its Jinja text (vLLM's --chat-template), checked to parse: its text.
     Raises ValueError naming what is wrong, before any model loads."""
-    path = Path(template)
-    try:
-        text = path.read_text(encoding="utf-8") if path.is_file() else None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"cannot read the chat template {path}: {err}") from err
-    except ValueError:  # a name the OS cannot take (a NUL byte): not a file
-        text = None
-    if text is None:
-        text = os.fspath(template)
-        if "{{" not in text and "{%" not in text:
+    text = os.fspath(template)
+    # Jinja text is taken as it is: a template is often longer than a file name may be (which the OS refuses)
+    if "{{" not in text and "{%" not in text:
+        try:
+            text = Path(text).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError, ValueError) as err:  # ValueError: a name with a NUL byte
             raise ValueError(f"the chat template {text[:80]!r} is neither a file nor Jinja text ({{% ... %}}, "
-                             "{{ ... }})")
+                             f"{{{{ ... }}}}): {err}") from err
     from jinja2.exceptions import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

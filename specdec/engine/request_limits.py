@@ -34,6 +34,11 @@ class RequestLimits:
         """The first few of `token_ids` that are no token of the model's (to name in an error)."""
         return [t for t in token_ids if not 0 <= t < self.vocab_size][:5]
 
+    def why_not_tokens(self, token_ids) -> str | None:
+        """Why `token_ids` are not all tokens of the model's (None if they are)."""
+        bad = self.outside_vocabulary(token_ids)
+        return f"token ids {bad} are outside the vocabulary (size {self.vocab_size})" if bad else None
+
     def why_invalid(self, prompt_ids: list[int], max_new_tokens: int, logit_bias: dict | None = None,
                     stop_token_ids: tuple[int, ...] | None = None) -> str | None:
         """Why a request can never be served (None if it can)."""
@@ -42,9 +47,9 @@ class RequestLimits:
             return "the prompt is empty"
         if n >= self.max_context:
             return f"the prompt has {n} tokens but the model's context is {self.max_context}; shorten the prompt"
-        bad = self.outside_vocabulary(prompt_ids)
-        if bad:
-            return f"token ids {bad} are outside the vocabulary (size {self.vocab_size})"
+        problem = self.why_not_tokens(prompt_ids)
+        if problem is not None:
+            return problem
         for name, ids in (("logit_bias", logit_bias), ("stop_token_ids", stop_token_ids)):
             outside = self.outside_vocabulary(ids or ())
             if outside:

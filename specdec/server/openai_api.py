@@ -141,10 +141,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model if body.model is not None else model_name)
-        bad = limits.outside_vocabulary(body.tokens)
-        if bad:
-            raise APIError(400, f"token ids {bad} are outside the vocabulary (size {limits.vocab_size})",
-                           param="tokens")
+        problem = limits.why_not_tokens(body.tokens)
+        if problem is not None:
+            raise APIError(400, problem, param="tokens")
         return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, body.tokens)}
 
     # tokenizing and chat templating run on worker threads: a long prompt never holds up the event loop

@@ -31,6 +31,13 @@ def test_a_template_is_read_from_a_file_or_taken_as_text(tmp_path):
     assert chat_template_text(file) == chat_template_text(str(file)) == chat_template_text(BRACKETS) == BRACKETS
 
 
+def test_a_template_longer_than_a_file_name_is_taken_as_text_or_read_from_its_file(tmp_path):
+    long = BRACKETS + "{# " + "a real template is often thousands of characters long " * 20 + "#}"
+    file = tmp_path / "long.jinja"
+    file.write_text(long, encoding="utf-8")
+    assert chat_template_text(long) == chat_template_text(file) == long
+
+
 @pytest.mark.parametrize("given, message", [
     ("no/such/template.jinja", "neither a file nor Jinja text"),
     ("{% for m in messages %}{{ m['role'] }}", "does not parse"),
