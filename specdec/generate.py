@@ -46,6 +46,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this times the likeliest one (0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (None = unseeded)")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
@@ -117,8 +119,8 @@ def _stdout_closed() -> int:
 def _run(args) -> int:
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
-                                chat=args.chat)
+                                top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                                ignore_eos=args.ignore_eos, chat=args.chat)
         prompts = read_prompts(args)
         drafter = chosen_drafter(args)
         llm = LLM(args.target, drafter, chat_template=args.chat_template, **engine_options(args))

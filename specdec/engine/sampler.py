@@ -1,4 +1,4 @@
-"""Turning target logits into tokens: greedy, or temperature / top-k / top-p sampling.
+"""Turning target logits into tokens: greedy, or temperature / top-k / top-p / min-p sampling.
 
 The same functions serve autoregressive decoding and speculative verification, so both draw
 from exactly the same distribution. A whole batch is sampled in one set of tensor operations
@@ -30,13 +30,13 @@ def _filtered_batch_probs(logits: torch.Tensor, rows_per_request: list[int],
                           params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(probs [n, vocab], order): each row's filtered distribution over the vocabulary in `order`
     (None: the vocabulary's own order). Rows of greedy requests get temperature 1 (their samples
-    are not used). Sorting happens only when some request filters (top-k or top-p)."""
+    are not used). Sorting happens only when some request filters by rank (top-k or top-p)."""
     vocab = logits.shape[-1]
     temperature = _row_values([p.temperature if not p.greedy else 1.0 for p in params], rows_per_request,
                               logits.device, np.float32)
     scaled = logits.float() / temperature[:, None]
     if all(p.greedy or (p.top_p >= 1.0 and not 0 < p.top_k < vocab) for p in params):
-        return scaled.softmax(dim=-1), None
+        return _min_p_filtered(scaled.softmax(dim=-1), None, rows_per_request, params), None
     top_k = _row_values([p.top_k if 0 < p.top_k < vocab else vocab for p in params], rows_per_request,
                         logits.device, np.int64)
     # top_p 1 keeps everything: infinity, so that rounding in the cumulative sum drops no tail token
@@ -46,14 +46,28 @@ def _filtered_batch_probs(logits: torch.Tensor, rows_per_request: list[int],
     kth = ordered.gather(-1, (top_k - 1)[:, None])  # ties with the k-th logit stay
     probs = ordered.masked_fill(ordered < kth, float("-inf")).softmax(dim=-1)
     drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]  # the top token always stays
-    return probs.masked_fill(drop, 0.0), order
+    return _min_p_filtered(probs.masked_fill(drop, 0.0), probs[:, :1], rows_per_request, params), order
+
+
+def _min_p_filtered(probs: torch.Tensor, likeliest: torch.Tensor | None, rows_per_request: list[int],
+                    params: list[SamplingParams]) -> torch.Tensor:
+    """`probs` less every token below min_p times its row's likeliest (`likeliest` [n, 1], None: the row's
+    max), after top-k and top-p (the HF order). Those keep the likeliest token and leave the ratios of the
+    tokens they keep as they were, so the threshold is the same whether measured before or after them."""
+    if not any(p.min_p and not p.greedy for p in params):
+        return probs
+    min_p = _row_values([p.min_p if not p.greedy else 0.0 for p in params], rows_per_request, probs.device,
+                        np.float32)
+    if likeliest is None:
+        likeliest = probs.amax(dim=-1, keepdim=True)
+    return probs.masked_fill(probs < min_p[:, None] * likeliest, 0.0)
 
 
 def sample_batch(logits: torch.Tensor, rows_per_request: list[int], params: list[SamplingParams],
                  generators: list[random.Random | None]) -> torch.Tensor:
     """Logits of a whole batch, request by request ([sum(rows), vocab]) -> tokens [sum(rows)]: the argmax
-    for greedy requests, for the others a draw from the logits after temperature, top-k, then top-p (the
-    HF order; one uniform of the request's stream per row, mapped through the row's cumulative
+    for greedy requests, for the others a draw from the logits after temperature, top-k, top-p, then min-p
+    (the HF order; one uniform of the request's stream per row, mapped through the row's cumulative
     distribution)."""
     greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):

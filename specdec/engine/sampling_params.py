@@ -41,6 +41,9 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k
+    # drop tokens less likely than min_p times the likeliest one (after top-k and top-p, as transformers orders
+    # them; vLLM's and llama.cpp's min_p); 0 = off
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] | None = None
     ignore_eos: bool = False
@@ -104,6 +107,8 @@ class SamplingParams:
                             f"{MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             problems.append(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            problems.append(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
         if not is_int(self.top_k) or self.top_k < 0:
             problems.append(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if stop is not None and any(not isinstance(s, str) or not s for s in stop):

@@ -68,6 +68,7 @@ class GenerationFields(BaseModel):
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = None  # an extension (vLLM's): 0 or -1 = off
+    min_p: StrictFloat = 0.0  # an extension (vLLM's): drop tokens below min_p times the likeliest; 0 = off
     n: StrictInt = 1
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
@@ -138,6 +139,7 @@ class GenerationFields(BaseModel):
                               repetition_penalty=self.repetition_penalty, logit_bias=self.token_bias(),
                               temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if top_k == -1 else top_k,
+                              min_p=self.min_p,
                               seed=self.seed, stop=None if self.stop in (None, []) else self.stop,
                               ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                               min_tokens=self.min_tokens)

@@ -196,3 +196,14 @@ def test_invalid_engine_setting_is_one_line_before_loading(capsys, monkeypatch, 
     assert generate.main(["--no-drafter", "--prompt", "Hi", *flags]) == 2
     (line,) = error_lines(capsys.readouterr().err)
     assert line.startswith("error: invalid engine configuration: ") and flags[0][2:].replace("-", "_") in line
+
+
+@pytest.mark.parametrize("flags", [["--min-p", "2"], ["--top-k", "-1"]], ids=["min-p", "top-k"])
+def test_invalid_sampling_flag_is_one_line_before_loading(capsys, monkeypatch, flags):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not be loaded for an invalid sampling setting")
+
+    monkeypatch.setattr(generate, "LLM", no_model)
+    assert generate.main(["--no-drafter", "--prompt", "Hi", *flags]) == 2
+    (line,) = error_lines(capsys.readouterr().err)
+    assert line.startswith("error: invalid sampling parameters: ") and flags[0][2:].replace("-", "_") in line

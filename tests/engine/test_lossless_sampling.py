@@ -10,7 +10,7 @@ from tests.sampling_helpers import (PROMPT, SAMPLES, SMALL_VOCAB, outcomes, p_va
                                     small_vocab_target)
 
 
-@pytest.mark.parametrize("filters", [{}, {"top_k": 5, "top_p": 0.9}])
+@pytest.mark.parametrize("filters", [{}, {"top_k": 5, "top_p": 0.9}, {"min_p": 0.2}])
 def test_speculative_sampling_matches_autoregressive(small_vocab_target, filters):
     greedy = tiny_engine(small_vocab_target, eos=()).generate_ids([PROMPT], SamplingParams(max_new_tokens=8))[0]
     drafter = ScriptedDrafter({tuple(PROMPT): greedy.output_ids}, 3, SMALL_VOCAB)

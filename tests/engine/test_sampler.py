@@ -12,7 +12,7 @@ from specdec.engine.sampling_params import SamplingParams
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The oracle: logits [n, vocab] -> probabilities after temperature, top-k, then top-p (the HF order)
+    """The oracle: logits [n, vocab] -> probabilities after temperature, top-k, top-p, then min-p (the HF order)
     for one request's params, written plainly, one request at a time."""
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
@@ -26,12 +26,16 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
+    if params.min_p:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 
 VOCAB, DRAWS = 12, 20000
 FILTERS = [dict(temperature=1.0), dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.8),
-           dict(temperature=1.0, top_k=6, top_p=0.9)]
+           dict(temperature=1.0, top_k=6, top_p=0.9), dict(temperature=1.0, min_p=0.1),
+           dict(temperature=0.8, top_k=8, top_p=0.95, min_p=0.1)]
 
 
 def logits_row(seed=0):

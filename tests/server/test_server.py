@@ -282,6 +282,20 @@ def test_penalties_and_bias_are_the_librarys(server, client, reference):
     assert_pools_full(server)
 
 
+def test_min_p_is_the_librarys(server, client, reference):
+    """vLLM's min_p reaches the engine as the library's: a seeded sampled answer equals the library's, which
+    min_p changes."""
+    sampled = dict(max_new_tokens=12, temperature=1.0, seed=11)
+    want = library_text(reference, PROMPTS[0], False, **sampled, min_p=0.3)
+    answer = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=11,
+                                       extra_body={"min_p": 0.3})
+    assert (answer.choices[0].text, answer.choices[0].finish_reason, answer.usage.completion_tokens) == want
+    assert want[0] != library_text(reference, PROMPTS[0], False, **sampled)[0]
+    bad = httpx.post(f"{server.base_url}/v1/completions", json={"model": MODEL, "prompt": "x", "min_p": 2.0})
+    assert bad.status_code == 400 and "min_p" in bad.json()["error"]["message"]
+    assert_pools_full(server)
+
+
 def test_stop_token_ids_and_min_tokens_are_the_librarys(server, client, reference):
     """vLLM's stop_token_ids and min_tokens reach the engine as the library's: the answer ends at its first stop
     token id, and none comes before the min_tokens-th token."""
