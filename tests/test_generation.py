@@ -60,6 +60,28 @@ def test_bad_request_fails_alone(tiny_model_dir):
     assert requests[2].finish_reason == "error" and "outside the vocabulary" in requests[2].error
 
 
+def test_max_model_len_holds_requests_to_a_shorter_context(tiny_model_dir, tmp_path):
+    """max_model_len (vLLM's): prompt + output end at it, exactly where the model's own context would end them
+    had it been that short, with a drafter too; a prompt that fills it is refused alone, and a length above the
+    model's context is refused when the engine is made."""
+    from tests.engine_helpers import dflash_drafter, spec_engine
+
+    path, _ = tiny_model_dir
+    free = tiny_engine(path, eos=()).generate_ids([PROMPTS[0]], SamplingParams(max_new_tokens=20))[0]
+    plain = tiny_engine(path, eos=(), max_model_len=16)
+    spec = spec_engine(path, dflash_drafter(path, tmp_path, 4), max_model_len=16)
+    for engine in (plain, spec):
+        assert engine.limits.max_context == 16
+        capped, full = engine.generate_ids([PROMPTS[0], list(range(3, 19))], SamplingParams(max_new_tokens=20))
+        assert capped.output_ids == free.output_ids[:16 - len(PROMPTS[0])] and capped.finish_reason == "length"
+        assert full.finish_reason == "error" and "context is 16" in full.error
+        assert engine.pool.num_free == engine.pool.num_pages
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        tiny_engine(path, max_model_len=513)
+    with pytest.raises(ValueError, match="max_model_len"):
+        tiny_engine(path, max_model_len=1)
+
+
 def test_pool_too_small_for_one_request(tiny_model_dir):
     path, _ = tiny_model_dir
     engine = tiny_engine(path, eos=(), num_kv_pages=3)

@@ -73,6 +73,10 @@ class EngineConfig:
     cpu_kv_cache_gib: float = _setting(2.0, "KV pool size in GiB on CPU when num_kv_pages is None")
     max_num_seqs: int = _setting(64, "requests decoded together (the most in flight at once)")
     max_prefill_tokens: int = _setting(4096, "prefill tokens per step; a longer prompt is prefilled in chunks")
+    # a context below the model's: requests are held to it, and what is sized by it (the RoPE tables, the bound on a
+    # request's pages) shrinks. Above the model's it is refused: positions past those it was trained on are not served
+    max_model_len: int | None = _setting(None, "the longest prompt + output in tokens (None = the model's context, "
+                                               "its max_position_embeddings; at most that)")
     attention_backend: str = _setting("auto", "attention kernels (auto = flashinfer on CUDA when installed, "
                                               "else torch)", choices=("auto", "torch", "flashinfer"))
     # FP8 KV: layers whose attention e4m3 rounds too coarsely keep the model dtype (measured on the default
@@ -192,6 +196,9 @@ class EngineConfig:
             problems.append(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:
             problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            problems.append(f"max_model_len must be at least 2 (a prompt token and an output token), got "
+                            f"{self.max_model_len}")
         if self.max_num_seqs < 1 or self.max_prefill_tokens < 1:
             problems.append("max_num_seqs and max_prefill_tokens must be positive")
         if problems:

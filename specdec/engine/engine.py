@@ -90,7 +90,7 @@ class Engine:
         self.full_precision_layers = self._full_precision_layers(target) if self.kv_dtype == FP8_DTYPE else ()
         layer_kv_dtypes = layer_dtypes(mc.num_hidden_layers, self.kv_dtype, self.full_precision_layers, self.dtype)
         self.drafter_kv_dtype = self._kv_dtype(config.drafter_kv_cache_dtype.startswith("fp8"))
-        self.max_context = mc.max_position_embeddings
+        self.max_context = self._max_context(config.max_model_len, mc.max_position_embeddings)
         self.drafter = drafter
         block = drafter.block_size if drafter is not None else 1
         if config.verify == "tree" and drafter is not None and not drafter.proposes_candidates:
@@ -112,6 +112,7 @@ class Engine:
         self.runner = TargetRunner(self.model, backend_name=self.backend_name, kv_dtype=layer_kv_dtypes,
                                    page_size=config.page_size, max_batch=config.max_num_seqs,
                                    block_lens=chain_lengths or (block,), max_prefill_tokens=config.max_prefill_tokens,
+                                   max_context=self.max_context,
                                    feature_layers=drafter.target_layer_ids if drafter is not None else (),
                                    tree_nodes=tree_nodes, budgets=budgets,
                                    # with the draft ahead
@@ -168,6 +169,15 @@ class Engine:
         # calibrated FP8 scales are baked into the graphs: capture after the first prefill has set them
         if self.use_graphs and not (config.calibrate_fp8_scales and self.kv.is_fp8):
             self.capture_graphs()
+
+    @staticmethod
+    def _max_context(max_model_len: int | None, model_context: int) -> int:
+        if max_model_len is None:
+            return model_context
+        if max_model_len > model_context:
+            raise ValueError(f"max_model_len {max_model_len} is more than this model's context ({model_context} tokens, "
+                             f"its max_position_embeddings): give at most {model_context}, or leave it unset")
+        return max_model_len
 
     @property
     def kv(self) -> KVCache:

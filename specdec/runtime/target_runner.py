@@ -110,9 +110,10 @@ class PrefillChunks:
 class TargetRunner(ModelRunner):
     def __init__(self, model: CausalLM, *, backend_name: str, kv_dtype: torch.dtype | tuple[torch.dtype, ...],
                  page_size: int, max_batch: int, block_lens: tuple[int, ...], max_prefill_tokens: int,
-                 feature_layers: tuple[int, ...] = (), tree_nodes: int = 0, budgets: tuple[tuple[int, int], ...] = (),
-                 verify_ahead: bool = False, verify_ahead_batches: bool = False):
-        """tree_nodes: a token tree's draft nodes per request at small batches (0: no trees). budgets: the budget
+                 max_context: int | None = None, feature_layers: tuple[int, ...] = (), tree_nodes: int = 0,
+                 budgets: tuple[tuple[int, int], ...] = (), verify_ahead: bool = False,
+                 verify_ahead_batches: bool = False):
+        """max_context: the longest prompt + output served (None: the model's context). tree_nodes: a token tree's draft nodes per request at small batches (0: no trees). budgets: the budget
         steps, as (q, per): blocks of q (one of `block_lens`) verifying on average per tokens a request
         (`run_budget`). verify_ahead: a lone request's verifies may be queued before their start is known
         (`run_block_ahead`); verify_ahead_batches: those of batches too, where their rung keeps each request's KV in
@@ -125,8 +126,9 @@ class TargetRunner(ModelRunner):
         self.verify_ahead = verify_ahead
         self.verify_ahead_batches = verify_ahead_batches
         c, q_max = model.config, max(block_lens)
+        max_context = c.max_position_embeddings if max_context is None else max_context
         # a request's KV: its context and the slots a step writes past it
-        self.attn.bound_sequence_pages(-(-(c.max_position_embeddings + max(q_max, tree_nodes + 1)) // page_size))
+        self.attn.bound_sequence_pages(-(-(max_context + max(q_max, tree_nodes + 1)) // page_size))
         # pages outside the pool where a lone request's small trees attend as a decode does (the node rows of
         # attention/node_rows.py, where the backend has them)
         self.spare_pages = self.attn.spare_pages_wanted(page_size) if tree_nodes else 0

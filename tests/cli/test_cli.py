@@ -34,6 +34,7 @@ PARSERS = {
 # a value unlike the default for every field, so that a flag read back into the wrong field shows
 SAMPLE_VALUES = dict(device="cuda:1", dtype="float16", kv_cache_dtype="fp8", page_size=8, num_kv_pages=100,
                      gpu_memory_utilization=0.5, cpu_kv_cache_gib=1.5, max_num_seqs=3, max_prefill_tokens=128,
+                     max_model_len=4096,
                      attention_backend="torch", calibrate_fp8_scales=True, drafter_kv_cache_dtype="fp8_e4m3",
                      enforce_eager=True, kv_cache_full_precision_layers="0,1", overlap_steps=False, verify_ahead=True,
                      verify_ahead_batches="off",
