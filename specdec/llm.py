@@ -39,6 +39,8 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None
     # with SamplingParams.prompt_logprobs: each prompt token's (None for the first)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # finish reason "stop": the stop string or stop token id that ended it (None: end of sequence), as vLLM's
+    stop_reason: str | int | None = None
 
 
 class LLM:
@@ -186,4 +188,4 @@ class LLM:
     def _result(self, prompt: Prompt, request: Request) -> GenerationResult:
         return GenerationResult(prompt, request.prompt_ids, list(request.output_ids),
                                 final_text(self.tokenizer, request), request.finish_reason, request.stats, request.error,
-                                request.output_logprobs, request.prompt_logprobs)
+                                request.output_logprobs, request.prompt_logprobs, request.stop_reason)

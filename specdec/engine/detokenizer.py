@@ -14,8 +14,8 @@ Two ways to step, same result:
   and without the new ones and emit the difference, holding back a trailing U+FFFD until the next
   token completes the character. The decode stream falls back to this when it raises or stalls.
 
-The concatenated text equals `tokenizer.decode(ids, skip_special_tokens=True)` for any valid UTF-8
-output. One known difference, inherent to incremental decoding: a byte-fallback tokenizer (Llama-2
+The concatenated text equals `tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)` for any
+valid UTF-8 output. One known difference, inherent to incremental decoding: a byte-fallback tokenizer (Llama-2
 style `<0xNN>` tokens, `ByteFallback` decoder) turns a *whole run* of byte tokens into U+FFFDs when
 the run is not valid UTF-8, so a byte that was already emitted as text can turn into U+FFFD in the
 full decode once an invalid byte follows. Callers that need the exact full decode (a request's final
@@ -60,8 +60,9 @@ def _stream_backend(tokenizer):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.read_offset = 0  # ids[:read_offset] are emitted
         # the tokens of the last emission that made text, decoded again in front of the new ones:
@@ -71,7 +72,8 @@ class IncrementalDetokenizer:
         # emitted text not yet taken by `read` (streaming); unstreamed, it grows like the token list
         self._unread: list[str] = []
         self._backend = _stream_backend(tokenizer)
-        self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
+        self._stream = (DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend is not None
+                        else None)
 
     @property
     def uses_decode_stream(self) -> bool:
@@ -132,4 +134,4 @@ class IncrementalDetokenizer:
         return text[len(prefix):]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""

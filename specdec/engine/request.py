@@ -41,7 +41,15 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
     error: str | None = None
-    stop_text_end: int | None = None  # where the text ends (a character index) when a stop string matched
+    # where the text ends (a character index) when a stop string matched: where the match starts, or with
+    # include_stop_str_in_output where it ends
+    stop_text_end: int | None = None
+    # what ended the request with finish reason "stop", as vLLM's stop_reason: the stop string matched or the stop
+    # token id (None: end of sequence, or a structured output complete)
+    stop_reason: str | int | None = None
+    # the last output token is an ending id (end of sequence or a stop token id): the text leaves it out unless
+    # include_stop_str_in_output
+    ended_by_token: bool = False
     target_pages: PageTable | None = None
     generator: random.Random | None = None  # the random stream of a sampling request (specdec.engine.sampler)
     stats: RequestStats = field(default_factory=RequestStats)
@@ -120,15 +128,15 @@ class Request:
 
     @cached_property
     def ending_ids(self) -> frozenset[int]:
-        """The token ids that end the answer (it keeps that token): end of sequence unless ignored, and the
-        request's stop_token_ids."""
+        """The token ids that end the answer (its tokens keep it, its text only with include_stop_str_in_output):
+        end of sequence unless ignored, and the request's stop_token_ids."""
         ids = frozenset() if self.params.ignore_eos else self.eos_token_ids
         return ids | frozenset(self.params.stop_token_ids or ())
 
     def use_detokenizer(self, tokenizer) -> None:
         """Turn committed tokens into text as they come; stop matching and streaming share it."""
         if self.detokenizer is None:
-            self.detokenizer = IncrementalDetokenizer(tokenizer)
+            self.detokenizer = IncrementalDetokenizer(tokenizer, self.params.skip_special_tokens)
 
     def commit(self, token: int, logprob: TokenLogprob | None = None) -> bool:
         """Append one generated token (and its log-probability, when the request asked for them); returns True
@@ -147,7 +155,7 @@ class Request:
         if self.stats.first_token_time is None:
             self.stats.first_token_time = now
         if token in self.ending_ids:
-            self.finish("stop")
+            self._end_by_token(token)
         elif self.params.stop and self._matches_stop(new_text):
             self.finish("stop")
         elif self.matcher is not None and self.matcher.is_stopped():  # nothing but the end can follow
@@ -184,9 +192,18 @@ class Request:
         stats.generated_tokens = len(output)
         if stats.first_token_time is None:
             stats.first_token_time = time.perf_counter()
-        if reason is not None:
+        if reason == "stop":
+            self._end_by_token(taken[-1])
+        elif reason is not None:
             self.finish(reason)
         return len(taken)
+
+    def _end_by_token(self, token: int) -> None:
+        """Finish on an ending id: the stop reason is a stop token id's, None for end of sequence (vLLM's)."""
+        eos = not self.params.ignore_eos and token in self.eos_token_ids
+        self.stop_reason = None if eos else token
+        self.ended_by_token = True
+        self.finish("stop")
 
     def _matches_stop(self, new_text: str) -> bool:
         """Search the new text and the last (longest stop - 1) characters before it: a new match must
@@ -197,9 +214,12 @@ class Request:
         if not new_text:
             return False
         window = self.stop_tail + new_text
-        hits = [h for h in (window.find(s) for s in self.params.stop) if h >= 0]
+        hits = [(h, s) for h, s in ((window.find(s), s) for s in self.params.stop) if h >= 0]
         if hits:
-            self.stop_text_end = self.detokenizer.num_chars - len(window) + min(hits)
+            start, stop = min(hits, key=lambda hit: hit[0])  # the earliest match; at a tie, the first stop given
+            end = start + len(stop) if self.params.include_stop_str_in_output else start
+            self.stop_text_end = self.detokenizer.num_chars - len(window) + end
+            self.stop_reason = stop
             return True
         keep = max(map(len, self.params.stop)) - 1
         self.stop_tail = window[max(0, len(window) - keep):] if keep else ""

@@ -52,6 +52,10 @@ class SamplingParams:
     # (vLLM's stop_token_ids and min_tokens; stop strings still apply)
     stop_token_ids: tuple[int, ...] | None = None
     min_tokens: int = 0
+    # the text: special tokens left out of it (as vLLM's skip_special_tokens), and a matched stop string kept at
+    # its end (vLLM's include_stop_str_in_output); token ids are the same either way
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     chat: bool = False  # apply the tokenizer's chat template to string prompts
     # the target's log-probability of each generated token and of its `logprobs` most likely alternatives
     # (0 to 20); None: none
@@ -116,7 +120,7 @@ class SamplingParams:
         elif stop is not None and (len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop)):
             problems.append(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, "
                             f"got {len(stop)} of up to {max(map(len, stop))}")
-        for name in ("ignore_eos", "chat"):
+        for name in ("ignore_eos", "chat", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):

@@ -1,7 +1,8 @@
 """A request's text as it is produced, for streaming: the library's `on_text` and the server's deltas.
 
 The pieces a `TextStream` hands out add up to `final_text(...)`, the request's whole text: special
-tokens removed and cut where a stop string matched. Text that could still become a stop string is
+tokens removed (unless the request keeps them) and cut where a stop string matched (before it, or after it with
+include_stop_str_in_output). Text that could still become a stop string is
 held back until it cannot, so text past a stop is never shown.
 """
 
@@ -11,8 +12,13 @@ from specdec.engine.request import Request
 
 
 def final_text(tokenizer, request: Request) -> str:
-    """The request's output as text: special tokens removed, cut at a matched stop string."""
-    text = tokenizer.decode(request.output_ids, skip_special_tokens=True)
+    """The request's output as text: special tokens removed (unless kept), cut at a matched stop string, and
+    without the ending id that ended it (end of sequence, a stop token id) unless the request includes it, as
+    vLLM's text leaves it out."""
+    ids = request.output_ids
+    if request.ended_by_token and not request.params.include_stop_str_in_output:
+        ids = ids[:-1]
+    text = tokenizer.decode(ids, skip_special_tokens=request.params.skip_special_tokens)
     return text if request.stop_text_end is None else text[:request.stop_text_end]
 
 

@@ -38,9 +38,10 @@ RESET_TIMEOUT_S = 60.0  # a prefix cache reset waits for the step in progress (a
 class AsyncEngine:
     """The callers' side, whatever hosts the engine loop: submission ids, queues, delivery."""
 
-    def __init__(self, limits: RequestLimits, tokenizer):
+    def __init__(self, limits: RequestLimits, tokenizer, eos_token_ids: frozenset[int]):
         self.limits = limits
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids  # the engine's: request texts end where the engine ends
         self._ids = itertools.count()
         self._queues: dict[int, asyncio.Queue] = {}  # event-loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -87,7 +88,8 @@ class AsyncEngine:
         self._send(Submit(sid, list(prompt_ids), engine_params(params), lead))  # first: the engine starts now
         engine_done, text = False, None
         try:
-            text = RequestText(prompt_ids, params, self.tokenizer)  # needed once the first output is back
+            # needed once the first output is back
+            text = RequestText(prompt_ids, params, self.tokenizer, self.eos_token_ids)
             while True:
                 raw = merge([await outputs.get(), *drain(outputs)])
                 engine_done = raw.finished
@@ -153,14 +155,15 @@ def merge(items: list[RequestOutput]) -> RequestOutput:
     return RequestOutput("".join(o.text for o in items), [t for o in items for t in o.token_ids], last.finished,
                          last.finish_reason, last.error, last.prompt_tokens, last.completion_tokens, last.cached_tokens,
                          None if all(o.logprobs is None for o in items) else [e for o in items for e in o.logprobs or []],
-                         next((o.prompt_logprobs for o in items if o.prompt_logprobs is not None), None))
+                         next((o.prompt_logprobs for o in items if o.prompt_logprobs is not None), None),
+                         last.stop_reason)
 
 
 class ThreadedEngine(AsyncEngine):
     """The engine loop on a thread of this process (tests, and embedding the server in a program)."""
 
     def __init__(self, llm):
-        super().__init__(llm.engine.limits, llm.tokenizer)
+        super().__init__(llm.engine.limits, llm.tokenizer, llm.engine.eos_token_ids)
         self.loop = EngineLoop(llm.engine)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()

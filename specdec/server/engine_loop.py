@@ -44,6 +44,7 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens the prefix cache held (not prefilled)
     logprobs: list[TokenLogprob] | None = None  # the new tokens', when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on a request's first output, when it asked (echo)
+    stop_reason: str | int | None = None  # once finished by a stop: the stop string or stop token id (vLLM's)
 
 
 @dataclass(frozen=True)

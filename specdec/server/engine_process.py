@@ -7,8 +7,8 @@ process keeps the tokenizer (for prompts, and for the outputs' text and stop str
 limits (to refuse bad input before it travels).
 
     parent -> child   Submit / Abort commands, ("metrics",), ("reset_prefix_cache",), ("stop",)
-    child -> parent   ("ready", limits, model_dir) once; ("outputs", [(sid, RequestOutput)]) per step (and
-                      for a request's first tokens as they are committed); ("metrics", text);
+    child -> parent   ("ready", limits, eos_token_ids, model_dir) once; ("outputs", [(sid, RequestOutput)]) per
+                      step (and for a request's first tokens as they are committed); ("metrics", text);
                       ("reset_prefix_cache", pages dropped); ("failed", message) if the model cannot be loaded
 
 over one `multiprocessing` pipe. The child ignores SIGINT and SIGTERM (a Ctrl-C in the terminal, or a
@@ -40,8 +40,8 @@ class EngineStartError(RuntimeError):
 
 
 class ProcessEngine(AsyncEngine):
-    def __init__(self, process, conn, limits, tokenizer):
-        super().__init__(limits, tokenizer)
+    def __init__(self, process, conn, limits, tokenizer, eos_token_ids):
+        super().__init__(limits, tokenizer, eos_token_ids)
         self._process, self._conn = process, conn
         self._send_lock = threading.Lock()
         self._metrics: asyncio.Future | None = None
@@ -74,8 +74,8 @@ class ProcessEngine(AsyncEngine):
         if message[0] == "failed":
             process.join(5)
             raise EngineStartError(message[1])
-        _, limits, model_dir = message
-        return cls(process, parent_conn, limits, load_tokenizer(Path(model_dir)))
+        _, limits, eos_token_ids, model_dir = message
+        return cls(process, parent_conn, limits, load_tokenizer(Path(model_dir)), eos_token_ids)
 
     @property
     def healthy(self) -> bool:
@@ -161,7 +161,7 @@ def run_engine_process(conn, build: Callable, log_level: str) -> None:
     if hasattr(loaded, "describe"):
         log.info("serving %s", loaded.describe())
     log.info("%d objects of the loaded engine kept out of the garbage collector", freeze_startup_heap())
-    conn.send(("ready", loaded.engine.limits, str(loaded.model_dir)))
+    conn.send(("ready", loaded.engine.limits, loaded.engine.eos_token_ids, str(loaded.model_dir)))
 
     def receive(wait_s: float) -> list:
         """Submissions, aborts and resets that came in (waiting up to wait_s for the first); answers metrics here."""

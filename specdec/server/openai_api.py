@@ -386,7 +386,7 @@ async def stream_events(outputs, shape: ResponseShape, include_usage: bool, choi
             on_first_text()
             on_first_text = None
         if text or out.finished or logprobs:
-            yield sse(shape.chunk(text, out.finish_reason if out.finished else None, logprobs, index))
+            yield sse(shape.chunk(text, out.finish_reason if out.finished else None, logprobs, index, out.stop_reason))
         if out.finished:
             finals[index] = out
     if len(finals) == len(choices) and include_usage:
@@ -426,7 +426,7 @@ async def whole_answer(request: Request, outputs, shape: ResponseShape, choices:
         return JSONResponse(error_body((failed.error if failed is not None else None) or "the request was aborted",
                                        "internal_server_error"), status_code=500 if reason == "error" else 503)
     asked = shape.token_text is not None
-    return shape.whole([(text, final.finish_reason, lp if asked else None)
+    return shape.whole([(text, final.finish_reason, lp if asked else None, final.stop_reason)
                         for text, final, lp in zip(texts, finals, logprobs)], choices.usage(finals))
 
 

@@ -77,6 +77,8 @@ class GenerationFields(BaseModel):
     ignore_eos: StrictBool = False  # an extension (vLLM's)
     stop_token_ids: list[StrictInt] | None = None  # an extension (vLLM's): ids that end the answer as EOS does
     min_tokens: StrictInt = 0  # an extension (vLLM's): no EOS or stop token id before this many output tokens
+    skip_special_tokens: StrictBool = True  # an extension (vLLM's): special tokens left out of the text
+    include_stop_str_in_output: StrictBool = False  # an extension (vLLM's): the matched stop string ends the text
     presence_penalty: StrictFloat = 0.0
     frequency_penalty: StrictFloat = 0.0
     repetition_penalty: StrictFloat = 1.0  # an extension (vLLM's)
@@ -142,7 +144,8 @@ class GenerationFields(BaseModel):
                               min_p=self.min_p,
                               seed=self.seed, stop=None if self.stop in (None, []) else self.stop,
                               ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
-                              min_tokens=self.min_tokens)
+                              min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+                              include_stop_str_in_output=self.include_stop_str_in_output)
 
 
 class CompletionRequest(GenerationFields):
@@ -360,15 +363,17 @@ class ResponseShape:
             body["usage"] = usage
         return body
 
-    def whole(self, choices: list[tuple[str, str, list[TokenLogprob] | None]], usage: dict) -> dict:
-        """The whole answer: one choice per (text, finish reason, logprobs), in order."""
+    def whole(self, choices: list[tuple[str, str, list[TokenLogprob] | None, str | int | None]], usage: dict) -> dict:
+        """The whole answer: one choice per (text, finish reason, logprobs, stop reason), in order. The stop reason
+        (vLLM's): the stop string or stop token id that ended the choice, else null."""
         if self.chat:
             return self._envelope("chat.completion", [
-                {"index": i, **self._message(text, reason), "logprobs": self.logprobs(logprobs, i)}
-                for i, (text, reason, logprobs) in enumerate(choices)], usage)
+                {"index": i, **self._message(text, reason), "logprobs": self.logprobs(logprobs, i), "stop_reason": stop}
+                for i, (text, reason, logprobs, stop) in enumerate(choices)], usage)
         return self._envelope("text_completion", [
-            {"index": i, "text": text, "logprobs": self.logprobs(logprobs, i), "finish_reason": reason}
-            for i, (text, reason, logprobs) in enumerate(choices)], usage)
+            {"index": i, "text": text, "logprobs": self.logprobs(logprobs, i), "finish_reason": reason,
+             "stop_reason": stop}
+            for i, (text, reason, logprobs, stop) in enumerate(choices)], usage)
 
     def first_chunk(self, index: int = 0) -> dict | None:
         """Chat streams open with the assistant's role (as OpenAI's do); completions have no opening chunk."""
@@ -378,13 +383,14 @@ class ResponseShape:
         return self._envelope("chat.completion.chunk", [choice])
 
     def chunk(self, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None,
-              index: int = 0) -> dict:
+              index: int = 0, stop_reason: str | int | None = None) -> dict:
         if self.chat:
             delta, finish_reason = self._delta(text, finish_reason, index)
             choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs, index),
-                      "finish_reason": finish_reason}
+                      "finish_reason": finish_reason, "stop_reason": stop_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": index, "text": text, "logprobs": self.logprobs(logprobs, index), "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": self.logprobs(logprobs, index), "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
         return self._envelope("text_completion", [choice])
 
     def _message(self, text: str, reason: str) -> dict:

@@ -5,9 +5,10 @@ The engine loop ships token ids only (text work per request and step would take 
 time); the engine runs a request without its stop strings. Here a mirror `Request` commits the same
 tokens with the stop strings, so a stop ends it exactly where the library would end it (same text,
 same token count, finish reason "stop"); the caller then aborts the engine's request, whose few
-tokens generated past the stop are dropped.
+tokens generated past the stop are dropped. The mirror knows the engine's ending ids (end of sequence,
+stop token ids) too: the engine ends at the same token, and the text and stop reason come out as the library's.
 
-    text = RequestText(prompt_ids, params, tokenizer)
+    text = RequestText(prompt_ids, params, tokenizer, eos_token_ids)
     out = text.update(engine_output)     # the client's output: new text, tokens up to a stop, state
     text.stopped_early                   # a stop string ended it before the engine did: abort there
 """
@@ -28,11 +29,11 @@ def engine_params(params: SamplingParams) -> SamplingParams:
 
 
 class RequestText:
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer):
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
-        # end-of-sequence, stop token ids and length are the engine's to decide: the mirror has none of those ids,
-        # and the engine ends at max_new_tokens at the same token as the mirror
-        self.mirror = Request(-1, list(prompt_ids), replace(params, stop_token_ids=None), frozenset())
+        # the mirror ends at an ending id or at max_new_tokens at the same token as the engine does
+        self.mirror = Request(-1, list(prompt_ids), params, eos_token_ids)
         self.mirror.use_detokenizer(tokenizer)
         self.stream = TextStream(self.mirror)
         self.stopped_early = False
@@ -57,4 +58,4 @@ class RequestText:
                                  logprobs=logprobs, prompt_logprobs=out.prompt_logprobs)
         return RequestOutput(self.stream.take(final_text(self.tokenizer, mirror)), tokens, True, mirror.finish_reason,
                              mirror.error, out.prompt_tokens, len(mirror.output_ids), out.cached_tokens, logprobs,
-                             out.prompt_logprobs)
+                             out.prompt_logprobs, mirror.stop_reason)

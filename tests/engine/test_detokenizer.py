@@ -94,13 +94,13 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def full_decode(tokenizer, ids) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True)
+def full_decode(tokenizer, ids, skip_special_tokens=True) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def detokenize(tokenizer, ids) -> tuple[list[str], IncrementalDetokenizer]:
+def detokenize(tokenizer, ids, skip_special_tokens=True) -> tuple[list[str], IncrementalDetokenizer]:
     """The text emitted at each token, then the flushed rest."""
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
     pieces = [detok.push(t) for t in ids]
     return pieces + [detok.flush()], detok
 
@@ -136,6 +136,22 @@ def test_incremental_text_equals_full_decode(tokenizer, window_path):
         assert "\ufffd" not in "".join(pieces)
         split_characters += pieces[:-1].count("")
     assert split_characters > 0  # multi-byte characters really were split across tokens
+
+
+@pytest.mark.parametrize("window_path", [False, True], ids=["decode_stream", "window"])
+def test_special_tokens_kept_when_asked(tokenizer, window_path):
+    """skip_special_tokens=False (vLLM's): the special tokens' text stays, and still equals a full decode. (Where a
+    special token splits a multi-byte character, the output is not valid UTF-8: the module doc's known case.)"""
+    tok = DecodeOnly(tokenizer) if window_path else tokenizer
+    kept = 0
+    for ids in outputs(tokenizer):
+        full = full_decode(tokenizer, ids, skip_special_tokens=False)
+        if "\ufffd" in full:
+            continue
+        pieces, detok = detokenize(tok, ids, skip_special_tokens=False)
+        assert "".join(pieces) == full and detok.num_chars == len(full)
+        kept += len(full) > len(full_decode(tokenizer, ids))
+    assert kept > 0  # some outputs had special tokens, and their text stayed
 
 
 @pytest.mark.parametrize("name", ["bytelevel", "metaspace", "smollm2"])
@@ -197,8 +213,8 @@ def test_work_per_token_is_bounded(n):
 
 
 # ---- stop strings -------------------------------------------------------------------------------
-def make_request(tokenizer, stop, max_new_tokens=100_000) -> Request:
-    request = Request(0, [1], SamplingParams(max_new_tokens=max_new_tokens, stop=stop), frozenset())
+def make_request(tokenizer, stop, max_new_tokens=100_000, **params) -> Request:
+    request = Request(0, [1], SamplingParams(max_new_tokens=max_new_tokens, stop=stop, **params), frozenset())
     request.use_detokenizer(tokenizer)
     return request
 
@@ -252,6 +268,43 @@ def test_stop_strings_match_a_full_decode_reference(tokenizer):
             taken = request.commit_many(ids)
             assert request.finish_reason == "stop"
             assert (taken, request.stop_text_end) == first_stop(tokenizer, ids, stops), stops
+
+
+def test_a_stop_string_is_kept_at_the_end_when_asked(tokenizer):
+    """include_stop_str_in_output (vLLM's): the text ends after the earliest match instead of before it, at
+    the same token; the stop reason is the stop string matched (at a tie, the first one given)."""
+    rng = random.Random(3)
+    for ids in outputs(tokenizer):
+        text = full_decode(tokenizer, ids)
+        for _ in range(3 if text else 0):
+            start = rng.randrange(len(text))
+            stops = [text[start:start + rng.randrange(1, 8)], text[rng.randrange(len(text)):][:3]]
+            cut, kept = make_request(tokenizer, stops), make_request(tokenizer, stops, include_stop_str_in_output=True)
+            taken, end = first_stop(tokenizer, ids, stops)
+            assert cut.commit_many(ids) == kept.commit_many(ids) == taken
+            matched = min((s for s in stops if s in full_decode(tokenizer, ids[:taken])),
+                          key=lambda s: full_decode(tokenizer, ids[:taken]).find(s))
+            assert cut.stop_reason == kept.stop_reason == matched
+            assert (cut.stop_text_end, kept.stop_text_end) == (end, end + len(matched))
+            assert final_text(tokenizer, kept) == final_text(tokenizer, cut) + matched
+
+
+def test_the_ending_token_is_left_out_of_the_text_unless_asked():
+    """As vLLM's: the end-of-sequence or stop token id that ended an answer is among its tokens but not in its
+    text, unless include_stop_str_in_output; the stop reason is a stop token id's, None for end of sequence."""
+    tokenizer = as_transformers(bytelevel_tokenizer())
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = encode(tokenizer, "Hello world. More")
+    stop_id = ids[2]
+    cases = [(dict(stop_token_ids=[stop_id]), ids, stop_id, 3), (dict(skip_special_tokens=False), ids[:4] + [eos], None, 5)]
+    for params, answer, reason, count in cases:
+        for include in (False, True):
+            request = Request(0, [1], SamplingParams(include_stop_str_in_output=include, **params), frozenset({eos}))
+            assert request.commit_many(answer) == count and request.finish_reason == "stop"
+            assert request.stop_reason == reason and request.ended_by_token
+            shown = answer[:count] if include else answer[:count - 1]
+            assert final_text(tokenizer, request) == full_decode(tokenizer, shown, skip_special_tokens=False)
+    assert "<|im_end|>" in full_decode(tokenizer, ids[:4] + [eos], skip_special_tokens=False)
 
 
 def test_no_tokenizer_without_stop_strings():

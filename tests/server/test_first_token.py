@@ -22,7 +22,7 @@ class RecordingEngine(AsyncEngine):
     healthy = True
 
     def __init__(self):
-        super().__init__(None, as_transformers(bytelevel_tokenizer()))
+        super().__init__(None, as_transformers(bytelevel_tokenizer()), frozenset())
         self.sent: list[Submit | Abort] = []
 
     def _send(self, command) -> None:

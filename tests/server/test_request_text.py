@@ -75,3 +75,26 @@ def test_an_engine_error_reaches_the_client():
     out = text.update(RequestOutput("", [], True, "error", "the engine failed"))
     assert (out.finished, out.finish_reason, out.error, out.text, text.stopped_early) == (
         True, "error", "the engine failed", "", False)
+
+
+def test_an_ending_id_ends_the_text_as_in_the_library():
+    """The mirror knows the engine's ending ids: a stop token id (or end of sequence) the engine ended on is left
+    out of the text unless include_stop_str_in_output, and is the stop reason, as in the library; nothing to abort."""
+    stop_id = ANSWER[4]
+    for include in (False, True):
+        params = SamplingParams(max_new_tokens=100, stop_token_ids=[stop_id], include_stop_str_in_output=include)
+        want, taken, reason = library(params)
+        for batches in ([len(ANSWER)], [2, 3, len(ANSWER)]):
+            # the engine ends on the same token: it ships tokens up to it and finishes
+            text, pieces, start = RequestText([1], params, TOKENIZER, frozenset({ANSWER[-1]})), [], 0
+            for size in batches:
+                chunk = ANSWER[start:min(start + size, taken)]
+                out = text.update(RequestOutput("", chunk, start + size >= taken, "stop" if start + size >= taken
+                                                else None, prompt_tokens=1))
+                pieces.append(out.text)
+                start += size
+                if out.finished:
+                    break
+            assert ("".join(pieces), out.completion_tokens, out.finish_reason, out.stop_reason,
+                    text.stopped_early) == (want, taken, reason, stop_id, False)
+        assert want == TOKENIZER.decode(ANSWER[:taken if include else taken - 1])

@@ -143,6 +143,23 @@ def test_stop_strings_end_the_answer_where_the_library_does(server, client, refe
     assert finished_count(server, "abort") == aborts_before  # the metrics count those as stops
 
 
+def test_the_stop_string_is_kept_when_asked_and_named_as_the_stop_reason(server, client, reference):
+    """vLLM's include_stop_str_in_output and stop_reason: the text ends with the stop string matched, which each
+    choice names (whole and streamed, chat and completions); an answer that ran to its length names none."""
+    free, _, _ = library_text(reference, PROMPTS[1], False, max_new_tokens=30)
+    stop = next(free[i:i + 2] for i in range(len(free) // 2, len(free) - 1) if free[i:i + 2].strip())
+    cut, _, _ = library_text(reference, PROMPTS[1], False, max_new_tokens=30, stop=[stop])
+    kept = dict(max_tokens=30, temperature=0, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], **kept)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], stream=True, **kept))
+    assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks) == cut + stop
+    assert whole.choices[0].stop_reason == chunks[-1].choices[0].stop_reason == stop
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=3,
+                                          temperature=0, stop=[stop])
+    assert chat.choices[0].finish_reason == "length" and chat.choices[0].stop_reason is None
+    assert_pools_full(server)
+
+
 def test_a_server_with_overlapped_steps_answers_as_the_library_does(model_dirs):
     """Plain decoding with overlapped steps behind the server (tokens reach the API a step late): the same
     answers as the library stepping in order, concurrent requests and a stop string included, and every
