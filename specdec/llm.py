@@ -103,11 +103,14 @@ class LLM:
             return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
         """A conversation (and the `tools` the model may call: OpenAI's function definitions) through the chat
         template, as token ids for `generate`; `specdec.engine.tool_calls.split_calls(result.text)` reads the
-        answer's calls, and `forced_calls(tools, name, parallel)` is the structured output that forces them."""
-        return encode_chat(self.prompt_encoder, messages, tools)
+        answer's calls, and `forced_calls(tools, name, parallel)` is the structured output that forces them.
+        The options are vLLM's (`specdec.engine.prompts.encode_chat`)."""
+        return encode_chat(self.prompt_encoder, messages, tools, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None, *,
                  chat: bool | None = None,

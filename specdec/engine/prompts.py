@@ -57,12 +57,47 @@ def chat_template_text(template: str | os.PathLike) -> str:
     return text
 
 
-def encode_chat(encoder: PromptEncoder, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (they would change what is rendered
+# and how, not pass a variable to the template)
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+class ChatOptionError(ValueError):
+    """A chat option that cannot apply to these messages; `option` names it."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
+
+
+def encode_chat(encoder: PromptEncoder, messages: list[dict], tools: list[dict] | None = None, *,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                template_kwargs: dict | None = None) -> list[int]:
     """A conversation through the tokenizer's chat template, with the assistant's generation prompt (and the
     `tools` the model may call, OpenAI's function definitions, which the template renders), into ids by `encoder`
-    (which remembers the ids of long pieces it met before: a shared system prompt, earlier turns)."""
+    (which remembers the ids of long pieces it met before: a shared system prompt, earlier turns).
+
+    As vLLM's chat options: `add_generation_prompt=False` leaves the assistant's opening out;
+    `continue_final_message=True` renders the last message (the assistant's) open, for the answer to continue it;
+    `template_kwargs` are more variables for the template (such as Qwen3's enable_thinking)."""
     tokenizer = encoder.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat=True but this model's tokenizer has no chat template")
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    if continue_final_message and add_generation_prompt:
+        raise ChatOptionError("continue_final_message", "continue_final_message continues the last message instead of "
+                                                        "opening a new one: give add_generation_prompt false with it")
+    if continue_final_message and messages[-1].get("role") != "assistant":
+        raise ChatOptionError("continue_final_message", f"continue_final_message continues the assistant's last "
+                                                        f"message, but the last one is the {messages[-1].get('role')}'s")
+    extra = dict(template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
+    if reserved:
+        raise ChatOptionError("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}: "
+                                                      f"those are options of their own or of the rendering")
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, **extra)
     return encoder.encode(text)

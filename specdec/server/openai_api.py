@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from specdec.engine.prompt_encoder import PromptEncoder
-from specdec.engine.prompts import encode_chat, token_ids
+from specdec.engine.prompts import ChatOptionError, encode_chat, token_ids
 from specdec.engine.request_limits import RequestLimits
 from specdec.engine.sampling_params import SamplingParams
 from specdec.server.api_key import ApiKeyCheck
@@ -245,9 +245,11 @@ def chat_prompt_ids(encoder: PromptEncoder, body: ChatCompletionRequest) -> list
     for message in conversation:
         check_text(message["content"], "messages")
     try:
-        return encode_chat(encoder, conversation, body.tool_dicts)
+        return encode_chat(encoder, conversation, body.tool_dicts, **body.template_options())
     except APIError:
         raise
+    except ChatOptionError as err:
+        raise APIError(400, str(err), param=err.option) from err
     except Exception as err:  # noqa: BLE001 - a template that cannot render these messages: their fault
         raise APIError(400, f"the messages cannot be formatted with the model's chat template: {err}",
                        param="messages") from err

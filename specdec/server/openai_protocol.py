@@ -242,7 +242,19 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(GenerationFields):
+class ChatTemplateFields(BaseModel):
+    """vLLM's options of how chat messages are rendered (`specdec.engine.prompts.encode_chat`)."""
+
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict | None = None
+
+    def template_options(self) -> dict:
+        return dict(add_generation_prompt=self.add_generation_prompt,
+                    continue_final_message=self.continue_final_message, template_kwargs=self.chat_template_kwargs)
+
+
+class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
@@ -286,9 +298,9 @@ class ChatCompletionRequest(GenerationFields):
         return [m.for_template() for m in self.messages]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """POST /tokenize (vLLM's): the ids of a completions prompt, or of chat messages (with the tools shown to the
-    model) as the chat endpoint renders them."""
+    model and the chat template options) as the chat endpoint renders them."""
 
     model: str | None = None
     prompt: str | list[StrictInt] | None = None
@@ -302,7 +314,8 @@ class TokenizeRequest(BaseModel):
                                 "/v1/chat/completions takes them)", param="prompt")
         if self.messages is None:
             return None
-        return ChatCompletionRequest(model=model, messages=self.messages, tools=self.tools)
+        return ChatCompletionRequest(model=model, messages=self.messages, tools=self.tools,
+                                     **self.model_dump(include=set(ChatTemplateFields.model_fields)))
 
 
 class DetokenizeRequest(BaseModel):

@@ -450,6 +450,29 @@ def test_tokenize_gives_the_ids_each_endpoint_runs_and_detokenize_reverses_them(
     assert_pools_full(server)
 
 
+def test_chat_options_render_as_the_librarys(server, client, reference):
+    """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs: /tokenize and the chat
+    endpoint render messages as the library does with them, the answer continues the assistant's last message, and
+    an option that cannot apply is a 400 naming it."""
+    url = server.base_url
+    messages = [{"role": "user", "content": PROMPTS[1]}, {"role": "assistant", "content": "The answer is"}]
+    options = dict(add_generation_prompt=False, continue_final_message=True, chat_template_kwargs={"unused": 1})
+    ids = encode_chat(reference.prompt_encoder, messages, add_generation_prompt=False, continue_final_message=True)
+    assert reference.tokenizer.decode(ids).endswith("The answer is")
+    assert httpx.post(f"{url}/tokenize", json={"messages": messages, **options}).json()["tokens"] == ids
+    [want] = reference.generate([ids], SamplingParams(max_new_tokens=6))
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                            extra_body=options)
+    assert answer.usage.prompt_tokens == len(ids) and answer.choices[0].message.content == want.text
+    for body, option in [({"messages": messages, "continue_final_message": True}, "continue_final_message"),
+                         ({"messages": messages[:1], "add_generation_prompt": False, "continue_final_message": True},
+                          "continue_final_message"),
+                         ({"messages": messages, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs")]:
+        refused = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, **body})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == option, refused.text
+    assert_pools_full(server)
+
+
 def test_a_model_is_retrieved_by_its_name(client):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
