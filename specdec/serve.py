@@ -21,6 +21,7 @@ import sys
 from specdec.arguments import (DefaultsHelpFormatter, add_engine_arguments, add_model_arguments, chosen_drafter,
                                engine_options)
 from specdec.engine.prompts import chat_template_text
+from specdec.engine.reasoning import REASONING_PARSERS
 from specdec.server.api_key import API_KEY_ENV, checked_api_key
 from specdec.server.body_limit import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from specdec.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S, header_timeout_protocol
@@ -49,6 +50,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="seconds a client may take to send a request's body (then 408)")
     p.add_argument("--request-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                    help="seconds a client may take to send a request's headers (then 408 and the connection closes)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="chat answers of a model that thinks between <think> and </think> carry that reasoning as "
+                        "message.reasoning_content, apart from their content (vLLM's; both names read those tags)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -78,7 +82,7 @@ def main(argv=None, prog: str = PROG) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     app = build_app(engine, args.served_model_name or args.target, max_body_bytes=args.max_request_bytes,
-                    body_timeout_s=args.request_body_timeout, api_key=api_key)
+                    body_timeout_s=args.request_body_timeout, api_key=api_key, reasoning_parser=args.reasoning_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                             http=header_timeout_protocol(args.request_header_timeout))

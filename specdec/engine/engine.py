@@ -175,8 +175,8 @@ class Engine:
         if max_model_len is None:
             return model_context
         if max_model_len > model_context:
-            raise ValueError(f"max_model_len {max_model_len} is more than this model's context ({model_context} tokens, "
-                             f"its max_position_embeddings): give at most {model_context}, or leave it unset")
+            raise ValueError(f"max_model_len {max_model_len} is more than this model's context ({model_context} "
+                             f"tokens, its max_position_embeddings): give at most {model_context}, or leave it unset")
         return max_model_len
 
     @property

@@ -61,8 +61,8 @@ def chat_template_text(template: str | os.PathLike) -> str:
 # and how, not pass a variable to the template)
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class ChatOptionError(ValueError):
@@ -90,8 +90,9 @@ def encode_chat(encoder: PromptEncoder, messages: list[dict], tools: list[dict] 
         raise ChatOptionError("continue_final_message", "continue_final_message continues the last message instead of "
                                                         "opening a new one: give add_generation_prompt false with it")
     if continue_final_message and messages[-1].get("role") != "assistant":
+        role = messages[-1].get("role")
         raise ChatOptionError("continue_final_message", f"continue_final_message continues the assistant's last "
-                                                        f"message, but the last one is the {messages[-1].get('role')}'s")
+                                                        f"message, but the last one is the {role}'s")
     extra = dict(template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
     if reserved:

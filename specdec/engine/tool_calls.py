@@ -62,7 +62,7 @@ class ToolCallText:
         while True:
             start = self.pending.find(OPEN)
             if start < 0:
-                keep = _partial_tag_length(self.pending)  # "<tool" may be the start of a call: hold it back
+                keep = partial_tag_length(self.pending, OPEN)  # "<tool" may be the start of a call: hold it back
                 content.append(self.pending[:len(self.pending) - keep])
                 self.pending = self.pending[len(self.pending) - keep:]
                 break
@@ -86,10 +86,10 @@ class ToolCallText:
         return rest
 
 
-def _partial_tag_length(text: str) -> int:
-    """How many characters at the end of `text` are the start of OPEN."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
+def partial_tag_length(text: str, tag: str) -> int:
+    """How many characters at the end of `text` are the start of `tag` (text to hold back while streaming)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 

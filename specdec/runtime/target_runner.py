@@ -113,9 +113,9 @@ class TargetRunner(ModelRunner):
                  max_context: int | None = None, feature_layers: tuple[int, ...] = (), tree_nodes: int = 0,
                  budgets: tuple[tuple[int, int], ...] = (), verify_ahead: bool = False,
                  verify_ahead_batches: bool = False):
-        """max_context: the longest prompt + output served (None: the model's context). tree_nodes: a token tree's draft nodes per request at small batches (0: no trees). budgets: the budget
-        steps, as (q, per): blocks of q (one of `block_lens`) verifying on average per tokens a request
-        (`run_budget`). verify_ahead: a lone request's verifies may be queued before their start is known
+        """max_context: the longest prompt + output served (None: the model's context). tree_nodes: a token tree's
+        draft nodes per request at small batches (0: no trees). budgets: the budget steps, as (q, per): blocks of q
+        (one of `block_lens`) verifying on average per tokens a request (`run_budget`). verify_ahead: a lone request's verifies may be queued before their start is known
         (`run_block_ahead`); verify_ahead_batches: those of batches too, where their rung keeps each request's KV in
         one piece."""
         dtype = model.model.embed_tokens.weight.dtype

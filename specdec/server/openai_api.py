@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 
 from specdec.engine.prompt_encoder import PromptEncoder
 from specdec.engine.prompts import ChatOptionError, encode_chat, token_ids
+from specdec.engine.reasoning import PROMPT_TAIL_TOKENS, REASONING_PARSERS, starts_in_reasoning
 from specdec.engine.request_limits import RequestLimits
 from specdec.engine.sampling_params import SamplingParams
 from specdec.server.api_key import ApiKeyCheck
@@ -55,11 +56,15 @@ MAX_CHOICES = 1024  # a request's answers at most (prompts x n): each is a reque
 
 
 def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, api_key: str | None = None) -> FastAPI:
+              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, api_key: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The API over `engine` (a `ThreadedEngine` or a `ProcessEngine`), serving it as `model_name`. The app
     stops the engine when it shuts down. Request bodies are read within `max_body_bytes` and
     `body_timeout_s` before anything parses them (`body_limit.py`); with `api_key`, only requests that carry it
-    get that far (`api_key.py`)."""
+    get that far (`api_key.py`). With a `reasoning_parser` (one of `REASONING_PARSERS`), chat answers carry their
+    reasoning apart from their content (`specdec/engine/reasoning.py`)."""
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
     limits = engine.limits
     prompt_encoder = PromptEncoder(engine.tokenizer)  # a shared system prompt, earlier turns: tokenized once
     started = int(time.time())
@@ -173,6 +178,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
         shape = ResponseShape(True, model_name, token_text(prepared[1]))
         if body.tool_dicts:  # the answer's tool calls are parsed out of its text
             shape.tool_texts = {}
+        if reasoning_parser is not None:
+            shape.reasoning_texts, shape.include_reasoning = {}, body.include_reasoning
+            shape.starts_in_reasoning = starts_in_reasoning(engine.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
         return await answer(request, body, shape, [prepared], arrived)
 
     def token_text(params: SamplingParams):

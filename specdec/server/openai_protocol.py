@@ -17,6 +17,7 @@ from typing import Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from specdec.engine.logprobs import TokenLogprob
+from specdec.engine.reasoning import ReasoningText, split_reasoning
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.structured_output import StructuredOutput
 from specdec.engine.tool_calls import ToolCallText, forced_calls, split_calls
@@ -262,6 +263,7 @@ class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
+    include_reasoning: StrictBool = True  # an extension (vLLM's): with a reasoning parser, send the reasoning
 
     def logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -338,6 +340,11 @@ class ResponseShape:
         self.echo: dict[int, tuple[str, list[int]]] = {}
         # chat with tools: each choice's tool calls, parsed out of its text as it comes (None: no tools)
         self.tool_texts: dict[int, ToolCallText] | None = None
+        # chat with a reasoning parser: each choice's reasoning apart from its content as it comes (None: no parser),
+        # whether the answers start inside a think block their prompt opened, and whether their reasoning is sent
+        self.reasoning_texts: dict[int, ReasoningText] | None = None
+        self.starts_in_reasoning = False
+        self.include_reasoning = True
 
     def logprobs(self, entries: list[TokenLogprob] | None, index: int = 0) -> dict | None:
         """OpenAI's logprobs object for these tokens: chat's {"content": [...]}, or completions' parallel lists."""
@@ -402,34 +409,53 @@ class ResponseShape:
             choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs, index),
                       "finish_reason": finish_reason, "stop_reason": stop_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": index, "text": text, "logprobs": self.logprobs(logprobs, index), "finish_reason": finish_reason,
-                  "stop_reason": stop_reason}
+        choice = {"index": index, "text": text, "logprobs": self.logprobs(logprobs, index),
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
         return self._envelope("text_completion", [choice])
 
     def _message(self, text: str, reason: str) -> dict:
-        """A whole chat choice's message and finish reason: with tools, its calls apart from its content."""
+        """A whole chat choice's message and finish reason: with a reasoning parser, its reasoning apart from its
+        content; with tools, its calls apart from its content."""
+        reasoning = None
+        if self.reasoning_texts is not None:
+            reasoning, text = split_reasoning(text, self.starts_in_reasoning)
         if self.tool_texts is None:
-            return {"message": {"role": "assistant", "content": text}, "finish_reason": reason}
-        content, calls = split_calls(text)
-        message = {"role": "assistant", "content": content}
+            message, calls = {"role": "assistant", "content": text}, []
+        else:
+            content, calls = split_calls(text)
+            message = {"role": "assistant", "content": content}
+        if self.reasoning_texts is not None and self.include_reasoning:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]
         return {"message": message, "finish_reason": "tool_calls" if calls and reason == "stop" else reason}
 
     def _delta(self, text: str, finish_reason: str | None, index: int) -> tuple[dict, str | None]:
-        """A chat chunk's delta and finish reason: with tools, each call as one delta once it is complete, and
-        text that may begin a call held back until it is known."""
-        if self.tool_texts is None:
-            return ({"content": text} if text else {}), finish_reason
-        parser = self.tool_texts.setdefault(index, ToolCallText())
-        before = len(parser.calls)
-        content, found = parser.feed(text)
-        if finish_reason is not None:
-            content += parser.finish()
-        delta = {"content": content} if content else {}
+        """A chat chunk's delta and finish reason: reasoning apart from content (with a reasoning parser), each tool
+        call as one delta once it is complete (with tools), and text that may begin a tag held back until it is
+        known."""
+        reasoning = ""
+        if self.reasoning_texts is not None:
+            split = self.reasoning_texts.setdefault(index, ReasoningText(self.starts_in_reasoning))
+            reasoning, text = split.feed(text)
+            if finish_reason is not None:
+                rest = split.finish()
+                reasoning, text = reasoning + rest[0], text + rest[1]
+            reasoning = reasoning if self.include_reasoning else ""
+        found, calls = [], False
+        if self.tool_texts is not None:
+            parser = self.tool_texts.setdefault(index, ToolCallText())
+            before = len(parser.calls)
+            text, found = parser.feed(text)
+            if finish_reason is not None:
+                text += parser.finish()
+            calls = bool(parser.calls)
+        delta = {"content": text} if text else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if found:
             delta["tool_calls"] = [call.as_openai(before + k) for k, call in enumerate(found)]
-        return delta, "tool_calls" if finish_reason == "stop" and parser.calls else finish_reason
+        return delta, "tool_calls" if finish_reason == "stop" and calls else finish_reason
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage)

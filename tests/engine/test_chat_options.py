@@ -24,7 +24,8 @@ def encoder():
 @pytest.mark.parametrize("messages, options, text", [
     (USER, {}, "<user>hi</user><assistant>"),
     (USER, dict(add_generation_prompt=False), "<user>hi</user>"),
-    (STARTED, dict(add_generation_prompt=False, continue_final_message=True), "<user>hi</user><assistant>The answer is"),
+    (STARTED, dict(add_generation_prompt=False, continue_final_message=True),
+     "<user>hi</user><assistant>The answer is"),
     (USER, dict(template_kwargs={"enable_thinking": False}), "<user>hi</user><assistant><nothink>"),
 ], ids=["default", "no-generation-prompt", "continued", "template-kwargs"])
 def test_options_render_as_the_template_says(encoder, messages, options, text):

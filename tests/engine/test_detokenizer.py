@@ -296,7 +296,8 @@ def test_the_ending_token_is_left_out_of_the_text_unless_asked():
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     ids = encode(tokenizer, "Hello world. More")
     stop_id = ids[2]
-    cases = [(dict(stop_token_ids=[stop_id]), ids, stop_id, 3), (dict(skip_special_tokens=False), ids[:4] + [eos], None, 5)]
+    cases = [(dict(stop_token_ids=[stop_id]), ids, stop_id, 3),
+             (dict(skip_special_tokens=False), ids[:4] + [eos], None, 5)]
     for params, answer, reason, count in cases:
         for include in (False, True):
             request = Request(0, [1], SamplingParams(include_stop_str_in_output=include, **params), frozenset({eos}))

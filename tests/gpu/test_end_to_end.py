@@ -105,6 +105,23 @@ def test_batch_one_speculation_is_exact(drafter_dir, kv):
         assert spec_llm.generate([prompt], params, chat=True)[0].token_ids == want, prompt
 
 
+def test_a_shorter_max_model_len_is_exact_and_ends_answers_at_it():
+    """max_model_len below the model's context (which sizes a lone request's attention rows and the RoPE tables):
+    a lone request's speculation with a mostly accepted drafter equals plain decoding, cut where the length ends."""
+    common = dict(device="cuda", num_kv_pages=2048, attention_backend="flashinfer", max_model_len=96)
+    ar_llm = LLM(MODEL, **common)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    ar = [ar_llm.generate([prompt], params, chat=True)[0] for prompt in PROMPTS[:BATCH_ONE_PROMPTS]]
+    script = {tuple(r.prompt_token_ids): r.token_ids for r in ar}
+    drafter = ScriptedDrafter(script, 16, ar_llm.engine.model.config.vocab_size, error_rate=0.1)
+    spec_llm = LLM(MODEL, drafter=drafter, **common)
+    for want in ar:
+        got = spec_llm.generate([want.prompt_token_ids], params)[0]
+        assert got.token_ids == want.token_ids
+        assert len(want.prompt_token_ids) + len(want.token_ids) <= 96
+    assert any(len(r.prompt_token_ids) + len(r.token_ids) == 96 and r.finish_reason == "length" for r in ar)
+
+
 def test_a_lone_request_verifies_the_whole_chain_whatever_the_costs(drafter_dir):
     """verify="auto" measures every chain length's step time after capture; costs that make a chain of 4 far cheaper
     (forced here) leave a lone request the whole chain (at batch 1 every length streams the weights once, and only
