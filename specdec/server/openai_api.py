@@ -223,7 +223,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
         choices = Choices(len(prepared), prepared[0][1].n)
         if body.stream:
             first = lambda: first_text.observe(time.perf_counter() - arrived)  # noqa: E731
-            return EventStream(stream_events(outputs, shape, body.include_usage, choices, first), outputs)
+            return EventStream(stream_events(outputs, shape, body.include_usage, choices, first,
+                                             body.continuous_usage), outputs)
         return await whole_answer(request, outputs, shape, choices)
 
     return app
@@ -376,10 +377,10 @@ class Choices:
 
 
 async def stream_events(outputs, shape: ResponseShape, include_usage: bool, choices: Choices = Choices(),
-                        on_first_text: Callable[[], None] | None = None):
-    """Server-sent events: chunks as text comes (each with its choice's index), each choice's finish reason,
-    usage if asked, then [DONE]; `on_first_text` is called as the first chunk with text goes out. The response
-    (`EventStream`) closes `outputs` when it ends, early or not."""
+                        on_first_text: Callable[[], None] | None = None, continuous_usage: bool = False):
+    """Server-sent events: chunks as text comes (each with its choice's index, and with `continuous_usage` that
+    choice's usage so far), each choice's finish reason, usage if asked, then [DONE]; `on_first_text` is called as
+    the first chunk with text goes out. The response (`EventStream`) closes `outputs` when it ends, early or not."""
     for index in range(len(choices)):
         first = shape.first_chunk(index)
         if first is not None:
@@ -396,7 +397,10 @@ async def stream_events(outputs, shape: ResponseShape, include_usage: bool, choi
             on_first_text()
             on_first_text = None
         if text or out.finished or logprobs:
-            yield sse(shape.chunk(text, out.finish_reason if out.finished else None, logprobs, index, out.stop_reason))
+            chunk = shape.chunk(text, out.finish_reason if out.finished else None, logprobs, index, out.stop_reason)
+            if continuous_usage:
+                chunk["usage"] = usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+            yield sse(chunk)
         if out.finished:
             finals[index] = out
     if len(finals) == len(choices) and include_usage:

@@ -44,6 +44,8 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far
+    continuous_usage_stats: StrictBool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -91,6 +93,10 @@ class GenerationFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def unsupported(self) -> list[str]:
         """Fields set to something the engine cannot do."""

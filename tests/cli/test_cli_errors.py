@@ -185,25 +185,20 @@ def test_good_devices_parse(device):
     assert generate.parse_args(["--device", device]).device == device.lower()
 
 
-# ---- 7. engine settings EngineConfig rejects ----------------------------------------------------
-@pytest.mark.parametrize("flags", [["--page-size", "0"], ["--gpu-memory-utilization", "1.5"],
-                                   ["--max-prefill-tokens", "0"]], ids=["page-size", "gpu-memory", "prefill"])
-def test_invalid_engine_setting_is_one_line_before_loading(capsys, monkeypatch, flags):
+# ---- 7. engine settings EngineConfig rejects, sampling settings SamplingParams rejects --------------
+ENGINE, SAMPLING = "invalid engine configuration: ", "invalid sampling parameters: "
+
+
+@pytest.mark.parametrize("flags, heading", [
+    (["--page-size", "0"], ENGINE), (["--gpu-memory-utilization", "1.5"], ENGINE),
+    (["--max-prefill-tokens", "0"], ENGINE), (["--max-model-len", "1"], ENGINE),
+    (["--min-p", "2"], SAMPLING), (["--top-k", "-1"], SAMPLING),
+], ids=["page-size", "gpu-memory", "prefill", "max-model-len", "min-p", "top-k"])
+def test_invalid_setting_is_one_line_before_loading(capsys, monkeypatch, flags, heading):
     def no_model(*args, **kwargs):
-        raise AssertionError("the model must not be loaded for an invalid engine setting")
+        raise AssertionError("the model must not be loaded for an invalid setting")
 
     monkeypatch.setattr(generate, "LLM", no_model)
     assert generate.main(["--no-drafter", "--prompt", "Hi", *flags]) == 2
     (line,) = error_lines(capsys.readouterr().err)
-    assert line.startswith("error: invalid engine configuration: ") and flags[0][2:].replace("-", "_") in line
-
-
-@pytest.mark.parametrize("flags", [["--min-p", "2"], ["--top-k", "-1"]], ids=["min-p", "top-k"])
-def test_invalid_sampling_flag_is_one_line_before_loading(capsys, monkeypatch, flags):
-    def no_model(*args, **kwargs):
-        raise AssertionError("the model must not be loaded for an invalid sampling setting")
-
-    monkeypatch.setattr(generate, "LLM", no_model)
-    assert generate.main(["--no-drafter", "--prompt", "Hi", *flags]) == 2
-    (line,) = error_lines(capsys.readouterr().err)
-    assert line.startswith("error: invalid sampling parameters: ") and flags[0][2:].replace("-", "_") in line
+    assert line.startswith("error: " + heading) and flags[0][2:].replace("-", "_") in line

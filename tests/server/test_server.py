@@ -160,6 +160,23 @@ def test_the_stop_string_is_kept_when_asked_and_named_as_the_stop_reason(server,
     assert_pools_full(server)
 
 
+def test_continuous_usage_stats_count_each_chunks_tokens_so_far(server, client, reference):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage of its choice so far, ending at
+    the answer's own usage; without it chunks carry none."""
+    _, _, tokens = library_text(reference, PROMPTS[4], False, max_new_tokens=20)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=20, temperature=0, stream=True,
+                                            stream_options=options))
+    counted = [c.usage for c in chunks if c.choices]
+    assert len(counted) > 1 and all(u is not None for u in counted)
+    assert [u.completion_tokens for u in counted] == sorted(u.completion_tokens for u in counted)
+    assert counted[-1].completion_tokens == chunks[-1].usage.completion_tokens == tokens
+    assert {u.prompt_tokens for u in counted} == {chunks[-1].usage.prompt_tokens}
+    plain = list(client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=20, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain if c.choices)
+
+
 def test_a_server_with_overlapped_steps_answers_as_the_library_does(model_dirs):
     """Plain decoding with overlapped steps behind the server (tokens reach the API a step late): the same
     answers as the library stepping in order, concurrent requests and a stop string included, and every
