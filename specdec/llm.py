@@ -135,6 +135,24 @@ class LLM:
             finally:
                 self._generating = None
 
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None, *,
+             tools: list[dict] | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None,
+             on_text: Callable[[int, str], None] | None = None,
+             on_finish: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
+        """Answer a conversation (a list of OpenAI-style messages) or a list of conversations, as vLLM's `LLM.chat`:
+        each through the chat template (with `tools` and the options of `encode_chat`), then `generate`. A result's
+        `prompt` is its conversation's token ids."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(conversations, (list, tuple)) or not conversations or not all(
+                isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) for m in c) for c in conversations):
+            raise ValueError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} "
+                             "dicts) or a list of conversations")
+        prompts = [self.encode_chat(list(c), tools, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
+                                    chat_template_kwargs=chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, params, on_text=on_text, on_finish=on_finish)
+
     def reset_prefix_cache(self) -> int:
         """Empty the prefix cache of everything no request holds (between `generate` calls: all of it), so that the
         next prompts prefill whole, as on a fresh engine (e.g. to time cold prompts again). Returns how many pages of

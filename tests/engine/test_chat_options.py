@@ -41,3 +41,36 @@ def test_options_that_cannot_apply_are_refused_by_name(encoder, messages, option
     with pytest.raises(ValueError, match=words) as refused:
         encode_chat(encoder, messages, **options)
     assert refused.value.option == option
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from specdec import LLM
+    from tests.conftest import build_tiny_model_with_tokenizer
+
+    path = build_tiny_model_with_tokenizer(tmp_path_factory.mktemp("chat-llm") / "target", chat_template=TEMPLATE)
+    return LLM(str(path), None, device="cpu", num_kv_pages=64, page_size=4)
+
+
+def test_llm_chat_answers_one_conversation_or_several_as_generate_does(llm):
+    """`LLM.chat` (vLLM's): conversations through the template with the options given, then `generate`."""
+    from specdec import SamplingParams
+
+    params = SamplingParams(max_new_tokens=4)
+    options = dict(add_generation_prompt=False, continue_final_message=True)
+    [alone] = llm.chat(USER, params)
+    several = llm.chat([USER, STARTED], params, chat_template_kwargs={"enable_thinking": False})
+    continued = llm.chat(STARTED, params, **options)
+    want = llm.generate([llm.encode_chat(USER), llm.encode_chat(USER, chat_template_kwargs={"enable_thinking": False}),
+                         llm.encode_chat(STARTED, chat_template_kwargs={"enable_thinking": False}),
+                         llm.encode_chat(STARTED, **options)], params)
+    got = [alone, *several, *continued]
+    assert [r.prompt_token_ids for r in got] == [r.prompt_token_ids for r in want]
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert got[0].prompt_token_ids != got[1].prompt_token_ids  # the template variable reached the template
+
+
+@pytest.mark.parametrize("messages", [[], ["hi"], [[]], [USER, "hi"]], ids=["empty", "strings", "empty-one", "mixed"])
+def test_llm_chat_refuses_what_is_no_conversation(llm, messages):
+    with pytest.raises(ValueError, match="conversation"):
+        llm.chat(messages)
