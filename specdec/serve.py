@@ -25,6 +25,8 @@ from specdec.engine.reasoning import REASONING_PARSERS
 from specdec.server.api_key import API_KEY_ENV, checked_api_key
 from specdec.server.body_limit import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from specdec.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S, header_timeout_protocol
+from specdec.server.sampling_defaults import sampling_defaults
+from specdec.weights.demo_models import resolve_model
 
 PROG = "python -m specdec.serve"
 
@@ -53,6 +55,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="chat answers of a model that thinks between <think> and </think> carry that reasoning as "
                         "message.reasoning_content, apart from their content (vLLM's; both names read those tags)")
+    p.add_argument("--generation-config", default="auto",
+                   help="defaults for the sampling settings a request leaves out (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty), as vLLM and SGLang take them: auto = the model's generation_config.json "
+                        "if it has one, none = OpenAI's defaults, or a folder holding a generation_config.json")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -70,6 +76,8 @@ def main(argv=None, prog: str = PROG) -> int:
     try:
         api_key = chosen_api_key(args)
         template = chat_template_text(args.chat_template) if args.chat_template is not None else None
+        # the model's folder is found (fetched or converted, the first time) here, before the engine process starts
+        defaults = sampling_defaults(args.generation_config, resolve_model(args.target))
         llm_args = dict(target=args.target, drafter=chosen_drafter(args), chat_template=template,
                         **engine_options(args))
         engine = start_engine(llm_args, args.engine_thread, args.log_level.upper())
@@ -81,8 +89,12 @@ def main(argv=None, prog: str = PROG) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    if defaults:
+        logging.getLogger(__name__).info("requests that leave them out get the sampling settings %s of the model's "
+                                         "generation config (--generation-config none: OpenAI's defaults)", defaults)
     app = build_app(engine, args.served_model_name or args.target, max_body_bytes=args.max_request_bytes,
-                    body_timeout_s=args.request_body_timeout, api_key=api_key, reasoning_parser=args.reasoning_parser)
+                    body_timeout_s=args.request_body_timeout, api_key=api_key, reasoning_parser=args.reasoning_parser,
+                    sampling_defaults=defaults)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                             http=header_timeout_protocol(args.request_header_timeout))

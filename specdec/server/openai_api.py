@@ -57,12 +57,13 @@ MAX_CHOICES = 1024  # a request's answers at most (prompts x n): each is a reque
 
 def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, api_key: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, sampling_defaults: dict | None = None) -> FastAPI:
     """The API over `engine` (a `ThreadedEngine` or a `ProcessEngine`), serving it as `model_name`. The app
     stops the engine when it shuts down. Request bodies are read within `max_body_bytes` and
     `body_timeout_s` before anything parses them (`body_limit.py`); with `api_key`, only requests that carry it
     get that far (`api_key.py`). With a `reasoning_parser` (one of `REASONING_PARSERS`), chat answers carry their
-    reasoning apart from their content (`specdec/engine/reasoning.py`)."""
+    reasoning apart from their content (`specdec/engine/reasoning.py`). `sampling_defaults`: the settings a request
+    that leaves them out gets (the model's generation config: `sampling_defaults.py`)."""
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
     limits = engine.limits
@@ -203,7 +204,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAUL
             raise APIError(400, f"not supported: {', '.join(unsupported)}")
         max_new = check_lengths(limits, len(prompt_ids), max_tokens, which)
         try:
-            params = body.sampling_params(max_new)
+            params = body.sampling_params(max_new, sampling_defaults)
         except ValueError as err:
             raise APIError(400, str(err)) from err
         problem = limits.why_invalid(prompt_ids, params.max_new_tokens, params.logit_bias, params.stop_token_ids)

@@ -102,6 +102,13 @@ class GenerationFields(BaseModel):
         """Fields set to something the engine cannot do."""
         return []
 
+    def given(self, name: str, defaults: dict | None, fallback):
+        """A setting as the request gives it; left out (or null), the model's default, else `fallback`."""
+        value = getattr(self, name)
+        if value is not None and name in self.model_fields_set:
+            return value
+        return (defaults or {}).get(name, fallback)
+
     def token_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
@@ -138,17 +145,19 @@ class GenerationFields(BaseModel):
         except (TypeError, ValueError) as err:  # TypeError: a key StructuredOutput does not take
             raise APIError(400, str(err), param=given[0]) from err
 
-    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
-        """Raises ValueError naming every bad value (SamplingParams checks them all)."""
-        top_k = self.top_k if self.top_k is not None else 0
+    def sampling_params(self, max_new_tokens: int, defaults: dict | None = None) -> SamplingParams:
+        """Raises ValueError naming every bad value (SamplingParams checks them all). `defaults`: the model's settings
+        for what the request leaves out (`specdec/server/sampling_defaults.py`)."""
+        top_k = self.given("top_k", defaults, 0)
         return SamplingParams(max_new_tokens=max_new_tokens, logprobs=self.logprobs_wanted(), n=self.n,
                               structured_output=self.structured_output(),
                               prompt_logprobs=self.prompt_logprobs_wanted(),
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty, logit_bias=self.token_bias(),
-                              temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
-                              top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if top_k == -1 else top_k,
-                              min_p=self.min_p,
+                              repetition_penalty=self.given("repetition_penalty", defaults, 1.0),
+                              logit_bias=self.token_bias(),
+                              temperature=self.given("temperature", defaults, DEFAULT_TEMPERATURE),
+                              top_p=self.given("top_p", defaults, 1.0), top_k=0 if top_k == -1 else top_k,
+                              min_p=self.given("min_p", defaults, 0.0),
                               seed=self.seed, stop=None if self.stop in (None, []) else self.stop,
                               ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                               min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
