@@ -26,6 +26,7 @@ from transformers import Qwen3Config
 from drafters import weight_storage
 from specdec.models.decoder import ArchitectureTraits, DecoderLayer
 from specdec.models.layers import RMSNorm, RotaryEmbedding, use_fused_kernels
+from specdec.models.loader import read_json_object
 
 WEIGHTS_FILE = "model.safetensors"
 # a step drafts block_size - 1 tokens and the target verifies up to block_size per request: beyond this a
@@ -146,12 +147,7 @@ def read_dflash_config(path: str | os.PathLike):
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} is not a DFlash drafter directory: no config.json")
-    try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read {config_file}: {err}; it must be the drafter's JSON config") from err
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_file} must hold a JSON object, got a {type(raw).__name__}")
+    raw = read_json_object(config_file, "the drafter's JSON config")
     if "DFlashDraftModel" not in (raw.get("architectures") or []):
         raise ValueError(f"{config_file} does not describe a DFlashDraftModel (architectures: "
                          f"{raw.get('architectures')})")

@@ -36,15 +36,20 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "num_key_value_heads", "max_position_embeddings")
 
 
+def read_json_object(file: Path, what: str) -> dict:
+    """A JSON file's object; ValueError naming the file and `what` it must be when it is unreadable or no object."""
+    try:
+        raw = json.loads(Path(file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {file}: {err}; it must be {what}") from err
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} must hold a JSON object, got a {type(raw).__name__}; it must be {what}")
+    return raw
+
+
 def read_config(model_dir: Path):
     config_file = Path(model_dir) / "config.json"
-    try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read {config_file}: {err}; it must be the model's JSON config") from err
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_file} must hold a JSON object, got a {type(raw).__name__}; it must be the "
-                         "model's config")
+    read_json_object(config_file, "the model's JSON config")
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except Exception as err:  # noqa: BLE001 - transformers raises many kinds for a malformed config

@@ -9,10 +9,10 @@ gets OpenAI's defaults.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from specdec.engine.sampling_params import SamplingParams
+from specdec.models.loader import read_json_object
 
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -30,12 +30,7 @@ def sampling_defaults(source: str, model_dir: str | Path | None) -> dict:
             return {}
         raise ValueError(f"--generation-config {source}: no generation_config.json there; give a folder that holds "
                          f"one, auto (the model's own) or none")
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read {file}: {err}") from err
-    if not isinstance(raw, dict):
-        raise ValueError(f"{file} must hold a JSON object")
+    raw = read_json_object(file, "the model's generation config")
     defaults = {name: raw[name] for name in FIELDS if raw.get(name) is not None}
     try:
         SamplingParams(**defaults)
