@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from specdec import LLM, SamplingParams
-from specdec.arguments import add_engine_arguments, add_model_arguments, chosen_drafter, engine_options
+from specdec.arguments import add_engine_arguments, add_model_arguments, chosen_drafter, engine_options, revisions
 
 from eval.chat_prompt import chat_prompt_ids
 from eval.comparison import compare
@@ -90,7 +90,7 @@ def remove_if_empty(out: Path) -> None:
 
 
 def make_llm(args, drafter) -> LLM:
-    return LLM(args.target, drafter, chat_template=args.chat_template, **engine_options(args))
+    return LLM(args.target, drafter, chat_template=args.chat_template, **revisions(args), **engine_options(args))
 
 
 def device_name(device) -> str:

@@ -50,9 +50,12 @@ def show_defaults(p: argparse.ArgumentParser) -> None:
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """--target, --drafter, --no-drafter: which models run (`chosen_drafter` reads the drafter back)."""
     show_defaults(p)
-    p.add_argument("--target", default=DEFAULT_TARGET, help="demo model name, HF model directory or .gguf file")
-    p.add_argument("--drafter", default=None, help="DFlash drafter directory (z-lab format) or shipped name; "
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help="demo model name, HF model directory, .gguf file or Hugging Face Hub id (org/name)")
+    p.add_argument("--revision", default=None, help="with a Hub id --target: its branch, tag or commit")
+    p.add_argument("--drafter", default=None, help="DFlash drafter directory (z-lab format), Hub id or shipped name; "
                                                    "None = the target's shipped drafter, if any")
+    p.add_argument("--drafter-revision", default=None, help="with a Hub id --drafter: its branch, tag or commit")
     p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding")
     p.add_argument("--chat-template", default=None,
                    help="a chat template (a file, or its Jinja text) used instead of the model's own; default: the "
@@ -99,6 +102,11 @@ def engine_options(args: argparse.Namespace) -> dict:
     options = {setting.name: getattr(args, setting.name) for setting in fields(EngineConfig)}
     EngineConfig(**options)
     return options
+
+
+def revisions(args: argparse.Namespace) -> dict:
+    """--revision and --drafter-revision as `LLM` keywords."""
+    return {"revision": args.revision, "drafter_revision": args.drafter_revision}
 
 
 def chosen_drafter(args: argparse.Namespace) -> str | None:

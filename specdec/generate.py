@@ -17,7 +17,7 @@ import time
 from specdec.llm import LLM
 from specdec.engine.metrics import summarize
 from specdec.arguments import (DefaultsHelpFormatter, add_engine_arguments, add_model_arguments, chosen_drafter,
-                               engine_options)
+                               engine_options, revisions)
 from specdec.engine.sampling_params import SamplingParams
 
 # the shipped drafter was trained on step-by-step math answers, so the demo asks for one
@@ -123,7 +123,7 @@ def _run(args) -> int:
                                 ignore_eos=args.ignore_eos, chat=args.chat)
         prompts = read_prompts(args)
         drafter = chosen_drafter(args)
-        llm = LLM(args.target, drafter, chat_template=args.chat_template, **engine_options(args))
+        llm = LLM(args.target, drafter, chat_template=args.chat_template, **revisions(args), **engine_options(args))
     except (InputError, ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2

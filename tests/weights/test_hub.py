@@ -13,6 +13,7 @@ from specdec.weights.hub import looks_like_repo_id
 from tests.conftest import build_tiny_model_with_tokenizer
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+PINNED = "89abcdef0123456789abcdef0123456789abcdef"
 
 
 @pytest.fixture
@@ -24,11 +25,11 @@ def hub_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
-    def put(repo_id: str, folder) -> None:
+    def put(repo_id: str, folder, commit: str = COMMIT, ref: str = "main") -> None:
         repo = cache / f"models--{repo_id.replace('/', '--')}"
-        (repo / "refs").mkdir(parents=True)
-        (repo / "refs" / "main").write_text(COMMIT)
-        shutil.copytree(folder, repo / "snapshots" / COMMIT)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+        shutil.copytree(folder, repo / "snapshots" / commit)
 
     return put
 
@@ -74,3 +75,29 @@ def test_what_counts_as_a_hub_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "name").mkdir(parents=True)
     assert not looks_like_repo_id("org/name")  # an existing local path stays a path
+
+
+def test_a_revision_picks_a_version_of_a_hub_repository(hub_cache, tmp_path, capsys):
+    """vLLM's --revision: a tag or a commit of a Hub id; given with anything else, refused before any loading."""
+    from specdec import LLM, generate
+
+    for name in ("new", "old"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    hub_cache("someone/tiny-dflash", tmp_path / "new")
+    hub_cache("someone/tiny-dflash", tmp_path / "old", commit=PINNED, ref="v1")
+    assert resolve_drafter_path("someone/tiny-dflash").name == COMMIT
+    assert resolve_drafter_path("someone/tiny-dflash", "v1").name == PINNED
+    assert resolve_drafter_path("someone/tiny-dflash", PINNED).name == PINNED
+    with pytest.raises(FileNotFoundError, match="could not be fetched|no revision"):
+        resolve_drafter_path("someone/tiny-dflash", "v2")
+    build_tiny_model_with_tokenizer(tmp_path / "tiny")
+    with pytest.raises(ValueError, match="no Hub id"):
+        resolve_model(tmp_path / "tiny", tmp_path / "cache", revision="v1")
+    with pytest.raises(ValueError, match="drafter given by Hugging Face Hub id"):
+        LLM(str(tmp_path / "tiny"), None, device="cpu", drafter_revision="v1")
+    with pytest.raises(ValueError, match="no Hub id"):
+        LLM(str(tmp_path / "tiny"), str(tmp_path / "new"), device="cpu", drafter_revision="v1")
+    assert generate.main(["--target", str(tmp_path / "tiny"), "--revision", "v1", "--no-drafter", "--prompt", "x",
+                          "--device", "cpu"]) == 2
+    assert "no Hub id" in capsys.readouterr().err
