@@ -37,24 +37,28 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     branch), fetched into the Hub's cache when not there yet. Raises FileNotFoundError saying why it could not be had
     (no such repository or revision, no access, no network)."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=WANTED_FILES))
-    except GatedRepoError as err:
-        raise FileNotFoundError(f"{repo_id} on the Hugging Face Hub is gated: accept its terms on its page and set "
-                                f"HF_TOKEN to a token of that account") from err
-    except RepositoryNotFoundError as err:
-        raise FileNotFoundError(f"{repo_id} is no repository on the Hugging Face Hub that this machine may read (a "
-                                f"private one needs HF_TOKEN); a local model is a directory holding config.json, or "
-                                f"a .gguf file") from err
-    except RevisionNotFoundError as err:
-        raise FileNotFoundError(f"{repo_id} on the Hugging Face Hub has no revision {revision!r} (a branch, tag or "
-                                f"commit)") from err
-    except LocalEntryNotFoundError as err:
-        raise FileNotFoundError(f"{repo_id} could not be fetched from the Hugging Face Hub (no connection, or "
-                                f"HF_HUB_OFFLINE set) and is not in its cache; download it where the Hub is reachable, "
-                                f"or pass its local directory") from err
-    except HfHubHTTPError as err:
-        raise FileNotFoundError(f"{repo_id} could not be fetched from the Hugging Face Hub: {err}") from err
+    except (HfHubHTTPError, LocalEntryNotFoundError) as err:
+        raise FileNotFoundError(_why_unavailable(repo_id, revision, err)) from err
+
+
+def _why_unavailable(repo_id: str, revision: str | None, err: Exception) -> str:
+    """What a failed fetch of `repo_id` means to the user, by the Hub client's error."""
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    if isinstance(err, GatedRepoError):  # (a kind of RepositoryNotFoundError: first)
+        return (f"{repo_id} on the Hugging Face Hub is gated: accept its terms on its page and set HF_TOKEN to a "
+                f"token of that account")
+    if isinstance(err, RepositoryNotFoundError):
+        return (f"{repo_id} is no repository on the Hugging Face Hub that this machine may read (a private one needs "
+                f"HF_TOKEN); a local model is a directory holding config.json, or a .gguf file")
+    if isinstance(err, RevisionNotFoundError):
+        return f"{repo_id} on the Hugging Face Hub has no revision {revision!r} (a branch, tag or commit)"
+    if isinstance(err, LocalEntryNotFoundError):
+        return (f"{repo_id} could not be fetched from the Hugging Face Hub (no connection, or HF_HUB_OFFLINE set) and "
+                f"is not in its cache; download it where the Hub is reachable, or pass its local directory")
+    return f"{repo_id} could not be fetched from the Hugging Face Hub: {err}"

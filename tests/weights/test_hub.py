@@ -101,3 +101,16 @@ def test_a_revision_picks_a_version_of_a_hub_repository(hub_cache, tmp_path, cap
     assert generate.main(["--target", str(tmp_path / "tiny"), "--revision", "v1", "--no-drafter", "--prompt", "x",
                           "--device", "cpu"]) == 2
     assert "no Hub id" in capsys.readouterr().err
+
+
+def test_each_way_a_fetch_fails_is_told_apart():
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    from specdec.weights.hub import _why_unavailable
+
+    def error(kind):  # the Hub client's error, made without the HTTP response its constructor wants
+        return kind.__new__(kind)
+
+    assert "gated" in _why_unavailable("a/b", None, error(GatedRepoError))
+    assert "no repository" in _why_unavailable("a/b", None, error(RepositoryNotFoundError))
+    assert "no revision 'v9'" in _why_unavailable("a/b", "v9", error(RevisionNotFoundError))
