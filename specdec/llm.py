@@ -64,7 +64,8 @@ class LLM:
         template = chat_template_text(chat_template) if chat_template is not None else None  # before loading
         if isinstance(drafter, str) and drafter == "auto":
             drafter = DEFAULT_DRAFTERS.get(os.fspath(target))
-        check_revision(os.fspath(target), revision)
+        # the target's revision is checked where its model is found (resolve_model, first thing); the drafter's here,
+        # before the target loads
         if drafter_revision is not None and not isinstance(drafter, (str, os.PathLike)):
             raise ValueError(f"drafter_revision ({drafter_revision!r}) picks a version of a drafter given by Hugging "
                              f"Face Hub id, and the drafter here is {drafter!r}")

@@ -47,9 +47,6 @@ class Request:
     # what ended the request with finish reason "stop", as vLLM's stop_reason: the stop string matched or the stop
     # token id (None: end of sequence, or a structured output complete)
     stop_reason: str | int | None = None
-    # the last output token is an ending id (end of sequence or a stop token id): the text leaves it out unless
-    # include_stop_str_in_output
-    ended_by_token: bool = False
     target_pages: PageTable | None = None
     generator: random.Random | None = None  # the random stream of a sampling request (specdec.engine.sampler)
     stats: RequestStats = field(default_factory=RequestStats)
@@ -133,6 +130,13 @@ class Request:
         ids = frozenset() if self.params.ignore_eos else self.eos_token_ids
         return ids | frozenset(self.params.stop_token_ids or ())
 
+    @property
+    def ended_by_token(self) -> bool:
+        """Whether an ending id (end of sequence or a stop token id), its last output token, ended the request: the
+        text leaves that token out unless include_stop_str_in_output. (Commits test ending ids before stop strings
+        and grammars, so a request whose last token is one ended on it.)"""
+        return self.finish_reason == "stop" and bool(self.output_ids) and self.output_ids[-1] in self.ending_ids
+
     def use_detokenizer(self, tokenizer) -> None:
         """Turn committed tokens into text as they come; stop matching and streaming share it."""
         if self.detokenizer is None:
@@ -202,7 +206,6 @@ class Request:
         """Finish on an ending id: the stop reason is a stop token id's, None for end of sequence (vLLM's)."""
         eos = not self.params.ignore_eos and token in self.eos_token_ids
         self.stop_reason = None if eos else token
-        self.ended_by_token = True
         self.finish("stop")
 
     def _matches_stop(self, new_text: str) -> bool:
